@@ -1,0 +1,46 @@
+# agentrl: every target that needs the Python environment depends on $(STAMP), so a fresh clone only
+# ever needs `make <target>`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.agentrl-setup
+PYTEST_ARGS ?=
+
+.PHONY: help setup test envs check-envs play clean
+
+help:
+	@echo "make envs         set up, list the envs and self-check the fast ones (expert + restore)"
+	@echo "make test         set up and run the test suite"
+	@echo "make check-envs   full self-check of every env (50 expert tasks, 20 restore checks each)"
+	@echo "make play ENV=sokoban [TASK=train/00003]   play a task by hand"
+	@echo "make setup        create $(VENV) and install everything the CPU path needs (Java 17 too)"
+
+# torch is installed first and pinned: 2.13.0 resolves to the 0.75 GB CPU wheel here, while an
+# unpinned torch (or one pulled in by deepspeed) resolves to a ~5 GB CUDA build.
+$(STAMP): setup.py constraints.txt scripts/ensure_java.sh
+	bash scripts/ensure_java.sh
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e ".[envs,dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+
+envs: $(STAMP)
+	$(BIN)/agentrl envs list
+	$(BIN)/agentrl envs check sokoban sokoban-large sokoban-newvocab frozenlake bandit bandit-reversed
+
+check-envs: $(STAMP)
+	$(BIN)/agentrl envs check sokoban sokoban-large sokoban-newvocab frozenlake bandit bandit-reversed textworld scienceworld
+
+ENV  ?= sokoban
+TASK ?=
+play: $(STAMP)
+	$(BIN)/agentrl envs play $(ENV) $(if $(TASK),--task $(TASK))
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

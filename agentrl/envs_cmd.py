@@ -1,0 +1,180 @@
+"""`agentrl envs`: list the registered envs, play one by hand, or run an env's self-check."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from envs import registry
+from envs.base import SPLITS, EnvError
+from envs.replay import Trace, replay
+
+PLAY_HELP = """commands while playing:
+  <text>     send the text as an action
+  :expert    take the expert's action (also :e)
+  :actions   list admissible actions (also :a)
+  :undo      go back one step by replay-prefix restore (also :u)
+  :restart   start the task again
+  :quit      leave (also :q, Ctrl-D)"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("envs", help="list envs, play one by hand, check experts and restore",
+                       description="List registered envs with task counts, play a task interactively, or "
+                                   "self-check an env (expert success, replay-prefix restore, tampering).")
+    s = p.add_subparsers(dest="envs_cmd")
+    ls = s.add_parser("list", help="registered envs with task counts per split")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ls.add_argument("--only", nargs="*", help="only these env names")
+    pl = s.add_parser("play", help="play one task by hand", epilog=PLAY_HELP,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl.add_argument("env", help="env name (see `agentrl envs list`)")
+    pl.add_argument("--task", help="task id, e.g. train/00003 (default: first task of --split)")
+    pl.add_argument("--split", default="train", choices=SPLITS)
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--max-steps", type=int, default=None)
+    ck = s.add_parser("check", help="expert success and restore checks on sampled tasks")
+    ck.add_argument("env", nargs="+", help="env name(s)")
+    ck.add_argument("--tasks", type=int, default=50, help="tasks the expert plays (default 50)")
+    ck.add_argument("--replay-tasks", type=int, default=20, help="tasks whose restore is checked (default 20)")
+    ck.add_argument("--split", default="train", choices=SPLITS)
+    ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--json", help="also write the reports to this JSON file")
+    ck.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.envs_cmd in (None, "list"):
+        return cmd_list(getattr(args, "only", None), getattr(args, "json", False))
+    if args.envs_cmd == "play":
+        return cmd_play(args)
+    return cmd_check(args)
+
+
+def cmd_list(only: list[str] | None, as_json: bool) -> int:
+    rows = []
+    for name in only or registry.names():
+        spec = registry.spec(name)
+        try:
+            env = registry.make(name)
+            counts = {s: len(env.tasks(s)) for s in SPLITS}
+            cats = env.categories()
+            restore = "snapshot, replay" if env.supports_snapshot else "replay"
+            env.close()
+            rows.append(dict(env=name, description=spec.description, restore=restore, categories=len(cats), **counts))
+        except Exception as e:  # an engine that cannot start here is reported, not fatal for the listing
+            rows.append(dict(env=name, description=spec.description, error=f"{type(e).__name__}: {e}"))
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="agentrl envs")
+    for col in ("env", "train", "valid", "test", "categories", "restore", "description"):
+        table.add_column(col, justify="right" if col in ("train", "valid", "test", "categories") else "left",
+                         no_wrap=col != "description")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["env"], "-", "-", "-", "-", "-", f"[red]{r['error']}[/red]")
+        else:
+            table.add_row(r["env"], str(r["train"]), str(r["valid"]), str(r["test"]), str(r["categories"] or "-"),
+                          r["restore"], r["description"])
+    Console(width=None if sys.stdout.isatty() else 130).print(table)
+    return 0
+
+
+def cmd_play(args: argparse.Namespace) -> int:
+    kwargs = {"max_steps": args.max_steps} if args.max_steps else {}
+    env = registry.make(args.env, **kwargs)
+    task_id = args.task or env.tasks(args.split)[0].task_id
+    trace = Trace(env.name, task_id, args.seed)
+    obs, info = env.reset(task_id, args.seed)
+    trace.fingerprints.append(info["fingerprint"])
+    total = 0.0
+    print(f"== {env.name} / {task_id} (seed {args.seed}) ==  type :help for commands")
+    if env.instruction():
+        print(f"Task: {env.instruction()}")
+    print(obs)
+    try:
+        while True:
+            if env.done:
+                print(f"-- episode over: won={info.get('won')} score={info.get('score', 0):.3f} "
+                      f"return={total:.2f}; :restart, :undo or :quit")
+            try:
+                line = input(f"[step {env.steps}]> ").strip()
+            except EOFError:
+                print()
+                break
+            if line in (":q", ":quit"):
+                break
+            if line in (":help", ":h", "?"):
+                print(PLAY_HELP)
+                continue
+            if line in (":a", ":actions"):
+                print("\n".join(info.get("admissible_actions") or ["(this env lists no admissible actions)"]))
+                continue
+            if line == ":restart":
+                trace = Trace(env.name, task_id, args.seed)
+                obs, info = env.reset(task_id, args.seed)
+                trace.fingerprints.append(info["fingerprint"])
+                total = 0.0
+                print(obs)
+                continue
+            if line in (":u", ":undo"):
+                if not trace.actions:
+                    print("(nothing to undo)")
+                    continue
+                trace = trace.prefix(len(trace.actions) - 1)
+                obs, info = replay(env, trace)
+                print(f"(restored to step {env.steps} by replaying {len(trace.actions)} action(s))\n{obs}")
+                continue
+            if env.done:
+                continue
+            if line in (":e", ":expert"):
+                line = env.expert_action() or ""
+                if not line:
+                    print("(the expert has no action from this state)")
+                    continue
+                print(f"expert: {line}")
+            if not line:
+                continue
+            obs, reward, term, trunc, info = env.step(line)
+            trace.actions.append(line)
+            trace.fingerprints.append(info["fingerprint"])
+            total += reward
+            flag = "" if info.get("action_is_valid", True) else "  (not an admissible action)"
+            print(f"{obs}\n   reward {reward:+.2f}{flag}{'  [terminated]' if term else ''}{'  [truncated]' if trunc else ''}")
+    finally:
+        env.close()
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from envs.check import check_env
+
+    reports, ok = [], True
+    for name in args.env:
+        rep = check_env(name, n_expert=args.tasks, n_replay=args.replay_tasks, split=args.split, seed=args.seed,
+                        verbose=args.verbose)
+        print(rep.summary(), flush=True)
+        ok &= rep.ok
+        reports.append(dict(rep.__dict__, success_rate=rep.success_rate))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agentrl.envs")
+    sub = parser.add_subparsers(dest="cmd")
+    add_parser(sub)
+    args = parser.parse_args(["envs", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except EnvError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,61 @@
+"""Extract executable actions from model text.
+
+Never raises on model output: a missing or malformed answer is reported through ``ParsedTurn``
+(``format_ok=False``, ``error``) so the trainer can apply a format penalty and the env can be stepped
+with nothing, or with the env's own handling of an invalid command.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ParsedTurn:
+    actions: list[str] = field(default_factory=list)
+    format_ok: bool = False
+    error: str = ""
+    think: str = ""
+    over_budget: bool = False  # more actions than the per-turn budget; the extra ones were dropped
+    inadmissible: list[str] = field(default_factory=list)  # actions not in the env's admissible list
+
+    @property
+    def valid(self) -> bool:
+        return self.format_ok and bool(self.actions)
+
+
+def _span(text: str, tag: str) -> str | None:
+    """Content of the last complete <tag>...</tag>; an unclosed final <tag> counts too, because
+    generation usually stops on the closing tag as a stop string."""
+    closed = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.S | re.I)
+    if closed:
+        return closed[-1]
+    m = re.search(rf"<{tag}>((?:(?!<{tag}>).)*)$", text, flags=re.S | re.I)
+    return m.group(1) if m else None
+
+
+def parse_turn(text: str, answer_tag: str = "action", max_actions: int = 1, separator: str = "||",
+               require_think: bool = False, admissible: list[str] | None = None) -> ParsedTurn:
+    out = ParsedTurn()
+    think = _span(text, "think")
+    out.think = (think or "").strip()
+    body = _span(text, answer_tag)
+    if body is None:
+        out.error = f"no <{answer_tag}>...</{answer_tag}> in the response"
+        return out
+    parts = [p.strip() for p in body.split(separator.strip())] if max_actions > 1 else [body.strip()]
+    parts = [re.sub(r"\s+", " ", p) for p in parts if p.strip()]
+    if not parts:
+        out.error = f"empty <{answer_tag}>"
+        return out
+    if len(parts) > max_actions:
+        parts, out.over_budget = parts[:max_actions], True
+    if admissible is not None:
+        canon = {a.lower(): a for a in admissible}
+        out.inadmissible = [p for p in parts if p.lower() not in canon]
+        parts = [canon.get(p.lower(), p) for p in parts]
+    out.actions = parts
+    out.format_ok = not (require_think and think is None)
+    if not out.format_ok:
+        out.error = "missing <think>...</think>"
+    return out

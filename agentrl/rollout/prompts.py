@@ -1,0 +1,52 @@
+"""Per-step prompt text in the papers' templates.
+
+``react`` follows CRPS appendix C (task, step count, a window of recent observation/action pairs, the
+current observation and the admissible actions, ``<think>`` then ``<action>``). ``ragen`` follows RAGEN
+appendix E (rules, symbol legend, board, action budget with `` || ``, ``<answer>``). The result is a
+list of chat messages; turning them into token ids is the tokenizer's chat template's job.
+"""
+from __future__ import annotations
+
+from envs.base import PromptSpec
+
+
+def format_history(history: list[tuple[str, str]]) -> str:
+    return "\n".join(f"[Observation {i + 1}: '{o}', Action {i + 1}: '{a}']" for i, (o, a) in enumerate(history))
+
+
+def react_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
+               admissible: list[str] | None, history_len: int = 2) -> str:
+    window = history[-history_len:] if history_len > 0 else []
+    lines = [spec.system, f"Your task is to: {instruction}"]
+    if step > 0:
+        lines.append(f"Prior to this step, you have already taken {step} step(s). Below are the most recent "
+                     f"{len(window)} observations and the corresponding actions you took:\n{format_history(window)}")
+    lines.append(f"You are now at step {step + 1} and your current observation is: {obs}")
+    if admissible:
+        lines.append("Your admissible actions of the current situation are: [" + ", ".join(
+            f"'{a}'" for a in admissible) + "].")
+    lines.append("Now it's your turn to take an action. You should first reason step-by-step about the current "
+                 "situation. This reasoning process MUST be enclosed within <think> </think> tags. Once you've "
+                 f"finished your reasoning, you should choose an admissible action for current step and present "
+                 f"it within <{spec.answer_tag}> </{spec.answer_tag}> tags.")
+    return "\n\n".join(lines)
+
+
+def ragen_user(spec: PromptSpec, obs: str, admissible: list[str] | None) -> str:
+    parts = [spec.instruction]
+    if spec.symbols:
+        parts.append(spec.symbols)
+    parts.append(obs if not spec.symbols else f"State:\n{obs}")
+    if admissible and spec.max_actions_per_turn > 1:
+        parts.append("Your available actions are:\n" + ", ".join(admissible) + "\nYou can make up to "
+                     f"{spec.max_actions_per_turn} actions, separated by the action separator \"{spec.action_separator.strip()}\"")
+    return "\n".join(parts)
+
+
+def step_messages(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
+                  admissible: list[str] | None, history_len: int = 2) -> list[dict[str, str]]:
+    """Messages for one decision in the windowed-history mode."""
+    if spec.style == "ragen":
+        return [{"role": "system", "content": spec.system},
+                {"role": "user", "content": ragen_user(spec, obs, admissible)}]
+    return [{"role": "user", "content": react_user(spec, instruction, obs, history, step, admissible, history_len)}]

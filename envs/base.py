@@ -1,0 +1,205 @@
+"""The Gym-style text-environment contract every agentrl env implements.
+
+An env is reset to a *task* (a stable id from one of its splits) with a seed, then stepped with plain
+action text. Subclasses implement ``_reset`` / ``_step``; this base class adds what every caller relies
+on: the step counter and step limit, and the common ``info`` keys (``won``, ``score``,
+``admissible_actions``, ``fingerprint``, ``action_is_valid``).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task instance of an env. ``task_id`` is stable across runs and machines."""
+
+    task_id: str
+    split: str
+    category: str = ""
+
+
+@dataclass
+class PromptSpec:
+    """What the prompt builder needs to know about an env (templates from the papers).
+
+    ``style`` picks the template family: ``"react"`` (CRPS appendix C: instruction, step count, history
+    window, admissible actions, ``<think>``/``<action>``) or ``"ragen"`` (RAGEN appendix E: grid puzzles,
+    ``<think>``/``<answer>``, `` || `` separated multi-action turns).
+    """
+
+    system: str
+    instruction: str
+    style: str = "react"
+    answer_tag: str = "action"
+    max_actions_per_turn: int = 1
+    action_separator: str = " || "
+    symbols: str = ""
+
+
+class EnvError(RuntimeError):
+    """A clear, user-facing error about an env (bad task id, bad split, ...)."""
+
+
+def fingerprint_text(*parts: str) -> str:
+    """Short stable digest of observation text (plus any hidden state the env adds)."""
+    h = hashlib.sha1()
+    for p in parts:
+        h.update(p.encode("utf-8"))
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
+
+
+class TextEnv:
+    """Base class. Subclasses set ``name`` and implement ``tasks``, ``_reset``, ``_step``.
+
+    Optional capabilities: ``snapshot()/restore()`` (native state copies; ``supports_snapshot``),
+    ``expert_action()`` (an oracle for the current state), ``hidden_state()`` (extra state mixed into
+    the fingerprint, e.g. the RNG of a stochastic env, so a replay that drifts is caught).
+    """
+
+    name: ClassVar[str] = "base"
+    supports_snapshot: ClassVar[bool] = False
+    stochastic: ClassVar[bool] = False
+    default_max_steps: ClassVar[int] = 50
+
+    def __init__(self, max_steps: int | None = None, **kwargs: Any):
+        if kwargs:
+            raise EnvError(f"env '{self.name}': unknown option(s) {sorted(kwargs)}")
+        self.max_steps = int(max_steps or self.default_max_steps)
+        self.task: Task | None = None
+        self.seed: int = 0
+        self.steps = 0
+        self.done = True
+        self.last_obs = ""
+        self.last_info: dict[str, Any] = {}
+        self._task_index: dict[str, dict[str, Task]] = {}
+
+    # ----- tasks -------------------------------------------------------------------------------
+    def tasks(self, split: str) -> list[Task]:
+        raise NotImplementedError
+
+    def get_task(self, task_id: str) -> Task:
+        split = task_id.split("/", 1)[0]
+        if split not in SPLITS:
+            raise EnvError(f"env '{self.name}': task id '{task_id}' must start with one of {SPLITS}")
+        index = self._task_index.get(split)
+        if index is None:
+            index = self._task_index[split] = {t.task_id: t for t in self.tasks(split)}
+        if task_id not in index:
+            raise EnvError(f"env '{self.name}': unknown task id '{task_id}'")
+        return index[task_id]
+
+    def categories(self) -> list[str]:
+        return sorted({t.category for s in SPLITS for t in self.tasks(s) if t.category})
+
+    # ----- prompt ------------------------------------------------------------------------------
+    def prompt_spec(self) -> PromptSpec:
+        raise NotImplementedError
+
+    def instruction(self) -> str:
+        """The task instruction for the current episode (goal text)."""
+        return self.prompt_spec().instruction
+
+    # ----- episode -----------------------------------------------------------------------------
+    def reset(self, task_id: str, seed: int = 0) -> tuple[str, dict[str, Any]]:
+        self.task = self.get_task(task_id)
+        self.seed = int(seed)
+        self.steps = 0
+        self.done = False
+        obs, info = self._reset(self.task, self.seed)
+        return obs, self._finish_info(obs, info)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self.task is None:
+            raise EnvError(f"env '{self.name}': step() before reset()")
+        if self.done:
+            raise EnvError(f"env '{self.name}': step() after the episode ended (task {self.task.task_id})")
+        obs, reward, terminated, info = self._step(action.strip())
+        self.steps += 1
+        truncated = (not terminated) and self.steps >= self.max_steps
+        self.done = bool(terminated or truncated)
+        return obs, float(reward), bool(terminated), bool(truncated), self._finish_info(obs, info)
+
+    def _finish_info(self, obs: str, info: dict[str, Any]) -> dict[str, Any]:
+        info.setdefault("won", False)
+        info.setdefault("score", 1.0 if info["won"] else 0.0)
+        info.setdefault("action_is_valid", True)
+        info["step"] = self.steps
+        info["task_id"] = self.task.task_id if self.task else ""
+        info["category"] = self.task.category if self.task else ""
+        info["fingerprint"] = fingerprint_text(obs, self.hidden_state())
+        self.last_obs, self.last_info = obs, info
+        return info
+
+    def _reset(self, task: Task, seed: int) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        """Return (obs, reward, terminated, info); the base class handles truncation."""
+        raise NotImplementedError
+
+    def hidden_state(self) -> str:
+        return ""
+
+    # ----- optional capabilities ---------------------------------------------------------------
+    def snapshot(self) -> Any:
+        raise EnvError(f"env '{self.name}' has no native snapshot; use replay-prefix restore")
+
+    def restore(self, snap: Any) -> None:
+        raise EnvError(f"env '{self.name}' has no native snapshot; use replay-prefix restore")
+
+    def _base_state(self) -> dict[str, Any]:
+        """Base-class bookkeeping, for subclasses' snapshot()."""
+        return dict(task=self.task, seed=self.seed, steps=self.steps, done=self.done,
+                    last_obs=self.last_obs, last_info=dict(self.last_info))
+
+    def _restore_base(self, state: dict[str, Any]) -> None:
+        self.task, self.seed, self.steps = state["task"], state["seed"], state["steps"]
+        self.done, self.last_obs, self.last_info = state["done"], state["last_obs"], dict(state["last_info"])
+
+    def reseed(self, seed: int) -> None:
+        """Give a stochastic env a fresh RNG stream (e.g. for G rollouts from one restored state)."""
+
+    def expert_action(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "TextEnv":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclass
+class IndexedTasks:
+    """Helper for procedural envs: ``n`` tasks per split with ids ``split/00042``."""
+
+    counts: dict[str, int]
+    category_of: Any = None  # callable(split, index) -> category
+    _cache: dict[str, list[Task]] = field(default_factory=dict)
+
+    def tasks(self, split: str) -> list[Task]:
+        if split not in self.counts:
+            raise EnvError(f"unknown split '{split}'; allowed: {sorted(self.counts)}")
+        if split not in self._cache:
+            cat = self.category_of or (lambda s, i: "")
+            self._cache[split] = [Task(f"{split}/{i:05d}", split, cat(split, i)) for i in range(self.counts[split])]
+        return self._cache[split]
+
+    def parse(self, env_name: str, task_id: str) -> tuple[str, int]:
+        try:
+            split, idx = task_id.split("/", 1)
+            i = int(idx)
+        except ValueError:
+            raise EnvError(f"env '{env_name}': malformed task id '{task_id}' (expected e.g. 'train/00042')") from None
+        if split not in self.counts or not 0 <= i < self.counts[split]:
+            raise EnvError(f"env '{env_name}': unknown task id '{task_id}'")
+        return split, i

@@ -1,0 +1,65 @@
+"""Env registry: a name maps to a class path plus default options.
+
+Entries are strings (``"envs.sokoban:SokobanEnv"``) so listing envs never imports heavy engines
+(Java for ScienceWorld, Inform7 for TextWorld) and env worker processes can build envs by name.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from envs.base import EnvError, TextEnv
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    name: str
+    entry: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+    def load_class(self) -> type[TextEnv]:
+        module, _, cls = self.entry.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+_REGISTRY: dict[str, EnvSpec] = {}
+
+
+def register(name: str, entry: str, description: str = "", **kwargs: Any) -> None:
+    if name in _REGISTRY and _REGISTRY[name].entry != entry:
+        raise EnvError(f"env '{name}' is already registered to {_REGISTRY[name].entry}")
+    _REGISTRY[name] = EnvSpec(name, entry, dict(kwargs), description)
+
+
+def spec(name: str) -> EnvSpec:
+    """A registered name, or a ``"package.module:EnvClass"`` path for an env that is not registered."""
+    if name not in _REGISTRY and ":" in name:
+        return EnvSpec(name, name)
+    if name not in _REGISTRY:
+        raise EnvError(f"unknown env '{name}'; registered envs: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def make(name: str, **kwargs: Any) -> TextEnv:
+    s = spec(name)
+    env = s.load_class()(**{**s.kwargs, **kwargs})
+    env.name = name  # variants share a class; report the registered name
+    return env
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+register("sokoban", "envs.sokoban:SokobanEnv", "RAGEN Sokoban, 6x6, 1 box")
+register("sokoban-large", "envs.sokoban:SokobanEnv", "RAGEN LargerSokoban, 8x8, 2 boxes",
+         dim=8, num_boxes=2)
+register("sokoban-newvocab", "envs.sokoban:SokobanEnv", "RAGEN SokobanDifferentGridVocab", vocab="new")
+register("frozenlake", "envs.frozenlake:FrozenLakeEnv", "gymnasium FrozenLake-v1, slippery, random 4x4 maps")
+register("bandit", "envs.bandit:BanditEnv", "RAGEN bi-arm bandit (symbolic arm names)")
+register("bandit-reversed", "envs.bandit:BanditEnv", "bi-arm bandit with the name semantics reversed",
+         reversed=True)
+register("textworld", "envs.textworld_env:TextWorldEnv", "TextWorld games generated locally (tw-make)")
+register("scienceworld", "envs.scienceworld_env:ScienceWorldEnv", "ScienceWorld, 30 tasks (Java)")

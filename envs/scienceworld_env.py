@@ -1,0 +1,100 @@
+"""ScienceWorld through the real ``scienceworld`` package (a Java simulator behind py4j).
+
+Tasks are (task name, variation) pairs in the package's own train/dev/test variation splits; the
+category is the task name. The expert is the package's gold action sequence, valid from the start of
+an episode while the agent stays on it. There is no native snapshot: restore is replay-prefix.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from envs.base import EnvError, PromptSpec, Task, TextEnv
+from envs.cache import cache_dir
+
+PACKAGE_SPLIT = {"train": "get_variations_train", "valid": "get_variations_dev", "test": "get_variations_test"}
+
+
+def _task_table(sw: Any) -> dict[str, dict[str, list[int]]]:
+    """task name -> split -> variation indices; computed once per package version (needs the JVM)."""
+    import scienceworld
+
+    path = cache_dir("scienceworld") / f"tasks-{getattr(scienceworld, '__version__', 'x')}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    table: dict[str, dict[str, list[int]]] = {}
+    for name in sw.get_task_names():
+        sw.load(name, 0, "")
+        table[name] = {s: list(getattr(sw, fn)()) for s, fn in PACKAGE_SPLIT.items()}
+    path.write_text(json.dumps(table))
+    return table
+
+
+class ScienceWorldEnv(TextEnv):
+    name = "scienceworld"
+    default_max_steps = 100
+
+    def __init__(self, simplifications: str = "", **kwargs: Any):
+        super().__init__(**kwargs)
+        from scienceworld import ScienceWorldEnv as _SW
+
+        self.simplifications = simplifications
+        # The Java side gets a generous limit; the base class enforces ``max_steps``.
+        self.sw = _SW("", envStepLimit=10_000)
+        self.table = _task_table(self.sw)
+        self._tasks = {s: [Task(f"{s}/{name}/{v}", s, name) for name in sorted(self.table) for v in
+                           self.table[name][s]] for s in PACKAGE_SPLIT}
+        self._loaded: tuple[str, int] | None = None
+        self.gold: list[str] = []
+        self.on_gold = True
+        self.task_desc = ""
+        self.sw_score = 0
+
+    def tasks(self, split: str) -> list[Task]:
+        if split not in self._tasks:
+            raise EnvError(f"scienceworld: unknown split '{split}'")
+        return self._tasks[split]
+
+    def prompt_spec(self) -> PromptSpec:
+        return PromptSpec(system="You are an expert agent operating in the ScienceWorld environment.",
+                          instruction=self.task_desc or "Complete the science task.", style="react",
+                          answer_tag="action", max_actions_per_turn=1)
+
+    def instruction(self) -> str:
+        return self.task_desc
+
+    def _info(self, sw_info: dict[str, Any], valid: bool = True) -> dict[str, Any]:
+        self.sw_score = int(sw_info["score"])
+        return dict(won=self.sw_score >= 100, score=max(self.sw_score, 0) / 100.0,
+                    admissible_actions=list(sw_info["valid"]), action_is_valid=valid)
+
+    def _reset(self, task: Task, seed: int) -> tuple[str, dict[str, Any]]:
+        _, name, var = task.task_id.split("/")
+        key = (name, int(var))
+        if self._loaded != key:
+            self.sw.load(name, int(var), self.simplifications, generateGoldPath=True)
+            self.gold = list(self.sw.get_gold_action_sequence())
+            self._loaded = key
+        obs, sw_info = self.sw.reset()
+        self.task_desc = self.sw.get_task_description()
+        self.on_gold = True
+        return obs.strip(), self._info(sw_info)
+
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        if self.on_gold and (self.steps >= len(self.gold) or self.gold[self.steps] != action):
+            self.on_gold = False
+        valid_before = set(self.last_info.get("admissible_actions", ()))
+        prev = self.sw_score
+        obs, _, done, sw_info = self.sw.step(action)
+        info = self._info(sw_info, valid=action in valid_before)
+        return obs.strip(), (self.sw_score - prev) / 100.0, bool(done), info
+
+    def expert_action(self) -> str | None:
+        if self.on_gold and self.steps < len(self.gold):
+            return self.gold[self.steps]
+        return None
+
+    def close(self) -> None:
+        if getattr(self, "sw", None) is not None:
+            self.sw.close()
+            self.sw = None

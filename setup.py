@@ -1,0 +1,23 @@
+"""agentrl: multi-turn agent RL. See README.md for the pins and why they are what they are."""
+from setuptools import find_packages, setup
+
+setup(
+    name="agentrl",
+    version="0.1.0",
+    description="Train LLM agents with multi-turn reinforcement learning",
+    python_requires=">=3.10",
+    packages=find_packages(include=["agentrl", "agentrl.*", "envs", "envs.*", "recipes", "recipes.*"]),
+    package_data={"recipes": ["*.yaml", "**/*.yaml"]},
+    install_requires=[
+        "numpy>=1.26",
+        "pyyaml>=6",
+        "rich>=13",
+        "gymnasium>=1.0,<2",
+    ],
+    extras_require={
+        # Real text-game engines; textworld needs Inform7 (shipped in its wheel), scienceworld needs Java 17.
+        "envs": ["textworld==1.7.0", "scienceworld==1.2.3"],
+        "dev": ["pytest>=8", "pytest-timeout>=2"],
+    },
+    entry_points={"console_scripts": ["agentrl=agentrl.cli:main"]},
+)

@@ -1,0 +1,18 @@
+"""Test-only envs that misbehave on purpose (loaded by env workers through a 'module:Class' path)."""
+import os
+import time
+
+from envs.sokoban import SokobanEnv
+
+
+class CrashOnCommandEnv(SokobanEnv):
+    """Sokoban that dies on the action 'crash' and hangs on 'hang', every time (a deterministic bug)."""
+
+    name = "crash-on-command"
+
+    def _step(self, action):
+        if action == "crash":
+            os._exit(3)
+        if action == "hang":
+            time.sleep(3600)
+        return super()._step(action)
