@@ -132,7 +132,7 @@ class TextEnv:
         info["step"] = self.steps
         info["task_id"] = self.task.task_id if self.task else ""
         info["category"] = self.task.category if self.task else ""
-        info["fingerprint"] = fingerprint_text(obs, self.hidden_state())
+        info["fingerprint"] = fingerprint_text(self.canonical_obs(obs), self.hidden_state())
         self.last_obs, self.last_info = obs, info
         return info
 
@@ -145,6 +145,11 @@ class TextEnv:
 
     def hidden_state(self) -> str:
         return ""
+
+    def canonical_obs(self, obs: str) -> str:
+        """The observation as the fingerprint sees it. Engines that list the same state in varying order
+        (ScienceWorld's object listings) override this, so a replay compares states, not orderings."""
+        return obs
 
     # ----- optional capabilities ---------------------------------------------------------------
     def snapshot(self) -> Any:

@@ -108,7 +108,7 @@ def _check_replay(env: TextEnv, trace: Trace, observations: list[str], rng: rand
     except DivergenceError as e:
         rep.replay_failures.append(str(e))
         return
-    if obs != observations[t]:
+    if env.canonical_obs(obs) != env.canonical_obs(observations[t]):
         rep.replay_failures.append(f"{trace.task_id} step {t}: observation differs after replay")
 
 
@@ -139,7 +139,8 @@ def _check_snapshot(env: TextEnv, trace: Trace, observations: list[str], rng: ra
         env.step(a)
     env.restore(snap)
     rep.snapshot_checked += 1
-    if env.last_obs != observations[t] or env.last_info["fingerprint"] != trace.fingerprints[t]:
+    same_obs = env.canonical_obs(env.last_obs) == env.canonical_obs(observations[t])
+    if not same_obs or env.last_info["fingerprint"] != trace.fingerprints[t]:
         rep.snapshot_failures.append(f"{trace.task_id} step {t}: restored state differs")
         return
     for i, a in enumerate(trace.actions[t:], start=t):

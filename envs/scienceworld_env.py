@@ -7,6 +7,7 @@ an episode while the agent stays on it. There is no native snapshot: restore is 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from envs.base import EnvError, PromptSpec, Task, TextEnv
@@ -88,6 +89,12 @@ class ScienceWorldEnv(TextEnv):
         obs, _, done, sw_info = self.sw.step(action)
         info = self._info(sw_info, valid=action in valid_before)
         return obs.strip(), (self.sw_score - prev) / 100.0, bool(done), info
+
+    def canonical_obs(self, obs: str) -> str:
+        # The simulator iterates hash sets: one state, several listing orders (seen on replays of the
+        # same variation). Sort the listed items so the fingerprint depends only on what is listed.
+        items = re.split(r"\n|, | and |: ", obs)
+        return "\n".join(sorted(i.strip() for i in items if i.strip()))
 
     def expert_action(self) -> str | None:
         if self.on_gold and self.steps < len(self.gold):

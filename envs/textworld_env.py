@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,10 @@ class TextWorldEnv(TextEnv):
                                    score=True, max_score=True, objective=True)
         if self.tw is not None:
             self.tw.close()
-        self.tw = textworld.start(str(self.game_file(task)), request_infos=infos)
+        with warnings.catch_warnings():
+            # jericho warns that generated games are not in its list of known commercial games: expected.
+            warnings.simplefilter("ignore")
+            self.tw = textworld.start(str(self.game_file(task)), request_infos=infos)
 
     def _info(self, valid: bool = True) -> dict[str, Any]:
         gs = self.gs

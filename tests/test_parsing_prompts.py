@@ -1,0 +1,68 @@
+"""Action parsing never crashes on model text, and prompts follow the papers' templates."""
+from envs import make
+from agentrl.rollout.parsing import parse_turn
+from agentrl.rollout.prompts import step_messages
+
+
+def test_single_action_with_think():
+    p = parse_turn("<think>the mug is in the sink</think><action>take mug 1 from sinkbasin 1</action>",
+                   require_think=True)
+    assert p.valid and p.actions == ["take mug 1 from sinkbasin 1"] and p.think == "the mug is in the sink"
+
+
+def test_multi_action_budget_and_separator():
+    p = parse_turn("<think>x</think><answer>Right || Right ||Up|| Left</answer>", answer_tag="answer",
+                   max_actions=3)
+    assert p.actions == ["Right", "Right", "Up"] and p.over_budget and p.valid
+
+
+def test_single_action_mode_keeps_pipes_literal():
+    assert parse_turn("<action>search[red || blue]</action>").actions == ["search[red || blue]"]
+
+
+def test_missing_or_empty_answer_is_reported_not_raised():
+    for text in ["I think I should go north.", "", "<action></action>", "<action>   </action>", "<answer>Up</answer>"]:
+        p = parse_turn(text)
+        assert not p.valid and p.error and p.actions == []
+
+
+def test_unclosed_tag_at_end_counts_stop_strings_cut_it():
+    assert parse_turn("<think>go</think><action>go north").actions == ["go north"]
+
+
+def test_last_complete_answer_wins():
+    assert parse_turn("<action>look</action> no wait <action>go east</action>").actions == ["go east"]
+
+
+def test_missing_think_is_a_format_error_when_required():
+    p = parse_turn("<action>look</action>", require_think=True)
+    assert p.actions == ["look"] and not p.format_ok and "think" in p.error
+    assert parse_turn("<action>look</action>").valid
+
+
+def test_admissible_canonicalisation():
+    p = parse_turn("<answer>up || JUMP</answer>", answer_tag="answer", max_actions=5,
+                   admissible=["Up", "Down", "Left", "Right"])
+    assert p.actions == ["Up", "JUMP"] and p.inadmissible == ["JUMP"]
+
+
+def test_react_prompt_has_crps_parts():
+    env = make("textworld")
+    spec = env.prompt_spec()
+    msgs = step_messages(spec, "put the mug in the box", "You see a mug.", [("o1", "a1"), ("o2", "a2"), ("o3", "a3")],
+                         step=3, admissible=["take mug", "look"], history_len=2)
+    text = msgs[-1]["content"]
+    assert "Your task is to: put the mug in the box" in text
+    assert "already taken 3 step(s)" in text and "most recent 2 observations" in text
+    assert "'o2'" in text and "'o3'" in text and "'o1'" not in text  # window of 2
+    assert "You are now at step 4" in text and "'take mug'" in text
+    assert "<think> </think>" in text and "<action> </action>" in text
+
+
+def test_ragen_prompt_has_legend_board_and_budget():
+    env = make("sokoban")
+    obs, info = env.reset("train/00000")
+    msgs = step_messages(env.prompt_spec(), env.instruction(), obs, [], 0, info["admissible_actions"])
+    assert msgs[0]["role"] == "system" and "<answer>" in msgs[0]["content"]
+    user = msgs[1]["content"]
+    assert "Sokoban" in user and "#: wall" in user and obs in user and "up to 5 actions" in user and "||" in user
