@@ -22,7 +22,9 @@ $(STAMP): setup.py constraints.txt scripts/ensure_java.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e ".[envs,dev]"
+	# fast-downward-textworld compiles Fast Downward (~3 min once, then pip's wheel cache) and its build
+	# script calls `python`: the venv's must come first on PATH.
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q -c constraints.txt -e ".[envs,dev]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -15,8 +15,9 @@ setup(
         "gymnasium>=1.0,<2",
     ],
     extras_require={
-        # Real text-game engines; textworld needs Inform7 (shipped in its wheel), scienceworld needs Java 17.
-        "envs": ["textworld==1.7.0", "scienceworld==1.2.3"],
+        # Real text-game engines: textworld (Inform7 ships in its wheel; [pddl] builds Fast Downward for
+        # ALFWorld's planner), alfworld's TextWorld-PDDL engine, scienceworld (needs Java 17).
+        "envs": ["textworld[pddl]==1.7.0", "alfworld==0.4.2", "scienceworld==1.2.3"],
         "dev": ["pytest>=8", "pytest-timeout>=2"],
     },
     entry_points={"console_scripts": ["agentrl=agentrl.cli:main"]},

@@ -42,6 +42,15 @@ def add_parser(sub: Any) -> None:
     ck.add_argument("--seed", type=int, default=0)
     ck.add_argument("--json", help="also write the reports to this JSON file")
     ck.add_argument("-v", "--verbose", action="store_true")
+    demo = s.add_parser("demo", help="print expert episodes, one per task category")
+    demo.add_argument("env")
+    demo.add_argument("--split", default="train", choices=SPLITS)
+    demo.add_argument("--per-category", type=int, default=1)
+    gen = s.add_parser("generate", help="build generated tasks ahead of time, in parallel (cached)")
+    gen.add_argument("env", help="env name (textworld, alfworld)")
+    gen.add_argument("--split", nargs="+", default=["train"], choices=SPLITS)
+    gen.add_argument("--n", type=int, default=None, help="tasks per split (default: all)")
+    gen.add_argument("--workers", type=int, default=2)
     p.set_defaults(func=run)
 
 
@@ -50,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         return cmd_list(getattr(args, "only", None), getattr(args, "json", False))
     if args.envs_cmd == "play":
         return cmd_play(args)
+    if args.envs_cmd == "generate":
+        return cmd_generate(args)
+    if args.envs_cmd == "demo":
+        return cmd_demo(args)
     return cmd_check(args)
 
 
@@ -149,6 +162,60 @@ def cmd_play(args: argparse.Namespace) -> int:
             print(f"{obs}\n   reward {reward:+.2f}{flag}{'  [terminated]' if term else ''}{'  [truncated]' if trunc else ''}")
     finally:
         env.close()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from envs.replay import run_expert
+
+    env = registry.make(args.env)
+    shown: dict[str, int] = {}
+    try:
+        for task in env.tasks(args.split):
+            if shown.get(task.category, 0) >= args.per_category:
+                continue
+            shown[task.category] = shown.get(task.category, 0) + 1
+            trace, observations, info = run_expert(env, task.task_id)
+            print(f"===== {task.task_id}  [{task.category or env.name}]")
+            if env.instruction():
+                print(f"Your task is to: {env.instruction()}")
+            print(observations[0])
+            for action, obs in zip(trace.actions, observations[1:]):
+                print(f"> {action}\n{obs}")
+            print(f"-- won={info.get('won')} score={info.get('score', 0):.2f} steps={len(trace.actions)}\n")
+    finally:
+        env.close()
+    return 0
+
+
+_GEN_ENV: Any = None
+
+
+def _prepare_one(job: tuple[str, str]) -> str:
+    global _GEN_ENV
+    name, task_id = job
+    if _GEN_ENV is None or _GEN_ENV.name != name:
+        _GEN_ENV = registry.make(name)
+    _GEN_ENV.prepare(task_id)
+    return task_id
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import multiprocessing as mp
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+
+    env = registry.make(args.env)
+    jobs = [(args.env, t.task_id) for split in args.split for t in env.tasks(split)[:args.n]]
+    env.close()
+    t0 = time.time()
+    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns) as progress, mp.get_context("spawn").Pool(args.workers) as pool:
+        bar = progress.add_task(f"generating {args.env}", total=len(jobs))
+        for _ in pool.imap_unordered(_prepare_one, jobs):
+            progress.advance(bar)
+    print(f"{len(jobs)} {args.env} tasks ready in {time.time() - t0:.1f}s with {args.workers} workers")
     return 0
 
 

@@ -173,6 +173,10 @@ class TextEnv:
     def expert_action(self) -> str | None:
         return None
 
+    def prepare(self, task_id: str) -> None:
+        """Build whatever a task needs on disk (compiled game, generated problem) ahead of time.
+        Envs whose tasks are generated at reset override this; resets then only read the cache."""
+
     def close(self) -> None:
         pass
 

@@ -63,3 +63,5 @@ register("bandit-reversed", "envs.bandit:BanditEnv", "bi-arm bandit with the nam
          reversed=True)
 register("textworld", "envs.textworld_env:TextWorldEnv", "TextWorld games generated locally (tw-make)")
 register("scienceworld", "envs.scienceworld_env:ScienceWorldEnv", "ScienceWorld, 30 tasks (Java)")
+register("alfworld", "envs.alfworld_env:AlfWorldEnv",
+         "ALFWorld on alfworld's TextWorld-PDDL engine; generated games, or $ALFWORLD_DATA")

@@ -89,6 +89,9 @@ class TextWorldEnv(TextEnv):
             shutil.rmtree(tmp, ignore_errors=True)
         return final
 
+    def prepare(self, task_id: str) -> None:
+        self.game_file(self.get_task(task_id))
+
     def _start(self, task: Task) -> None:
         import textworld
 
