@@ -17,7 +17,8 @@ setup(
     extras_require={
         # Real text-game engines: textworld (Inform7 ships in its wheel; [pddl] builds Fast Downward for
         # ALFWorld's planner), alfworld's TextWorld-PDDL engine, scienceworld (needs Java 17).
-        "envs": ["textworld[pddl]==1.7.0", "alfworld==0.4.2", "scienceworld==1.2.3"],
+        "envs": ["textworld[pddl]==1.7.0", "alfworld==0.4.2", "scienceworld==1.2.3",
+                 "rapidfuzz>=3"],  # WebShop's reward matches attributes and options fuzzily
         "dev": ["pytest>=8", "pytest-timeout>=2"],
     },
     entry_points={"console_scripts": ["agentrl=agentrl.cli:main"]},

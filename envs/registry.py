@@ -65,3 +65,5 @@ register("textworld", "envs.textworld_env:TextWorldEnv", "TextWorld games genera
 register("scienceworld", "envs.scienceworld_env:ScienceWorldEnv", "ScienceWorld, 30 tasks (Java)")
 register("alfworld", "envs.alfworld_env:AlfWorldEnv",
          "ALFWorld on alfworld's TextWorld-PDDL engine; generated games, or $ALFWORLD_DATA")
+register("webshop", "envs.webshop.env:WebShopEnv",
+         "WebShop pages, actions and reward; generated catalogue, or $WEBSHOP_DATA")

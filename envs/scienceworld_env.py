@@ -93,7 +93,7 @@ class ScienceWorldEnv(TextEnv):
     def canonical_obs(self, obs: str) -> str:
         # The simulator iterates hash sets: one state, several listing orders (seen on replays of the
         # same variation). Sort the listed items so the fingerprint depends only on what is listed.
-        items = re.split(r"\n|, | and |: ", obs)
+        items = re.split(r"\n|, | and |: |\(containing |\(|\)", obs)
         return "\n".join(sorted(i.strip() for i in items if i.strip()))
 
     def expert_action(self) -> str | None:

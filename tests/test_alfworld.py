@@ -1,0 +1,99 @@
+"""ALFWorld: generated PDDL games on alfworld's engine, the six task types, splits, real-data loading."""
+import json
+import shutil
+
+import pytest
+
+from envs import EnvError, make, replay
+from envs.alfworld_gen import CATEGORY, TASK_TYPES, pddl_problem, sample_task
+from envs.check import check_env
+from envs.replay import run_expert
+
+
+@pytest.fixture(scope="module")
+def env():
+    return make("alfworld")
+
+
+def test_task_ids_and_categories(env):
+    train = env.tasks("train")
+    assert len(train) >= 3000 and len(env.tasks("valid")) == 140 and len(env.tasks("test")) == 134
+    assert {t.category for t in train[:6]} == {"Pick", "Look", "Clean", "Heat", "Cool", "Pick2"}
+    assert train[7].task_id == "train/look_at_obj_in_light/00001"
+
+
+def test_generator_is_deterministic():
+    a = sample_task(5, "pick_cool_then_place_in_recep", 3)
+    b = sample_task(5, "pick_cool_then_place_in_recep", 3)
+    assert a is not None and pddl_problem(*a, "x") == pddl_problem(*b, "x")
+    room, goal = a
+    assert room.scene == "Kitchen" and goal.task_type == "pick_cool_then_place_in_recep"
+    assert any(r[1] == "Fridge" for r in room.receptacles)
+
+
+@pytest.mark.timeout(300)
+def test_expert_solves_every_task_type(env):
+    for task in env.tasks("train")[6:12]:
+        trace, observations, info = run_expert(env, task.task_id)
+        assert info["won"], (task.task_id, trace.actions)
+        assert observations[0].startswith("You are in the middle of a room.")
+        assert env.instruction() and len(trace.actions) <= env.max_steps
+        kind = task.task_id.split("/")[1]
+        verb = {"pick_clean_then_place_in_recep": "clean ", "pick_heat_then_place_in_recep": "heat ",
+                "pick_cool_then_place_in_recep": "cool ", "look_at_obj_in_light": "use "}.get(kind)
+        if verb:
+            assert any(a.startswith(verb) for a in trace.actions), trace.actions
+
+
+@pytest.mark.timeout(300)
+def test_restore_and_tamper():
+    rep = check_env("alfworld", n_expert=4, n_replay=4, seed=2)
+    assert rep.ok and rep.success_rate == 1.0, rep.summary()
+
+
+@pytest.mark.timeout(300)
+def test_invalid_action_and_step_limit(env):
+    tid = env.tasks("train")[0].task_id
+    obs0, info = env.reset(tid)
+    obs, r, term, trunc, info = env.step("fly to the moon")
+    assert obs == "Nothing happens." and r == 0.0 and not info["action_is_valid"] and not term
+    assert env.expert_action() in info["admissible_actions"]  # the planner replans from here
+    short = make("alfworld", max_steps=2)
+    short.reset(tid)
+    short.step("look")
+    assert short.step("look")[3]  # truncated at 2 steps
+
+
+def test_seen_and_unseen_rooms(env):
+    n, off = env.n_layouts, env.unseen_offset
+    idx = lambda t: int(t.task_id.split("/")[2])  # noqa: E731
+    train_layouts = {idx(t) % n for t in env.tasks("train")}
+    assert {idx(t) % n for t in env.tasks("valid")} <= train_layouts  # valid_seen: rooms from training
+    assert off > n  # test (valid_unseen) layouts are offset beyond every training layout
+
+
+@pytest.mark.timeout(300)
+def test_real_data_folder_is_used(tmp_path, env):
+    """A folder laid out like ALFWorld's json_2.1.1 replaces the generated games."""
+    for split, folder in (("train", "train"), ("valid", "valid_seen"), ("test", "valid_unseen")):
+        task = env.tasks(split)[2]
+        src = env.game_file(task).parent
+        dst = tmp_path / "json_2.1.1" / folder / "pick_clean_then_place_in_recep-Cloth-None-Shelf-1" / "trial_T1"
+        shutil.copytree(src, dst)
+    real = make("alfworld", data_dir=str(tmp_path))
+    assert [len(real.tasks(s)) for s in ("train", "valid", "test")] == [1, 1, 1]
+    task = real.tasks("train")[0]
+    assert task.category == "Clean" and task.task_id.startswith("train/pick_clean")
+    trace, _, info = run_expert(real, task.task_id)
+    assert info["won"]
+    with pytest.raises(EnvError, match="json_2.1.1"):
+        make("alfworld", data_dir=str(tmp_path / "nowhere"))
+
+
+def test_game_file_format(env):
+    game = json.loads(env.game_file(env.tasks("train")[3]).read_text())
+    assert set(game) >= {"pddl_domain", "grammar", "pddl_problem", "solvable", "walkthrough"}
+    assert game["solvable"] and "(:domain alfred)" in game["pddl_problem"]
+    traj = json.loads((env.game_file(env.tasks("train")[3]).parent / "traj_data.json").read_text())
+    assert traj["task_type"] in TASK_TYPES and CATEGORY[traj["task_type"]] == "Heat"
+    assert traj["pddl_params"]["object_target"] and traj["pddl_params"]["parent_target"]
