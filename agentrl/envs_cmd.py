@@ -40,12 +40,16 @@ def add_parser(sub: Any) -> None:
     ck.add_argument("--replay-tasks", type=int, default=20, help="tasks whose restore is checked (default 20)")
     ck.add_argument("--split", default="train", choices=SPLITS)
     ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--max-steps", type=int, default=None, help="override the env's episode step limit")
     ck.add_argument("--json", help="also write the reports to this JSON file")
     ck.add_argument("-v", "--verbose", action="store_true")
     demo = s.add_parser("demo", help="print expert episodes, one per task category")
     demo.add_argument("env")
     demo.add_argument("--split", default="train", choices=SPLITS)
     demo.add_argument("--per-category", type=int, default=1)
+    bench = s.add_parser("bench", help="time resets and steps (expert actions) on sampled tasks")
+    bench.add_argument("env", nargs="+")
+    bench.add_argument("--tasks", type=int, default=10)
     gen = s.add_parser("generate", help="build generated tasks ahead of time, in parallel (cached)")
     gen.add_argument("env", help="env name (textworld, alfworld)")
     gen.add_argument("--split", nargs="+", default=["train"], choices=SPLITS)
@@ -63,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         return cmd_generate(args)
     if args.envs_cmd == "demo":
         return cmd_demo(args)
+    if args.envs_cmd == "bench":
+        return cmd_bench(args)
     return cmd_check(args)
 
 
@@ -188,6 +194,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Per env: first reset of a task (builds/loads it), a repeated reset, and expert steps, in ms."""
+    import statistics
+    import time
+
+    def ms(xs: list[float]) -> str:
+        return f"median {1000 * statistics.median(xs):.1f} ms, p90 {1000 * sorted(xs)[int(0.9 * (len(xs) - 1))]:.1f} ms"
+
+    for name in args.env:
+        env = registry.make(name)
+        first, again, steps = [], [], []
+        try:
+            for task in env.tasks("train")[:args.tasks]:
+                t = time.perf_counter()
+                env.reset(task.task_id)
+                first.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                env.reset(task.task_id)
+                again.append(time.perf_counter() - t)
+                while not env.done:
+                    action = env.expert_action()
+                    if action is None:
+                        break
+                    t = time.perf_counter()
+                    env.step(action)
+                    steps.append(time.perf_counter() - t)
+        finally:
+            env.close()
+        print(f"{name}: first reset {ms(first)}; repeated reset {ms(again)}; step {ms(steps)} "
+              f"({len(steps)} steps over {len(first)} tasks)")
+    return 0
+
+
 _GEN_ENV: Any = None
 
 
@@ -225,7 +264,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     reports, ok = [], True
     for name in args.env:
         rep = check_env(name, n_expert=args.tasks, n_replay=args.replay_tasks, split=args.split, seed=args.seed,
-                        verbose=args.verbose)
+                        env_kwargs={"max_steps": args.max_steps} if args.max_steps else None, verbose=args.verbose)
         print(rep.summary(), flush=True)
         ok &= rep.ok
         reports.append(dict(rep.__dict__, success_rate=rep.success_rate))

@@ -52,3 +52,13 @@ def test_scienceworld_tasks_and_categories():
         assert len(info["admissible_actions"]) > 10 and env.expert_action()
     finally:
         env.close()
+
+
+def test_scienceworld_fingerprint_ignores_listing_order():
+    from envs.scienceworld_env import ScienceWorldEnv
+
+    a = "In it, you see: \n\ta seed jar (containing a round blue seed, a square blue seed)\n\ta table"
+    b = "In it, you see: \n\ta table\n\ta seed jar (containing a square blue seed, a round blue seed)"
+    c = "In it, you see: \n\ta table\n\ta seed jar (containing a square blue seed)"
+    canon = lambda text: ScienceWorldEnv.canonical_obs(None, text)  # noqa: E731
+    assert canon(a) == canon(b) and canon(a) != canon(c)
