@@ -324,3 +324,46 @@ class EnvPool:
             self.close()
         except Exception:
             pass
+
+
+class InProcessEnvs:
+    """The ``EnvPool`` interface over envs living in this process: no isolation, no crash recovery,
+    no process start-up. For tests, benchmarks and cheap envs; use ``EnvPool`` for real runs."""
+
+    def __init__(self, env_name: str, num_slots: int, env_kwargs: dict[str, Any] | None = None):
+        from envs.registry import make
+
+        self.envs = [make(env_name, **(env_kwargs or {})) for _ in range(num_slots)]
+        self.stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
+
+    def __len__(self) -> int:
+        return len(self.envs)
+
+    def reset(self, requests: dict[int, tuple[str, int]]) -> dict[int, StepResult]:
+        return {i: StepResult(*self._pair(self.envs[i].reset(t, s))) for i, (t, s) in requests.items()}
+
+    @staticmethod
+    def _pair(out: tuple[str, dict[str, Any]]) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        return out[0], 0.0, False, False, out[1]
+
+    def restore(self, requests: dict[int, tuple[Trace, int, int | None]]) -> dict[int, StepResult]:
+        from envs.replay import replay
+
+        return {i: StepResult(*self._pair(replay(self.envs[i], tr, t, reseed))) for i, (tr, t, reseed) in
+                requests.items()}
+
+    def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
+        return {i: StepResult(*self.envs[i].step(a)) for i, a in actions.items()}
+
+    def call(self, slot: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.envs[slot], method)(*args, **kwargs)
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+    def __enter__(self) -> "InProcessEnvs":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -50,3 +50,13 @@ def step_messages(spec: PromptSpec, instruction: str, obs: str, history: list[tu
         return [{"role": "system", "content": spec.system},
                 {"role": "user", "content": ragen_user(spec, obs, admissible)}]
     return [{"role": "user", "content": react_user(spec, instruction, obs, history, step, admissible, history_len)}]
+
+
+def followup_user(spec: PromptSpec, obs: str, admissible: list[str] | None) -> str:
+    """The next user message in full-history chat mode (RAGEN): the new state and what can be done."""
+    text = f"State:\n{obs}" if spec.style == "ragen" else f"Observation: {obs}"
+    if admissible and spec.style != "ragen":
+        text += "\nYour admissible actions are: [" + ", ".join(f"'{a}'" for a in admissible) + "]."
+    if spec.max_actions_per_turn > 1:
+        text += f"\nYou can make up to {spec.max_actions_per_turn} actions, separated by \"{spec.action_separator.strip()}\"."
+    return text

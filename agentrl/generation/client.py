@@ -1,0 +1,136 @@
+"""Remote generator: the ``Generator`` interface over HTTP, against ``agentrl serve`` or ``vllm serve``.
+
+Both speak the OpenAI completions protocol with token-id prompts; generated token ids come back in
+``token_ids`` (ours, and vLLM with ``return_token_ids``) or as ``token_id:N`` strings in
+``logprobs.tokens`` (``return_tokens_as_token_ids``), so they are never re-tokenized from text.
+Weight sync: ``load_weights(folder)`` posts a saved HF folder to our server; against vLLM a LoRA adapter
+is loaded through its ``/v1/load_lora_adapter`` route (full weights there mean restarting the server on
+the new folder, which ``agentrl.generation.vllm.VLLMServer.restart`` does).
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from agentrl.types import Completion, SamplingParams
+
+
+class GenerationServerError(RuntimeError):
+    pass
+
+
+class RemoteGenerator:
+    def __init__(self, base_url: str, model: str | None = None, timeout: float = 600.0, backend: str = "agentrl",
+                 max_prompts_per_request: int = 64, parallel_requests: int = 4):
+        self.base_url = base_url.rstrip("/")
+        self.timeout, self.backend = timeout, backend
+        self.max_prompts, self.parallel = max_prompts_per_request, parallel_requests
+        self.model = model or self.models()[0]
+        self.lora_name: str | None = None
+
+    # ----- HTTP -------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            raise GenerationServerError(f"{method} {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}")
+        except urllib.error.URLError as e:
+            raise GenerationServerError(f"{method} {path}: cannot reach {self.base_url} ({e.reason})") from None
+        return json.loads(raw) if raw.strip() else {}
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self._request("GET", "/v1/models")["data"]]
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._request("GET", "/health")
+                return
+            except GenerationServerError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    # ----- Generator --------------------------------------------------------------------------
+    def _body(self, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, Any]:
+        body: dict[str, Any] = dict(model=self.lora_name or self.model, prompt=prompts, max_tokens=sampling.max_new_tokens,
+                                    temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0,
+                                    stop=sampling.stop or None, return_tokens_as_token_ids=True)
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if self.backend == "vllm":
+            # vLLM extras: keep stop strings in the text (our parser expects the closing tag), and ids.
+            body.update(include_stop_str_in_output=True, return_token_ids=True, skip_special_tokens=True)
+        return body
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        chunks = [prompts[i:i + self.max_prompts] for i in range(0, len(prompts), self.max_prompts)]
+        with ThreadPoolExecutor(max_workers=max(1, min(self.parallel, len(chunks)))) as pool:
+            replies = list(pool.map(lambda c: self._request("POST", "/v1/completions", self._body(c, sampling)),
+                                    chunks))
+        out: list[Completion] = []
+        for chunk, reply in zip(chunks, replies):
+            choices = sorted(reply["choices"], key=lambda c: c["index"])
+            if len(choices) != len(chunk):
+                raise GenerationServerError(f"asked for {len(chunk)} completions, got {len(choices)}")
+            out += [self._completion(c) for c in choices]
+        return out
+
+    @staticmethod
+    def _completion(choice: dict[str, Any]) -> Completion:
+        lp = choice.get("logprobs") or {}
+        ids = choice.get("token_ids")
+        if ids is None:
+            tokens = lp.get("tokens") or []
+            if not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                raise GenerationServerError("server returned no token ids (needs return_tokens_as_token_ids)")
+            ids = [int(t.split(":", 1)[1]) for t in tokens]
+        logprobs = [float(x) for x in (lp.get("token_logprobs") or [])]
+        if len(logprobs) != len(ids):
+            raise GenerationServerError(f"{len(ids)} token ids but {len(logprobs)} log-probs")
+        return Completion(list(ids), logprobs, choice.get("text", ""), choice.get("finish_reason") or "length")
+
+    def score(self, ids: list[int]) -> list[float]:
+        """Server-side log-probs of ``ids[1:]`` given their prefixes (echo), for checking a weight sync."""
+        reply = self._request("POST", "/v1/completions", dict(model=self.lora_name or self.model, prompt=[ids],
+                                                               max_tokens=0 if self.backend != "vllm" else 1,
+                                                               echo=True, logprobs=0, temperature=1.0,
+                                                               return_tokens_as_token_ids=True))
+        lps = reply["choices"][0]["logprobs"]["token_logprobs"]
+        return [float(x) for x in lps[1:len(ids)]]
+
+    def load_weights(self, source: Any, lora: bool = False) -> None:
+        if lora:
+            name = f"policy-{int(time.time() * 1000)}"
+            self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(source)})
+            self.lora_name = name
+            return
+        if self.backend == "vllm":
+            raise GenerationServerError("vLLM has no full-weight reload route: restart it on the new folder "
+                                        "(VLLMServer.restart) or sync a LoRA adapter")
+        self._request("POST", "/load_weights", {"path": str(source)})
+
+
+def check_sync(client: RemoteGenerator, model: Any, ids: list[int], atol: float = 1e-3) -> float:
+    """Max |server log-prob - learner log-prob| over a fixed sequence; raises if above ``atol``."""
+    import torch
+
+    from agentrl.learner.logprobs import token_logprobs
+
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        ref = token_logprobs(model, t, torch.ones_like(t))[0].tolist()
+    got = client.score(ids)
+    diff = max(abs(a - b) for a, b in zip(ref, got))
+    if diff > atol:
+        raise GenerationServerError(f"weight sync check failed: server and learner log-probs differ by {diff:.2e}")
+    return diff

@@ -1,0 +1,107 @@
+"""Embedded generator: batched sampling with a transformers model in this process.
+
+Left-padded batch, one prefill, then token-by-token decoding with the KV cache. Finished rows are
+dropped from the batch and the cache as they finish, so a batch of ragged turns costs about what its
+live rows cost. Each sampled token's log-prob is taken from the same logits it was sampled from.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.types import Completion, SamplingParams
+
+
+def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (token ids, their log-probs under softmax(logits / T)); top-p only narrows the draw."""
+    logits = logits.float()
+    if sampling.temperature <= 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logits.argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+    logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+    probs = logp.exp()
+    if sampling.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < sampling.top_p  # always keeps the top token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+class EmbeddedGenerator:
+    def __init__(self, model: Any, tokenizer: Any, stop_ids: list[int], device: str = "cpu"):
+        self.model, self.tokenizer, self.stop_ids, self.device = model.eval(), tokenizer, set(stop_ids), device
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, dtype: str = "float32", device: str = "cpu") -> "EmbeddedGenerator":
+        from agentrl.learner.models import load_model, load_tokenizer, stop_token_ids
+
+        model, tok = load_model(folder, dtype, device), load_tokenizer(folder)
+        return cls(model, tok, stop_token_ids(tok, model.config), device)
+
+    def load_weights(self, source: Any) -> None:
+        if isinstance(source, (str, Path)):
+            from agentrl.learner.models import load_model
+
+            source = load_model(source, str(next(self.model.parameters()).dtype).replace("torch.", "")).state_dict()
+        self.model.load_state_dict(source, strict=False)
+
+    def _stopped_by_string(self, ids: list[int], stops: list[str]) -> bool:
+        if not stops:
+            return False
+        tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        if not prompts:
+            return []
+        gen = None
+        if sampling.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        n, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        next_pos = pos[:, -1] + 1
+        rows = list(range(n))  # original index of each live row
+        gen_ids: list[list[int]] = [[] for _ in range(n)]
+        gen_lp: list[list[float]] = [[] for _ in range(n)]
+        finish = ["length"] * n
+        for step in range(sampling.max_new_tokens):
+            tok, lp = sample_from_logits(logits, sampling, gen)
+            keep = []
+            for j, r in enumerate(rows):
+                t = int(tok[j])
+                gen_ids[r].append(t)
+                gen_lp[r].append(float(lp[j]))
+                if t in self.stop_ids or self._stopped_by_string(gen_ids[r], sampling.stop):
+                    finish[r] = "stop"
+                else:
+                    keep.append(j)
+            if not keep or step == sampling.max_new_tokens - 1:
+                break
+            if len(keep) < len(rows):
+                sel = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(sel)
+                tok, mask, next_pos = tok[sel], mask[sel], next_pos[sel]
+                rows = [rows[j] for j in keep]
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                             past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1]
+            next_pos = next_pos + 1
+        return [Completion(gen_ids[i], gen_lp[i], self.tokenizer.decode(gen_ids[i], skip_special_tokens=True),
+                           finish[i]) for i in range(n)]

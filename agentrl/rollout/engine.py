@@ -1,0 +1,202 @@
+"""The multi-turn rollout engine: N env slots, one batched generate call per turn for every live slot.
+
+Each start is a fresh task or a restored state (a recorded trace cut at ``t0``, CRPS's suffix replays,
+LEAFE's rollback branches). Per turn the engine builds every live slot's prompt, generates for all of
+them at once, parses actions, steps the envs (``||`` multi-action turns step action by action), and
+records the turn token-exactly: prompt ids, generated ids and their rollout log-probs.
+
+Two prompt modes: ``window`` (CRPS/verl-agent: a fresh prompt per turn with the last ``history_len``
+observation/action pairs) and ``full`` (RAGEN: one growing chat; each new prompt is the previous prompt +
+the generated ids, untouched, + the next user message, so a whole episode is one sequence whose
+generated spans are exactly what was sampled).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.generation.base import Generator, chat_ids
+from agentrl.rollout.parsing import parse_turn
+from agentrl.rollout.prompts import followup_user, step_messages
+from agentrl.types import Episode, SamplingParams, Turn
+from envs.base import PromptSpec
+from envs.replay import Trace
+
+SENTINEL = "\u2063agentrl-split\u2063"
+
+
+@dataclass
+class RolloutConfig:
+    max_turns: int = 10
+    history_len: int = 2
+    chat_mode: str = "window"  # "window" | "full"
+    require_think: bool = False
+    format_penalty: float = 0.0  # added to a turn's reward when its output has no valid action format
+    max_actions_per_turn: int | None = None  # default: the env's PromptSpec
+    show_admissible: bool = True
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0, max_new_tokens=64))
+
+    def __post_init__(self) -> None:
+        if self.chat_mode not in ("window", "full"):
+            raise ValueError(f"rollout.chat_mode must be 'window' or 'full', got {self.chat_mode!r}")
+
+
+@dataclass
+class Start:
+    """Where an episode begins. With ``trace``, the env is restored to ``trace`` after ``t0`` actions;
+    ``history`` gives the (observation, action) pairs before it for the prompt's history window."""
+
+    task_id: str
+    seed: int = 0
+    group_id: str = ""
+    trace: Trace | None = None
+    t0: int = 0
+    reseed: int | None = None
+    history: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class _Slot:
+    ep: Episode
+    spec: PromptSpec
+    obs: str
+    admissible: list[str] | None
+    history: list[tuple[str, str]]
+    env_steps: int
+    prompt_ids: list[int] | None = None  # full mode: the growing conversation
+    done: bool = False
+
+
+class RolloutEngine:
+    def __init__(self, generator: Generator, tokenizer: Any, envs: Any, env_name: str, config: RolloutConfig):
+        self.gen, self.tok, self.envs, self.env_name, self.cfg = generator, tokenizer, envs, env_name, config
+        self.stats = dict(generate_s=0.0, env_s=0.0, prompt_s=0.0, generated_tokens=0, env_steps=0, turns=0,
+                          generate_calls=0)
+        self._suffix_cache: dict[str, str] = {}
+        self._stop_ids = set(getattr(generator, "stop_ids", ())) | {tokenizer.eos_token_id}
+
+    # ----- public ------------------------------------------------------------------------------
+    def run(self, starts: list[Start]) -> list[Episode]:
+        """Roll out every start (in waves of the pool's size); episodes come back in ``starts`` order."""
+        episodes: list[Episode] = []
+        n = len(self.envs)
+        for i in range(0, len(starts), n):
+            episodes += self._wave(starts[i:i + n])
+        return episodes
+
+    # ----- one wave ----------------------------------------------------------------------------
+    def _wave(self, starts: list[Start]) -> list[Episode]:
+        t = time.perf_counter()
+        fresh = {i: (s.task_id, s.seed) for i, s in enumerate(starts) if s.trace is None}
+        restored = {i: (s.trace, s.t0, s.reseed) for i, s in enumerate(starts) if s.trace is not None}
+        results = {**(self.envs.reset(fresh) if fresh else {}), **(self.envs.restore(restored) if restored else {})}
+        self.stats["env_s"] += time.perf_counter() - t
+        slots: list[_Slot] = []
+        for i, s in enumerate(starts):
+            r = results[i]
+            spec = self.envs.call(i, "prompt_spec")
+            ep = Episode(self.env_name, s.task_id, s.seed, s.group_id, r.info.get("category", ""),
+                         self.envs.call(i, "instruction"), s.t0 if s.trace else 0,
+                         list(s.trace.actions[:s.t0]) if s.trace else [], r.obs, r.info.get("fingerprint", ""))
+            ep.dropped = r.dropped
+            slot = _Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
+                         done=r.dropped)
+            slots.append(slot)
+        for _ in range(self.cfg.max_turns):
+            live = [i for i, sl in enumerate(slots) if not sl.done]
+            if not live:
+                break
+            self._turn(slots, live)
+        for sl in slots:
+            if not sl.done:
+                sl.ep.truncated = True
+        return [sl.ep for sl in slots]
+
+    def _prompt(self, sl: _Slot) -> list[int]:
+        admissible = sl.admissible if self.cfg.show_admissible else None
+        if self.cfg.chat_mode == "window" or sl.prompt_ids is None:
+            msgs = step_messages(sl.spec, sl.ep.instruction, sl.obs, sl.history, sl.env_steps, admissible,
+                                 self.cfg.history_len if self.cfg.chat_mode == "window" else 0)
+            ids = chat_ids(self.tok, msgs)
+        else:
+            last = sl.ep.turns[-1]
+            suffix = self._followup_text(followup_user(sl.spec, sl.obs, admissible), last.finish_reason)
+            ids = sl.prompt_ids + last.gen_ids + self.tok(suffix, add_special_tokens=False)["input_ids"]
+        if self.cfg.chat_mode == "full":
+            sl.prompt_ids = ids
+        return ids
+
+    def _followup_text(self, user: str, finish_reason: str) -> str:
+        """Template text between an assistant message and the next generation, for the current tokenizer."""
+        key = "eos" if finish_reason == "stop_id" else "open"
+        if key not in self._suffix_cache:
+            msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL},
+                    {"role": "user", "content": SENTINEL + "2"}]
+            text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            between = text.split(SENTINEL, 1)[1].split(SENTINEL + "2")[0]
+            after = text.split(SENTINEL + "2", 1)[1]
+            eos = self.tok.eos_token or ""
+            if key == "eos" and eos and between.startswith(eos):
+                between = between[len(eos):]  # the generated ids already end with it
+            self._suffix_cache[key] = between + "{user}" + after
+        return self._suffix_cache[key].replace("{user}", user)
+
+    def _turn(self, slots: list[_Slot], live: list[int]) -> None:
+        t = time.perf_counter()
+        prompts = [self._prompt(slots[i]) for i in live]
+        self.stats["prompt_s"] += time.perf_counter() - t
+        t = time.perf_counter()
+        outs = self.gen.generate(prompts, self.cfg.sampling)
+        self.stats["generate_s"] += time.perf_counter() - t
+        self.stats["generate_calls"] += 1
+        turns: dict[int, Turn] = {}
+        pending: dict[int, list[str]] = {}
+        for i, prompt, out in zip(live, prompts, outs):
+            sl = slots[i]
+            budget = self.cfg.max_actions_per_turn or sl.spec.max_actions_per_turn
+            parsed = parse_turn(out.text, sl.spec.answer_tag, budget, sl.spec.action_separator,
+                                self.cfg.require_think, sl.admissible)
+            turn = Turn(prompt, out.ids, out.logprobs, out.text, [], parsed.valid, sl.obs, 0.0, False,
+                        out.finish_reason, info={"parse_error": parsed.error, "over_budget": parsed.over_budget,
+                                                 "inadmissible": parsed.inadmissible})
+            if out.finish_reason == "stop" and out.ids and out.ids[-1] in self._stop_ids:
+                turn.finish_reason = "stop_id"
+            turns[i] = turn
+            self.stats["generated_tokens"] += len(out.ids)
+            if parsed.valid:
+                pending[i] = list(parsed.actions)
+            else:
+                turn.reward += self.cfg.format_penalty
+        # Step action k of every slot together; a slot stops at its first terminal step.
+        t = time.perf_counter()
+        k = 0
+        while True:
+            batch = {i: acts[k] for i, acts in pending.items() if k < len(acts) and not turns[i].done}
+            if not batch:
+                break
+            for i, r in self.envs.step(batch).items():
+                turn, sl = turns[i], slots[i]
+                if r.dropped:
+                    sl.ep.dropped, turn.done = True, True
+                    continue
+                turn.actions.append(batch[i])
+                turn.fingerprints.append(r.info.get("fingerprint", ""))
+                turn.reward += r.reward
+                turn.observation = r.obs
+                turn.done = r.done
+                sl.admissible = r.info.get("admissible_actions")
+                sl.ep.won, sl.ep.score = bool(r.info.get("won")), float(r.info.get("score", 0.0))
+                self.stats["env_steps"] += 1
+            k += 1
+        self.stats["env_s"] += time.perf_counter() - t
+        for i, turn in turns.items():
+            sl = slots[i]
+            sl.ep.turns.append(turn)
+            self.stats["turns"] += 1
+            if turn.actions:
+                sl.history.append((sl.obs, " || ".join(turn.actions)))
+                sl.env_steps += len(turn.actions)
+            sl.obs = turn.observation
+            if turn.done:
+                sl.done = True
