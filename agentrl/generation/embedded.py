@@ -29,14 +29,34 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams, gen: torc
         keep = sorted_p.cumsum(-1) - sorted_p < sampling.top_p  # always keeps the top token
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    # Inverse-CDF draw: same distribution as torch.multinomial, several times faster on CPU.
+    cdf = probs.cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=gen, device=probs.device).clamp_min(1e-12) * cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u)[:, 0].clamp(max=probs.shape[-1] - 1)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for i in range(n):
+        t = first[i]
+        if any(p[i] != t for p in prompts):
+            return i
+    return n
+
+
+def _select_rows(cache: Any, sel: torch.Tensor) -> None:
+    """Keep only the live rows of a static KV cache (StaticCache has no batch_select_indices)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[sel], layer.values[sel]
+        layer.batch_size = len(sel)
 
 
 class EmbeddedGenerator:
     def __init__(self, model: Any, tokenizer: Any, stop_ids: list[int], device: str = "cpu"):
         self.model, self.tokenizer, self.stop_ids, self.device = model.eval(), tokenizer, set(stop_ids), device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.min_shared_prefix = 16
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: str = "float32", device: str = "cpu") -> "EmbeddedGenerator":
@@ -58,6 +78,43 @@ class EmbeddedGenerator:
         tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
         return any(s in tail for s in stops)
 
+    def _prefill(self, prompts: list[list[int]], max_new: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fill a static KV cache with the prompts; return (cache, attention mask, positions, last logits).
+
+        Rows are laid out as [shared prefix][left padding][own suffix]: the prefix all prompts share (the
+        task instructions of a template) is computed once and copied to every row. Padding is masked and
+        positions count only real tokens, so each row sees exactly what it would see alone. A static
+        cache is written in place (a growing one re-copies all keys and values at every step)."""
+        from transformers import StaticCache
+
+        n, dev = len(prompts), self.device
+        shared = _common_prefix_len(prompts) if n > 1 else 0
+        shared = min(shared, min(len(p) for p in prompts) - 1)  # every row keeps >= 1 token of its own
+        if shared < self.min_shared_prefix:
+            shared = 0
+        width = max(len(p) for p in prompts) - shared
+        cache = StaticCache(config=self.model.config, max_cache_len=shared + width + max_new)
+        if shared:
+            pre = torch.tensor([prompts[0][:shared]], device=dev)
+            self.model(input_ids=pre, attention_mask=torch.ones_like(pre), past_key_values=cache, use_cache=True,
+                       position_ids=torch.arange(shared, device=dev)[None], cache_position=torch.arange(shared, device=dev))
+            for layer in cache.layers:
+                layer.keys = layer.keys.expand(n, -1, -1, -1).contiguous()
+                layer.values = layer.values.expand(n, -1, -1, -1).contiguous()
+                layer.batch_size = n
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, shared + width), dtype=torch.long)
+        mask[:, :shared] = 1
+        for i, p in enumerate(prompts):
+            own = p[shared:]
+            ids[i, width - len(own):] = torch.tensor(own)
+            mask[i, shared + width - len(own):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos[:, shared:], past_key_values=cache,
+                         use_cache=True, cache_position=torch.arange(shared, shared + width, device=dev))
+        return out.past_key_values, mask, pos, out.logits[:, -1]
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         if not prompts:
@@ -65,16 +122,8 @@ class EmbeddedGenerator:
         gen = None
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        n, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        cache, mask, pos, logits = self._prefill(prompts, sampling.max_new_tokens)
+        n = len(prompts)
         next_pos = pos[:, -1] + 1
         rows = list(range(n))  # original index of each live row
         gen_ids: list[list[int]] = [[] for _ in range(n)]
@@ -95,12 +144,13 @@ class EmbeddedGenerator:
                 break
             if len(keep) < len(rows):
                 sel = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(sel)
+                _select_rows(cache, sel)
                 tok, mask, next_pos = tok[sel], mask[sel], next_pos[sel]
                 rows = [rows[j] for j in keep]
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                             past_key_values=cache, use_cache=True)
+                             past_key_values=cache, use_cache=True,
+                             cache_position=torch.tensor([mask.shape[1] - 1], device=self.device))
             cache, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1
         return [Completion(gen_ids[i], gen_lp[i], self.tokenizer.decode(gen_ids[i], skip_special_tokens=True),

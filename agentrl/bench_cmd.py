@@ -1,0 +1,98 @@
+"""`agentrl bench` (`make bench`): rollout throughput against its two reference points, on the same prompts.
+
+1. the rollout engine: N slots, one batched generate per turn (tokens / wall time, all overheads in);
+2. raw batched generate: the very prompt batches the engine produced, generated again without envs;
+3. a sequential per-env loop: the same starts, one env and one prompt at a time.
+Also env steps/s of the env itself (expert actions) and the engine's time split.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="rollout engine vs raw batched generate vs a sequential loop",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="tiny | smollm2 | HF folder (default tiny)")
+    p.add_argument("--env", default="sokoban")
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--json", help="also write the figures here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from agentrl.generation.embedded import EmbeddedGenerator
+    from agentrl.learner.models import resolve_model
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+    from agentrl.types import SamplingParams
+    from envs import make
+    from envs.pool import InProcessEnvs
+
+    gen = EmbeddedGenerator.from_folder(resolve_model(args.model))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
+    cfg = RolloutConfig(max_turns=args.turns, sampling=sampling)
+    starts = [Start(t.task_id, 0) for t in make(args.env).tasks("train")[:args.slots]]
+    gen.generate([[gen.tokenizer.eos_token_id] * 8], SamplingParams(max_new_tokens=4))  # warm-up
+
+    envs = InProcessEnvs(args.env, args.slots)
+    engine = RolloutEngine(gen, gen.tokenizer, envs, args.env, cfg)
+    t = time.perf_counter()
+    episodes = engine.run(starts)
+    engine_s = time.perf_counter() - t
+    engine_tokens = engine.stats["generated_tokens"]
+
+    # The same prompts, turn by turn, as raw batched generate calls.
+    by_turn: dict[int, list[list[int]]] = {}
+    for ep in episodes:
+        for k, turn in enumerate(ep.turns):
+            by_turn.setdefault(k, []).append(turn.prompt_ids)
+    raw_tokens, t = 0, time.perf_counter()
+    for k in sorted(by_turn):
+        raw_tokens += sum(len(c.ids) for c in gen.generate(by_turn[k], sampling))
+    raw_s = time.perf_counter() - t
+
+    one = RolloutEngine(gen, gen.tokenizer, InProcessEnvs(args.env, 1), args.env, cfg)
+    t = time.perf_counter()
+    one.run(starts)
+    seq_s = time.perf_counter() - t
+    seq_tokens = one.stats["generated_tokens"]
+
+    env = make(args.env)
+    steps, t = 0, time.perf_counter()
+    for s in starts:
+        env.reset(s.task_id)
+        while not env.done and (a := env.expert_action()) is not None:
+            env.step(a)
+            steps += 1
+    env_rate = steps / max(1e-9, time.perf_counter() - t)
+
+    st = engine.stats
+    fig = dict(model=args.model, env=args.env, slots=args.slots, turns=args.turns, threads=torch.get_num_threads(),
+               engine_tok_s=engine_tokens / engine_s, raw_generate_tok_s=raw_tokens / raw_s,
+               sequential_tok_s=seq_tokens / seq_s, engine_vs_raw=(engine_tokens / engine_s) / (raw_tokens / raw_s),
+               engine_vs_sequential=(engine_tokens / engine_s) / (seq_tokens / seq_s), env_expert_steps_per_s=env_rate,
+               engine_env_steps=st["env_steps"], split_generate_s=st["generate_s"], split_env_s=st["env_s"],
+               split_prompt_s=st["prompt_s"], engine_s=engine_s)
+    print(f"model {args.model}, env {args.env}, {args.slots} slots x {args.turns} turns, "
+          f"{args.max_new_tokens} new tokens max, torch threads {fig['threads']}")
+    print(f"  rollout engine      {fig['engine_tok_s']:8.1f} tok/s  ({engine_tokens} tokens in {engine_s:.2f}s)")
+    print(f"  raw batched generate{fig['raw_generate_tok_s']:8.1f} tok/s  -> engine/raw = {fig['engine_vs_raw']:.2f}x "
+          f"(goal >= 0.9x)")
+    print(f"  sequential per-env  {fig['sequential_tok_s']:8.1f} tok/s  -> engine/sequential = "
+          f"{fig['engine_vs_sequential']:.1f}x (goal >= 8x at 16 slots)")
+    print(f"  env {args.env}: {env_rate:.0f} expert steps/s in-process; engine stepped {st['env_steps']} env steps")
+    total = st["generate_s"] + st["env_s"] + st["prompt_s"]
+    print(f"  engine time split: generate {st['generate_s']:.2f}s ({100 * st['generate_s'] / total:.0f}%), "
+          f"env {st['env_s']:.2f}s ({100 * st['env_s'] / total:.0f}%), prompts {st['prompt_s']:.2f}s "
+          f"({100 * st['prompt_s'] / total:.0f}%)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(fig, f, indent=1)
+    return 0

