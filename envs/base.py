@@ -167,6 +167,11 @@ class TextEnv:
         self.task, self.seed, self.steps = state["task"], state["seed"], state["steps"]
         self.done, self.last_obs, self.last_info = state["done"], state["last_obs"], dict(state["last_info"])
 
+    def replay_deterministic(self, task_id: str) -> bool:
+        """False for tasks whose engine draws randomness we cannot seed: replay-prefix restore of those
+        may raise DivergenceError (it is detected, never silently wrong), so samplers should not rely on it."""
+        return True
+
     def reseed(self, seed: int) -> None:
         """Give a stochastic env a fresh RNG stream (e.g. for G rollouts from one restored state)."""
 

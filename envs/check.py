@@ -29,6 +29,7 @@ class CheckReport:
     replay_failures: list[str] = field(default_factory=list)
     tamper_checked: int = 0
     tamper_missed: list[str] = field(default_factory=list)
+    replay_skipped: int = 0  # tasks the engine cannot replay deterministically (env.replay_deterministic)
     snapshot_checked: int = 0
     snapshot_failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -50,6 +51,9 @@ class CheckReport:
                      f"/{self.replay_checked}")
         lines.append(f"  altered prefix raised DivergenceError: {self.tamper_checked - len(self.tamper_missed)}"
                      f"/{self.tamper_checked}")
+        if self.replay_skipped:
+            lines.append(f"  replay checks skipped on {self.replay_skipped} task(s) the engine cannot replay "
+                         "deterministically")
         if self.snapshot_checked:
             lines.append(f"  native snapshot/restore exact: {self.snapshot_checked - len(self.snapshot_failures)}"
                          f"/{self.snapshot_checked}")
@@ -89,6 +93,9 @@ def check_env(name: str, n_expert: int = 50, n_replay: int = 20, split: str = "t
         rep.expert_steps = sum(steps) / max(1, len(steps))
         rep.per_category = {c: list(v) for c, v in cats.items()}
         for trace, observations in traces:
+            if not env.replay_deterministic(trace.task_id):
+                rep.replay_skipped += 1
+                continue
             _check_replay(other, trace, observations, rng, rep)
             _check_tamper(other, trace, rng, rep)
             if env.supports_snapshot:
