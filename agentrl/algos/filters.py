@@ -1,0 +1,65 @@
+"""Batch filters over episodes, applied before advantages are turned into a training batch.
+
+Each returns the kept episodes and a count of what was dropped, so the trainer can log it.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Callable, Sequence
+
+from agentrl.registry import Registry
+from agentrl.types import Episode
+
+FILTERS = Registry("filter")
+
+
+def group_std(rewards: Sequence[float]) -> float:
+    if len(rewards) < 2:
+        return 0.0
+    m = sum(rewards) / len(rewards)
+    return math.sqrt(sum((r - m) ** 2 for r in rewards) / len(rewards))
+
+
+@FILTERS.register("variance")
+def variance_filter(episodes: list[Episode], keep_top: float = 0.75, reward: Callable[[Episode], float] | None = None
+                    ) -> tuple[list[Episode], int]:
+    """StarPO-S / Dr.BoT: keep the top ``keep_top`` fraction of groups by within-group reward std.
+
+    Groups with equal std are ranked by group id so the cut is deterministic; at least one group stays."""
+    reward = reward or (lambda e: e.total_reward)
+    groups: dict[str, list[Episode]] = defaultdict(list)
+    for e in episodes:
+        groups[e.group_id].append(e)
+    ranked = sorted(groups, key=lambda g: (-group_std([reward(e) for e in groups[g]]), g))
+    n_keep = max(1, math.ceil(keep_top * len(ranked))) if ranked else 0
+    kept_ids = set(ranked[:n_keep])
+    kept = [e for e in episodes if e.group_id in kept_ids]
+    return kept, len(episodes) - len(kept)
+
+
+@FILTERS.register("overlong")
+def overlong_filter(episodes: list[Episode]) -> tuple[list[Episode], int]:
+    """Drop episodes with a response cut at the token limit (its end was never sampled)."""
+    kept = [e for e in episodes if all(t.finish_reason != "length" for t in e.turns)]
+    return kept, len(episodes) - len(kept)
+
+
+@FILTERS.register("void_turn")
+def void_turn_filter(episodes: list[Episode]) -> tuple[list[Episode], int]:
+    """Drop episodes with a turn that executed no action (SPEAR/Dr.BoT void turns)."""
+    kept = [e for e in episodes if all(t.actions for t in e.turns)]
+    return kept, len(episodes) - len(kept)
+
+
+@FILTERS.register("invalid_format")
+def invalid_format_filter(episodes: list[Episode]) -> tuple[list[Episode], int]:
+    kept = [e for e in episodes if all(t.format_ok for t in e.turns)]
+    return kept, len(episodes) - len(kept)
+
+
+@FILTERS.register("dropped")
+def dropped_filter(episodes: list[Episode]) -> tuple[list[Episode], int]:
+    """Episodes whose env worker was lost and could not be rebuilt never reach training."""
+    kept = [e for e in episodes if not e.dropped]
+    return kept, len(episodes) - len(kept)

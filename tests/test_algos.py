@@ -1,0 +1,146 @@
+"""Estimators, losses and filters against values computed by hand on small tensors."""
+import math
+
+import pytest
+import torch
+
+from agentrl.algos.advantages import ESTIMATORS, assign, discounted_returns, gae, gigpo, grpo
+from agentrl.algos.filters import FILTERS, variance_filter
+from agentrl.algos.losses import (aggregate, clip_cov_mask, dpo_loss, kl_penalty, policy_loss, ppo_objective,
+                                  sft_loss, value_loss)
+from agentrl.registry import RegistryError
+from agentrl.types import Episode, Turn
+
+R = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5])
+G = ["a", "a", "a", "a", "b", "b"]
+
+
+def test_grpo_by_hand():
+    # group a: mean .5, population std .5 -> +-1; group b: mean .75, std .25 -> +-1
+    adv = ESTIMATORS.get("grpo")(R, G, eps=0.0)
+    assert adv.tolist() == pytest.approx([1, -1, -1, 1, 1, -1])
+
+
+def test_dr_grpo_rloo_reinforce_pp_by_hand():
+    assert ESTIMATORS.get("dr_grpo")(R, G).tolist() == pytest.approx([.5, -.5, -.5, .5, .25, -.25])
+    # rloo: 1 - mean(0,0,1)=2/3; 0 - mean(1,0,1)=-2/3; group b: 1-.5=.5, .5-1=-.5
+    assert ESTIMATORS.get("rloo")(R, G).tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, .5, -.5])
+    mean, std = R.mean().item(), R.std(unbiased=False).item()
+    assert ESTIMATORS.get("reinforce_pp")(R, G, eps=0.0).tolist() == pytest.approx(((R - mean) / std).tolist())
+    with pytest.raises(RegistryError, match="unknown advantage estimator 'grpoo'; allowed: .*grpo"):
+        ESTIMATORS.get("grpoo")
+
+
+def test_gae_by_hand():
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.5, 0.6, 0.7]])
+    adv, ret = gae(r, v, gamma=0.9, lam=0.8)
+    d2 = 1.0 - 0.7
+    d1 = 0.0 + 0.9 * 0.7 - 0.6
+    d0 = 0.0 + 0.9 * 0.6 - 0.5
+    a2, a1 = d2, d1 + 0.9 * 0.8 * d2
+    a0 = d0 + 0.9 * 0.8 * a1
+    assert adv[0].tolist() == pytest.approx([a0, a1, a2])
+    assert ret[0].tolist() == pytest.approx([a0 + .5, a1 + .6, a2 + .7])
+    # right padding: the padded step neither contributes nor receives advantage
+    adv_p, _ = gae(torch.tensor([[0.0, 1.0, 9.0]]), torch.tensor([[0.5, 0.6, 9.0]]), 1.0, 1.0,
+                   mask=torch.tensor([[1, 1, 0]]))
+    assert adv_p[0].tolist() == pytest.approx([0.0 + 0.6 - 0.5 + (1.0 - 0.6), 1.0 - 0.6, 0.0])
+
+
+def test_gigpo_step_groups_by_hand():
+    # two trajectories of one group pass the same anchor state "s1" at steps 1 and 0
+    step_rewards = [[0.0, 0.0, 1.0], [0.0, 0.0]]
+    anchors = [["s0", "s1", "s2"], ["s1", "s3"]]
+    rewards = torch.tensor([1.0, 0.0])
+    out = gigpo(rewards, ["g", "g"], step_rewards, anchors, gamma=1.0, step_weight=1.0, eps=0.0,
+                normalize_std=False)
+    # episode advantages: +.5 / -.5; step returns: traj0 [1,1,1], traj1 [0,0]
+    # anchor s1: returns {1 (traj0 t1), 0 (traj1 t0)} -> centred +.5 / -.5; singletons get 0
+    assert out[0].tolist() == pytest.approx([0.5, 1.0, 0.5])
+    assert out[1].tolist() == pytest.approx([-1.0, -0.5])
+    assert discounted_returns([0, 0, 1], 0.5) == [0.25, 0.5, 1.0]
+    assert [t.tolist() for t in assign(torch.tensor([2.0, -1.0]), [2, 1])] == [[2.0, 2.0], [-1.0]]
+
+
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+X = torch.tensor([[1.0, 3.0, 100.0], [5.0, 100.0, 100.0]])
+
+
+def test_aggregation_modes_by_hand():
+    assert aggregate(X, MASK, "token-mean").item() == pytest.approx((1 + 3 + 5) / 3)
+    assert aggregate(X, MASK, "seq-mean-token-mean").item() == pytest.approx((2 + 5) / 2)
+    assert aggregate(X, MASK, "seq-mean-token-sum").item() == pytest.approx((4 + 5) / 2)
+    assert aggregate(X, MASK, "seq-mean-token-sum-norm", norm_len=4).item() == pytest.approx((4 / 4 + 5 / 4) / 2)
+    with pytest.raises(ValueError, match="allowed: token-mean"):
+        aggregate(X, MASK, "mean")
+
+
+def test_clip_higher_asymmetry_and_dual_clip():
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[1.25, 1.25, 0.7, 3.0]]))
+    adv = torch.tensor([[1.0, -1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, stats = policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, agg="seq-mean-token-sum")
+    # tok0: r=1.25 < 1.28 not clipped -> -1.25; tok1 A<0: min(-1.25, -1.25) -> 1.25
+    # tok2: r=.7 clipped at .8 for A<0 -> -min(-.7, -.8) = .8; tok3: r=3, A<0 -> 3
+    assert loss.item() == pytest.approx(-1.25 + 1.25 + 0.8 + 3.0)
+    assert stats["clip_frac"] == pytest.approx(1 / 4)  # only tok2 (r below 1-eps_low with A<0)
+    sym, _ = policy_loss(logp, old, adv, mask, 0.2, 0.2, agg="seq-mean-token-sum")
+    assert sym.item() == pytest.approx(-1.2 + 1.25 + 0.8 + 3.0)  # tok0 clipped at 1.2 with eps_high .2
+    dual, _ = policy_loss(logp, old, adv, mask, 0.2, 0.28, dual_clip=2.0, agg="seq-mean-token-sum")
+    assert dual.item() == pytest.approx(-1.25 + 1.25 + 0.8 + 2.0)  # tok3 bounded by C*|A| = 2
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(math.log(2))
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 - 1 - math.log(0.5))
+    assert kl_penalty(logp, ref, "none").item() == 0.0
+
+
+def test_clip_cov_masks_the_requested_fraction_inside_the_band():
+    gen = torch.Generator().manual_seed(0)
+    logp = torch.linspace(-3, 0, 1000)[None]
+    adv = torch.linspace(-3, 3, 1000)[None]
+    mask = torch.ones(1, 1000)
+    keep = clip_cov_mask(logp, adv, mask, clip_ratio=0.01, bounds=(1.0, 5.0), generator=gen)
+    dropped = (keep == 0)[0]
+    assert int(dropped.sum()) == 10  # 1% of 1000 valid tokens
+    cov = (logp - logp.mean()) * (adv - adv.mean())
+    assert bool(((cov[0][dropped] > 1.0) & (cov[0][dropped] < 5.0)).all())
+    loss, stats = ppo_objective(logp, logp.detach(), adv, mask, dict(clip_cov_ratio=0.01), generator=gen)
+    assert stats["clip_cov_masked"] == 10
+
+
+def test_value_sft_dpo_by_hand():
+    v, old, ret = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.0]]), torch.tensor([[0.0, 1.0]])
+    # tok0: (1-0)^2=1 vs clipped V=.7 -> .49 -> max 1; tok1: (0-1)^2 = 1 both -> .5 * mean(1, 1)
+    assert value_loss(v, old, ret, torch.ones(1, 2), clip=0.2).item() == pytest.approx(0.5)
+    assert sft_loss(torch.log(torch.tensor([[0.5, 0.25]])), torch.tensor([[1, 0]])).item() == pytest.approx(math.log(2))
+    loss, stats = dpo_loss(torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), torch.tensor([-1.5]),
+                           beta=0.5)
+    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-0.5 * (0.5 + 0.5)))))
+    assert stats["accuracy"] == 1.0
+
+
+def _ep(group, reward, finish="stop", actions=("a",), fmt=True):
+    t = Turn([1], [2], [0.0], "", list(actions), fmt, "", reward, True, finish)
+    return Episode("e", "t", 0, group_id=group, turns=[t])
+
+
+def test_variance_filter_keeps_top_groups():
+    eps = [_ep("flat", 1.0), _ep("flat", 1.0), _ep("mixed", 1.0), _ep("mixed", 0.0), _ep("some", .5), _ep("some", 0.)]
+    kept, dropped = variance_filter(eps, keep_top=0.5)
+    assert {e.group_id for e in kept} == {"mixed", "some"} and dropped == 2
+    kept, _ = variance_filter(eps, keep_top=0.25)
+    assert {e.group_id for e in kept} == {"mixed"}
+
+
+def test_other_filters():
+    eps = [_ep("g", 1.0, finish="length"), _ep("g", 1.0, actions=()), _ep("g", 1.0, fmt=False), _ep("g", 0.0)]
+    assert FILTERS.get("overlong")(eps)[1] == 1
+    assert FILTERS.get("void_turn")(eps)[1] == 1
+    assert FILTERS.get("invalid_format")(eps)[1] == 1
+    eps[3].dropped = True
+    assert FILTERS.get("dropped")(eps)[1] == 1
