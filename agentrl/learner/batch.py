@@ -1,0 +1,128 @@
+"""From episodes to padded token tensors.
+
+A ``Sample`` is one training sequence: token ids, a loss mask that is 1 exactly on policy-generated
+tokens, and per-token rollout log-probs and advantages (0 where the mask is 0). ``TokenBatch`` right-pads
+samples and shifts everything to target positions: row t of the (B, T-1) tensors is about token t+1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from agentrl.types import Episode
+
+
+@dataclass
+class Sample:
+    ids: list[int]
+    loss_mask: list[int]
+    old_logprobs: list[float]
+    advantages: list[float]
+    returns: list[float] = field(default_factory=list)
+    old_values: list[float] = field(default_factory=list)
+    ref_logprobs: list[float] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        for name in ("loss_mask", "old_logprobs", "advantages"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"sample {name} has {len(getattr(self, name))} entries for {n} tokens")
+
+    @property
+    def num_targets(self) -> int:
+        return sum(self.loss_mask)
+
+
+def turn_sample(prompt_ids: list[int], gen_ids: list[int], gen_logprobs: list[float], advantage: float | list[float],
+                meta: dict | None = None) -> Sample:
+    """One turn as one sequence (window mode): prompt tokens are context, generated tokens are targets."""
+    adv = advantage if isinstance(advantage, list) else [advantage] * len(gen_ids)
+    p = len(prompt_ids)
+    return Sample(prompt_ids + gen_ids, [0] * p + [1] * len(gen_ids), [0.0] * p + list(gen_logprobs),
+                  [0.0] * p + list(adv), meta=dict(meta or {}))
+
+
+def episode_sample(ep: Episode, turn_advantages: Sequence[float], meta: dict | None = None) -> Sample:
+    """A full-chat episode (RAGEN trajectory-level) as one sequence: the last prompt already holds every
+    earlier prompt and generation verbatim, so each turn's generated span is located and masked in."""
+    last = ep.turns[-1]
+    ids = last.prompt_ids + last.gen_ids
+    mask, lp, adv = [0] * len(ids), [0.0] * len(ids), [0.0] * len(ids)
+    for turn, a in zip(ep.turns, turn_advantages):
+        start = len(turn.prompt_ids)
+        if ids[start:start + len(turn.gen_ids)] != turn.gen_ids:
+            raise ValueError(f"episode {ep.task_id}: turn prompts are not nested (was it rolled out in full mode?)")
+        for j in range(len(turn.gen_ids)):
+            mask[start + j], lp[start + j], adv[start + j] = 1, turn.gen_logprobs[j], a
+    return Sample(ids, mask, lp, adv, meta=dict(meta or {}))
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor  # (B, T)
+    loss_mask: torch.Tensor  # (B, T-1), on target positions
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    old_values: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: list[int]) -> "TokenBatch":
+        i = torch.tensor(idx)
+        width = int(self.attention_mask[i].sum(-1).max())  # trim the shared right padding
+        cut = lambda t: None if t is None else t[i][:, :max(1, width - 1)]  # noqa: E731
+        return TokenBatch(self.input_ids[i][:, :width], self.attention_mask[i][:, :width], cut(self.loss_mask),
+                          cut(self.old_logprobs), cut(self.advantages), cut(self.returns), cut(self.old_values),
+                          cut(self.ref_logprobs))
+
+
+def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
+    width = max(len(s.ids) for s in samples)
+    B = len(samples)
+    ids = torch.full((B, width), pad_id, dtype=torch.long)
+    att = torch.zeros((B, width), dtype=torch.long)
+    tgt = {k: torch.zeros((B, width - 1)) for k in ("mask", "lp", "adv", "ret", "val", "ref")}
+    for b, s in enumerate(samples):
+        n = len(s.ids)
+        ids[b, :n] = torch.tensor(s.ids)
+        att[b, :n] = 1
+        tgt["mask"][b, :n - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float)
+        tgt["lp"][b, :n - 1] = torch.tensor(s.old_logprobs[1:])
+        tgt["adv"][b, :n - 1] = torch.tensor(s.advantages[1:])
+        if s.returns:
+            tgt["ret"][b, :n - 1] = torch.tensor(s.returns[1:])
+        if s.old_values:
+            tgt["val"][b, :n - 1] = torch.tensor(s.old_values[1:])
+        if s.ref_logprobs:
+            tgt["ref"][b, :n - 1] = torch.tensor(s.ref_logprobs[1:])
+    has_ref = any(s.ref_logprobs for s in samples)
+    return TokenBatch(ids, att, tgt["mask"], tgt["lp"], tgt["adv"], tgt["ret"], tgt["val"], tgt["ref"] if has_ref else None)
+
+
+def micro_batches(batch: TokenBatch, token_budget: int) -> list[list[int]]:
+    """Split row indices into micro-batches of at most ``token_budget`` padded tokens (rows sorted by
+    length so padding stays small); a row longer than the budget gets a micro-batch of its own."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        width = max([lengths[j] for j in cur] + [lengths[i]])
+        if cur and width * (len(cur) + 1) > token_budget:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out

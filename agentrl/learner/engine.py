@@ -1,0 +1,241 @@
+"""The torch learner engine: single process, CPU or one GPU.
+
+One protocol for every engine (this one and ``DeepSpeedEngine``): ``logprobs(batch)``, ``step(batch,
+loss_fn)`` (gradient accumulation over micro-batches bounded by a token budget, grad clipping, one
+optimizer step), ``export_weights(folder)`` (an HF folder the generator and vLLM load), ``save``/``load``
+(model, optimizer, scheduler, step and RNG states, so a resumed run continues identically).
+Optional LoRA (peft) and an optional value head on the policy's last hidden state (PPO).
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from agentrl.learner.batch import TokenBatch, micro_batches
+
+LossFn = Callable[[TokenBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class LoraSettings:
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"
+
+
+@dataclass
+class EngineConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraSettings | None = None
+    value_head: bool = False
+    token_budget: int = 8192
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+
+def rng_state() -> dict[str, Any]:
+    return dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate())
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+class ValueHead(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.v = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.v.weight)
+        torch.nn.init.zeros_(self.v.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.v(h.float())[..., 0]
+
+
+def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
+                  need_values: bool = False) -> dict[str, torch.Tensor]:
+    """Per-target log-probs (B, T-1), and optionally entropies and values at the same positions."""
+    from agentrl.algos.losses import entropy_from_logits
+
+    pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos,
+                output_hidden_states=need_values)
+    logits = out.logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
+    res = {"logp": logp}
+    if need_entropy:
+        res["entropy"] = entropy_from_logits(logits)
+    if need_values:
+        res["values"] = value_head(out.hidden_states[-1][:, :-1])
+    return res
+
+
+class TorchEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        from agentrl.learner.models import load_model, load_tokenizer
+
+        self.cfg = config or EngineConfig()
+        torch.manual_seed(self.cfg.seed)
+        self.model_dir = Path(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_model(model_dir, self.cfg.dtype, self.cfg.device)
+        if self.cfg.lora is not None:
+            self.model = self._wrap_lora(self.model, self.cfg.lora)
+        self.value_head = ValueHead(self.model.config.hidden_size).to(self.cfg.device) if self.cfg.value_head else None
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=self.cfg.optim.lr,
+                                           betas=self.cfg.optim.betas, eps=self.cfg.optim.eps,
+                                           weight_decay=self.cfg.optim.weight_decay)
+        warm = max(0, self.cfg.optim.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.global_step = 0
+
+    @staticmethod
+    def _wrap_lora(model: Any, lora: LoraSettings) -> Any:
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.value_head is not None:
+            params += list(self.value_head.parameters())
+        return params
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    # ----- compute -----------------------------------------------------------------------------
+    def forward(self, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
+                need_values: bool = False) -> dict[str, torch.Tensor]:
+        return forward_batch(self.model, self.value_head, mb, temperature, need_entropy, need_values)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TokenBatch, temperature: float = 1.0, values: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs (and values) for the whole batch, computed micro-batch by micro-batch."""
+        self.model.eval()
+        logp = torch.zeros_like(batch.old_logprobs)
+        vals = torch.zeros_like(batch.old_logprobs)
+        for idx in micro_batches(batch, self.cfg.token_budget):
+            mb = batch.select(idx)
+            out = self.forward(mb, temperature, need_values=values and self.value_head is not None)
+            w = out["logp"].shape[1]
+            logp[idx, :w] = out["logp"]
+            if "values" in out:
+                vals[idx, :w] = out["values"]
+        return (logp, vals) if values else logp
+
+    def step(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
+             need_values: bool = False, weight_by: str = "tokens") -> dict[str, float]:
+        """One optimizer step on ``batch`` (see ``backward``), then clipping and the update."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self.backward(batch, loss_fn, temperature, need_entropy, need_values, weight_by)
+        stats.update(grad_norm=self._clip_and_step(), lr=self.scheduler.get_last_lr()[0])
+        return stats
+
+    def backward(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
+                 need_values: bool = False, weight_by: str = "tokens") -> dict[str, float]:
+        """Accumulate gradients over micro-batches. Each micro-batch's loss is weighted by its share of
+        the batch's target tokens (token-mean losses) or sequences (sequence-mean losses), so the
+        accumulated gradient equals that of one big batch."""
+        parts = micro_batches(batch, self.cfg.token_budget)
+        total = batch.num_targets if weight_by == "tokens" else len(batch)
+        stats: dict[str, float] = {}
+        loss_sum = 0.0
+        for idx in parts:
+            mb = batch.select(idx)
+            w = (mb.num_targets if weight_by == "tokens" else len(idx)) / max(1, total)
+            out = self.forward(mb, temperature, need_entropy, need_values)
+            loss, s = loss_fn(mb, out)
+            self._backward(loss * w)
+            loss_sum += float(loss.detach()) * w
+            for k, v in s.items():
+                stats[k] = stats.get(k, 0.0) + v * w
+        stats.update(loss=loss_sum, micro_batches=len(parts))
+        return stats
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _clip_and_step(self) -> float:
+        params = self.trainable_parameters()
+        clip = self.cfg.optim.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.global_step += 1
+        return float(norm)
+
+    # ----- weights out -------------------------------------------------------------------------
+    def merged_model(self) -> Any:
+        """The policy as a plain transformers model (LoRA merged into a copy)."""
+        if self.cfg.lora is None:
+            return self.model
+        import copy
+
+        return copy.deepcopy(self.model).merge_and_unload()
+
+    def export_weights(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        self.merged_model().save_pretrained(folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(folder)
+        return folder
+
+    def export_adapter(self, folder: str | Path) -> Path:
+        if self.cfg.lora is None:
+            raise ValueError("export_adapter needs a LoRA engine")
+        self.model.save_pretrained(folder)
+        return Path(folder)
+
+    def state_dict_for_generator(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.merged_model().state_dict().items()}
+
+    # ----- checkpoints -------------------------------------------------------------------------
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.export_weights(folder / "model")  # loadable by transformers and vLLM as is
+        state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
+                     scheduler=self.scheduler.state_dict(), rng=rng_state(),
+                     value_head=self.value_head.state_dict() if self.value_head is not None else None)
+        torch.save(state, folder / "engine.pt")
+        (folder / "engine.json").write_text(json.dumps(dict(global_step=self.global_step,
+                                                            config=asdict(self.cfg)), default=str))
+        return folder
+
+    def load(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        state = torch.load(folder / "engine.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.value_head is not None and state.get("value_head") is not None:
+            self.value_head.load_state_dict(state["value_head"])
+        set_rng_state(state["rng"])
+        self.global_step = json.loads((folder / "engine.json").read_text())["global_step"]
