@@ -25,6 +25,8 @@ setup(
         # ALFWorld's planner), alfworld's TextWorld-PDDL engine, scienceworld (needs Java 17).
         "envs": ["textworld[pddl]==1.7.0", "alfworld==0.4.2", "scienceworld==1.2.3",
                  "rapidfuzz>=3"],  # WebShop's reward matches attributes and options fuzzily
+        # Learner extras: LoRA and DeepSpeed ZeRO (runs on CPU with gloo too). Install torch first.
+        "train": ["peft>=0.15", "deepspeed>=0.16"],
         "dev": ["pytest>=8", "pytest-timeout>=2"],
     },
     entry_points={"console_scripts": ["agentrl=agentrl.cli:main"]},
