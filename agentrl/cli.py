@@ -8,12 +8,13 @@ from agentrl import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from agentrl import bench_cmd, envs_cmd, serve_cmd
+    from agentrl import bench_cmd, envs_cmd, serve_cmd, train_cmd
 
     parser = argparse.ArgumentParser(prog="agentrl", description="Multi-turn agent RL: train, evaluate and "
                                      "inspect LLM agents on text environments.")
     parser.add_argument("--version", action="version", version=f"agentrl {__version__}")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
+    train_cmd.add_parser(sub)
     envs_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
@@ -21,16 +22,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from agentrl.config import ConfigError
+    from agentrl.registry import RegistryError
     from envs.base import EnvError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Dotted overrides (key.sub=value) may come after options; argparse leaves them over: collect them.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or not all("=" in x and not x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides or []) + extra
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
     try:
         return int(args.func(args) or 0)
-    except EnvError as e:
+    except (EnvError, ConfigError, RegistryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

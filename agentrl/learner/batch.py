@@ -23,6 +23,7 @@ class Sample:
     returns: list[float] = field(default_factory=list)
     old_values: list[float] = field(default_factory=list)
     ref_logprobs: list[float] = field(default_factory=list)
+    value_mask: list[int] = field(default_factory=list)  # where the value loss applies (PPO), 1 per state
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,6 +71,7 @@ class TokenBatch:
     returns: torch.Tensor
     old_values: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
+    value_mask: torch.Tensor | None = None
 
     @property
     def num_targets(self) -> int:
@@ -84,7 +86,7 @@ class TokenBatch:
         cut = lambda t: None if t is None else t[i][:, :max(1, width - 1)]  # noqa: E731
         return TokenBatch(self.input_ids[i][:, :width], self.attention_mask[i][:, :width], cut(self.loss_mask),
                           cut(self.old_logprobs), cut(self.advantages), cut(self.returns), cut(self.old_values),
-                          cut(self.ref_logprobs))
+                          cut(self.ref_logprobs), cut(self.value_mask))
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
@@ -92,7 +94,7 @@ def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
     B = len(samples)
     ids = torch.full((B, width), pad_id, dtype=torch.long)
     att = torch.zeros((B, width), dtype=torch.long)
-    tgt = {k: torch.zeros((B, width - 1)) for k in ("mask", "lp", "adv", "ret", "val", "ref")}
+    tgt = {k: torch.zeros((B, width - 1)) for k in ("mask", "lp", "adv", "ret", "val", "ref", "vmask")}
     for b, s in enumerate(samples):
         n = len(s.ids)
         ids[b, :n] = torch.tensor(s.ids)
@@ -106,8 +108,12 @@ def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
             tgt["val"][b, :n - 1] = torch.tensor(s.old_values[1:])
         if s.ref_logprobs:
             tgt["ref"][b, :n - 1] = torch.tensor(s.ref_logprobs[1:])
+        if s.value_mask:
+            tgt["vmask"][b, :n - 1] = torch.tensor(s.value_mask[1:], dtype=torch.float)
     has_ref = any(s.ref_logprobs for s in samples)
-    return TokenBatch(ids, att, tgt["mask"], tgt["lp"], tgt["adv"], tgt["ret"], tgt["val"], tgt["ref"] if has_ref else None)
+    has_v = any(s.value_mask for s in samples)
+    return TokenBatch(ids, att, tgt["mask"], tgt["lp"], tgt["adv"], tgt["ret"], tgt["val"],
+                      tgt["ref"] if has_ref else None, tgt["vmask"] if has_v else None)
 
 
 def micro_batches(batch: TokenBatch, token_budget: int) -> list[list[int]]:

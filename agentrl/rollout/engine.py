@@ -68,6 +68,15 @@ class _Slot:
     done: bool = False
 
 
+def first_prompt_ids(tok: Any, cfg: RolloutConfig, spec: PromptSpec, instruction: str, obs: str,
+                     history: list[tuple[str, str]], env_steps: int, admissible: list[str] | None) -> list[int]:
+    """The prompt of a turn in window mode (and of the first turn in full mode): shared with SFT data
+    building, so demonstrations are trained on exactly the prompts the policy will see."""
+    msgs = step_messages(spec, instruction, obs, history, env_steps, admissible,
+                         cfg.history_len if cfg.chat_mode == "window" else 0)
+    return chat_ids(tok, msgs)
+
+
 class RolloutEngine:
     def __init__(self, generator: Generator, tokenizer: Any, envs: Any, env_name: str, config: RolloutConfig):
         self.gen, self.tok, self.envs, self.env_name, self.cfg = generator, tokenizer, envs, env_name, config
@@ -116,9 +125,8 @@ class RolloutEngine:
     def _prompt(self, sl: _Slot) -> list[int]:
         admissible = sl.admissible if self.cfg.show_admissible else None
         if self.cfg.chat_mode == "window" or sl.prompt_ids is None:
-            msgs = step_messages(sl.spec, sl.ep.instruction, sl.obs, sl.history, sl.env_steps, admissible,
-                                 self.cfg.history_len if self.cfg.chat_mode == "window" else 0)
-            ids = chat_ids(self.tok, msgs)
+            ids = first_prompt_ids(self.tok, self.cfg, sl.spec, sl.ep.instruction, sl.obs, sl.history, sl.env_steps,
+                                   admissible)
         else:
             last = sl.ep.turns[-1]
             suffix = self._followup_text(followup_user(sl.spec, sl.obs, admissible), last.finish_reason)

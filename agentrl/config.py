@@ -1,0 +1,301 @@
+"""Recipe configuration: typed dataclasses, YAML with inheritance and per-env overlays, dotted overrides.
+
+A recipe YAML may say ``base: grpo`` (deep-merged over the base recipe's YAML), carry ``env_overlays:
+{alfworld: {...}}`` (merged when that env is chosen), and be overridden from the command line with
+``rollout.max_turns=5``-style strings (values parsed as YAML). Every key is checked against the schema
+below before any work starts; a wrong key or value fails with one line naming it and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelCfg:
+    name: str = "tiny"  # tiny | smollm2 | path to an HF folder
+    dtype: str = "float32"
+    lora_r: int = 0  # > 0 turns LoRA on
+    lora_alpha: int = 16
+
+
+@dataclass
+class RolloutCfg:
+    groups: int = 4  # distinct start states per step
+    group_size: int = 4  # rollouts per start state (G)
+    slots: int = 16  # env slots rolled out together
+    pool: Literal["inprocess", "process"] = "inprocess"
+    max_turns: int = 8
+    history_len: int = 2
+    chat_mode: Literal["window", "full"] = "window"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 48
+    require_think: bool = False
+    format_penalty: float = -0.1
+    show_admissible: bool = True
+    split: Literal["train", "valid", "test"] = "train"
+
+
+@dataclass
+class AlgoCfg:
+    estimator: str = "grpo"
+    level: Literal["turn", "trajectory"] = "turn"  # window-mode turns, or whole full-chat episodes
+    reward: Literal["score", "success", "env_return"] = "success"
+    gamma: float = 1.0
+    lam: float = 1.0
+    gigpo_step_weight: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    kl: Literal["k1", "k3", "none"] = "none"
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    clip_cov_ratio: float = 0.0
+    ppo_epochs: int = 1
+    value_coef: float = 0.5
+    value_clip: float | None = 0.2
+    filters: list[str] = field(default_factory=lambda: ["dropped"])
+    variance_keep: float = 1.0  # fraction of groups kept by the variance filter (when listed)
+
+
+@dataclass
+class OptimCfg:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    warmup_steps: int = 0
+    token_budget: int = 16384
+
+
+@dataclass
+class SFTCfg:
+    enabled: bool = False  # warm start on expert demonstrations before RL
+    demos: int = 64  # expert episodes (train split)
+    epochs: int = 2
+    batch_size: int = 16
+    lr: float = 1e-3
+
+
+@dataclass
+class EvalCfg:
+    every: int = 10  # RL steps between evaluations (0: only at the end)
+    tasks: int = 32
+    split: Literal["train", "valid", "test"] = "valid"
+    samples: int = 1  # samples per task (pass@k needs k <= samples)
+    temperature: float = 0.5
+
+
+@dataclass
+class TrainerCfg:
+    steps: int = 20
+    seed: int = 0
+    out_dir: str = "runs/{recipe}-{env}-s{seed}"
+    checkpoint_every: int = 5
+    engine: Literal["torch", "deepspeed"] = "torch"
+    deepspeed_config: str = ""
+    generator: Literal["embedded", "remote"] = "embedded"
+    generator_url: str = ""
+    tensorboard: bool = True
+    wandb: bool = False
+    progress: bool = True
+
+
+@dataclass
+class RecipeCfg:
+    recipe: str = "grpo"
+    method: str = ""  # the registered recipe class implementing it (default: the recipe's own name)
+    env: str = "sokoban"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    model: ModelCfg = field(default_factory=ModelCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    algo: AlgoCfg = field(default_factory=AlgoCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    sft: SFTCfg = field(default_factory=SFTCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
+    trainer: TrainerCfg = field(default_factory=TrainerCfg)
+    extra: dict[str, Any] = field(default_factory=dict)  # recipe-specific knobs, validated by the recipe
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.trainer.out_dir.format(recipe=self.recipe, env=self.env, seed=self.trainer.seed))
+
+
+# ------------------------------------------------------------------------------------------------------
+# loading
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: malformed YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe YAML must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def recipe_yaml(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    cand = RECIPE_DIR / f"{name_or_path}.yaml"
+    if not cand.exists():
+        known = sorted(x.stem for x in RECIPE_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown recipe '{name_or_path}'; allowed: {', '.join(known)} (or a path to a .yaml)")
+    return cand
+
+
+def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The recipe's YAML with its ``base`` chain merged in (base first)."""
+    path = recipe_yaml(name_or_path)
+    if str(path) in seen:
+        raise ConfigError(f"recipe inheritance loop: {' -> '.join(seen + (str(path),))}")
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    if base:
+        data = deep_merge(resolve_yaml(base, seen + (str(path),)), data)
+    data.setdefault("method", path.stem)  # a derived YAML inherits its base's method
+    data["recipe"] = path.stem
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(recipe: str, env: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+                model: str | None = None) -> RecipeCfg:
+    data = resolve_yaml(recipe)
+    name = data["recipe"]
+    overlays = data.pop("env_overlays", {}) or {}
+    if env:
+        data["env"] = env
+    chosen_env = data.get("env", RecipeCfg.env)
+    if chosen_env in overlays:
+        data = deep_merge(data, overlays[chosen_env])
+    if model:
+        data.setdefault("model", {})["name"] = model
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{text}': '{k}' is not a section")
+        node[keys[-1]] = value
+    data["recipe"] = name
+    cfg = build(RecipeCfg, data, "")
+    _check_names(cfg)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------------
+# validation
+
+
+def _type_ok(tp: Any, value: Any) -> tuple[bool, Any, str]:
+    """(ok, converted value, description of what is allowed)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        return value in args, value, "one of " + ", ".join(map(str, args))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+        for a in args:
+            if a is type(None):
+                if value is None:
+                    return True, None, ""
+                continue
+            ok, v, _ = _type_ok(a, value)
+            if ok:
+                return True, v, ""
+        return False, value, " or ".join(_type_ok(a, object())[2] or "null" for a in args)
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value, "a list"
+        return True, value, ""
+    if origin is dict:
+        return isinstance(value, dict), value, "a mapping"
+    if tp is bool:
+        return isinstance(value, bool), value, "true or false"
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value, "an integer"
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value, "a number"
+    if tp is str:
+        return isinstance(value, str), value, "a string"
+    return True, value, ""
+
+
+def build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{prefix.rstrip('.')}' must be a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key '{prefix}{key}'; allowed: {', '.join(sorted(fields))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = build(tp, value, f"{prefix}{key}.")
+            continue
+        ok, conv, allowed = _type_ok(tp, value)
+        if not ok:
+            raise ConfigError(f"bad value for '{prefix}{key}': {value!r}; allowed: {allowed}")
+        kwargs[key] = conv
+    return cls(**kwargs)
+
+
+def _check_names(cfg: RecipeCfg) -> None:
+    from agentrl.algos.advantages import ESTIMATORS
+    from agentrl.algos.filters import FILTERS
+    from agentrl.recipe import RECIPES
+    from envs import registry
+    import recipes  # noqa: F401  (registers the recipe classes)
+
+    if cfg.method not in RECIPES:
+        raise ConfigError(f"bad value for 'method': {cfg.method!r}; allowed: {', '.join(RECIPES.names())}")
+    if cfg.algo.estimator not in ESTIMATORS:
+        raise ConfigError(f"bad value for 'algo.estimator': {cfg.algo.estimator!r}; allowed: "
+                          f"{', '.join(ESTIMATORS.names())}")
+    for f in cfg.algo.filters:
+        if f not in FILTERS:
+            raise ConfigError(f"bad value in 'algo.filters': {f!r}; allowed: {', '.join(FILTERS.names())}")
+    if cfg.env not in registry.names() and ":" not in cfg.env:
+        raise ConfigError(f"bad value for 'env': {cfg.env!r}; allowed: {', '.join(registry.names())}")
+    if cfg.rollout.group_size < 1 or cfg.rollout.groups < 1:
+        raise ConfigError("rollout.groups and rollout.group_size must be >= 1")
+
+
+def dump(cfg: RecipeCfg, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

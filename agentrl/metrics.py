@@ -1,0 +1,131 @@
+"""Diagnostics of a batch of episodes, pass@k, and the metric sinks (JSONL always, TensorBoard, wandb)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from agentrl.types import Episode
+
+
+def group_entropy_bits(successes: Sequence[bool]) -> float:
+    """CRPS eq. 14: entropy (bits) of the success/failure split inside one group."""
+    n = len(successes)
+    if n == 0:
+        return 0.0
+    p = sum(successes) / n
+    return -sum(q * math.log2(q) for q in (p, 1 - p) if q > 0)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def episode_diagnostics(episodes: list[Episode], reward: Callable[[Episode], float], prefix: str = "") -> dict[str, float]:
+    if not episodes:
+        return {}
+    groups: dict[str, list[Episode]] = defaultdict(list)
+    for e in episodes:
+        groups[e.group_id].append(e)
+    rewards = [reward(e) for e in episodes]
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    in_group = []
+    for g in groups.values():
+        rs = [reward(e) for e in g]
+        m = sum(rs) / len(rs)
+        in_group.append(math.sqrt(sum((r - m) ** 2 for r in rs) / len(rs)))
+    turns = [t for e in episodes for t in e.turns]
+    out = {
+        "success": sum(e.won for e in episodes) / len(episodes),
+        "score": sum(e.score for e in episodes) / len(episodes),
+        "reward_mean": mean, "reward_std": std,
+        "in_group_reward_std": sum(in_group) / len(in_group),
+        "all_zero_groups": sum(all(not e.won for e in g) for g in groups.values()) / len(groups),
+        "all_one_groups": sum(all(e.won for e in g) for g in groups.values()) / len(groups),
+        "group_entropy_bits": sum(group_entropy_bits([e.won for e in g]) for g in groups.values()) / len(groups),
+        "response_tokens": sum(len(t.gen_ids) for t in turns) / max(1, len(turns)),
+        "turns_per_episode": len(turns) / len(episodes),
+        "valid_format": sum(t.format_ok for t in turns) / max(1, len(turns)),
+        "env_steps": float(sum(len(t.actions) for t in turns)),
+        "generated_tokens": float(sum(len(t.gen_ids) for t in turns)),
+        "dropped_episodes": float(sum(e.dropped for e in episodes)),
+    }
+    cats: dict[str, list[bool]] = defaultdict(list)
+    for e in episodes:
+        if e.category:
+            cats[e.category].append(e.won)
+    for c, wins in cats.items():
+        out[f"success/{c}"] = sum(wins) / len(wins)
+    return {prefix + k: v for k, v in out.items()}
+
+
+class MetricsLogger:
+    """metrics.jsonl always; TensorBoard and wandb (offline unless WANDB_MODE says otherwise) if asked."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool = True, wandb: bool = False, config: dict | None = None):
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.tb = self.wb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(out_dir) / "tb"))
+            except ImportError:  # tensorboard not installed: JSONL still has everything
+                self.tb = None
+        if wandb:
+            import wandb as wb
+
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self.wb = wb.init(project="agentrl", dir=str(out_dir), config=config or {}, reinit=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wb is not None:
+            self.wb.log(row, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wb is not None:
+            self.wb.finish()
+
+
+def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
+    path = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def echo_trap_flags(history: list[dict[str, Any]], window: int = 5) -> dict[str, float]:
+    """RAGEN's early warnings: in-group reward std and token entropy collapsing, gradient-norm spikes."""
+    rows = [r for r in history if "in_group_reward_std" in r][-2 * window:]
+    if len(rows) < 2 * window:
+        return {}
+    old, new = rows[:window], rows[window:]
+    mean = lambda rs, k: sum(r.get(k, 0.0) for r in rs) / len(rs)  # noqa: E731
+    flags = {}
+    if mean(old, "in_group_reward_std") > 0 and mean(new, "in_group_reward_std") < 0.3 * mean(old, "in_group_reward_std"):
+        flags["warn_reward_std_collapse"] = 1.0
+    if mean(old, "entropy") > 0 and mean(new, "entropy") < 0.3 * mean(old, "entropy"):
+        flags["warn_entropy_collapse"] = 1.0
+    if mean(old, "grad_norm") > 0 and max(r.get("grad_norm", 0.0) for r in new) > 5 * mean(old, "grad_norm"):
+        flags["warn_grad_norm_spike"] = 1.0
+    return flags

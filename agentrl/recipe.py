@@ -1,0 +1,168 @@
+"""Recipes are hooks on the trainer's loop; this base class is the online group-RL step they share.
+
+One step: ``starts`` (which states to roll out from) -> rollout -> ``after_rollout`` (bookkeeping:
+buffers, controllers) -> ``make_batch`` (rewards, filters, advantages, training samples) -> update with
+``loss_fn`` -> ``after_update``. A recipe overrides only what its method changes; ``state_dict`` /
+``load_state_dict`` carry its buffers and controllers through checkpoints.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agentrl.algos.advantages import ESTIMATORS, gae
+from agentrl.algos.filters import FILTERS, variance_filter
+from agentrl.algos.losses import ppo_objective, value_loss
+from agentrl.learner.batch import Sample, episode_sample, turn_sample
+from agentrl.registry import Registry
+from agentrl.rollout.engine import Start
+from agentrl.types import Episode
+
+if TYPE_CHECKING:
+    from agentrl.trainer import Trainer
+
+RECIPES = Registry("recipe")
+
+
+class Recipe:
+    name = "base"
+    online = True  # False: a staged recipe (collect -> fit -> eval) that overrides ``run``
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+
+    # ----- hooks -------------------------------------------------------------------------------
+    def before_training(self, trainer: "Trainer") -> dict[str, float]:
+        """SFT warm start on expert demonstrations when ``sft.enabled``."""
+        if not self.cfg.sft.enabled:
+            return {}
+        from agentrl.sft import expert_samples, fit_sft
+
+        s = self.cfg.sft
+        samples, expert_success = expert_samples(trainer, s.demos)
+        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr)
+        stats["expert_success"] = expert_success
+        return stats
+
+    def starts(self, trainer: "Trainer") -> list[Start]:
+        """``groups`` fresh tasks, each rolled out ``group_size`` times from the same start state."""
+        r = self.cfg.rollout
+        out = []
+        for task_id, seed in trainer.sample_tasks(r.groups):
+            gid = f"{trainer.step}:{task_id}:{seed}"
+            out += [Start(task_id, seed, gid) for _ in range(r.group_size)]
+        return out
+
+    def after_rollout(self, trainer: "Trainer", episodes: list[Episode]) -> None:
+        pass
+
+    def reward(self, ep: Episode) -> float:
+        kind = self.cfg.algo.reward
+        base = float(ep.won) if kind == "success" else ep.score if kind == "score" else \
+            sum(t.info.get("env_reward", t.reward) for t in ep.turns)
+        penalty = sum(self.cfg.rollout.format_penalty for t in ep.turns if not t.format_ok)
+        return base + penalty
+
+    def filter(self, episodes: list[Episode]) -> tuple[list[Episode], dict[str, int]]:
+        dropped: dict[str, int] = {}
+        for name in self.cfg.algo.filters:
+            if name == "variance":
+                episodes, n = variance_filter(episodes, self.cfg.algo.variance_keep, self.reward)
+            else:
+                episodes, n = FILTERS.get(name)(episodes)
+            dropped[f"filtered_{name}"] = n
+        return episodes, dropped
+
+    def make_batch(self, trainer: "Trainer", episodes: list[Episode]) -> tuple[list[Sample], dict[str, float]]:
+        kept, stats = self.filter(episodes)
+        if not kept:
+            return [], dict(stats)
+        algo = self.cfg.algo
+        rewards = torch.tensor([self.reward(e) for e in kept])
+        groups = [e.group_id for e in kept]
+        if algo.estimator == "gigpo":
+            anchors = [[e.initial_fingerprint] + [t.fingerprints[-1] if t.fingerprints else "" for t in e.turns[:-1]]
+                       for e in kept]
+            per_turn = ESTIMATORS.get("gigpo")(rewards, groups, [[t.reward for t in e.turns] for e in kept], anchors,
+                                               gamma=algo.gamma, step_weight=algo.gigpo_step_weight)
+            turn_adv = [a.tolist() for a in per_turn]
+        elif algo.estimator == "gae":
+            turn_adv = [[0.0] * len(e.turns) for e in kept]  # filled after the critic's values (update)
+        else:
+            traj = ESTIMATORS.get(algo.estimator)(rewards, groups)
+            turn_adv = [[float(a)] * len(e.turns) for a, e in zip(traj, kept)]
+        samples = []
+        for e, advs, r in zip(kept, turn_adv, rewards.tolist()):
+            meta = dict(group=e.group_id, reward=r, turn_rewards=[t.reward for t in e.turns])
+            if algo.level == "trajectory":
+                samples.append(episode_sample(e, advs, meta))
+            else:
+                for k, (t, a) in enumerate(zip(e.turns, advs)):
+                    if t.gen_ids:
+                        samples.append(turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, a, dict(meta, turn=k)))
+        stats["samples"] = len(samples)
+        return samples, stats
+
+    def loss_fn(self, trainer: "Trainer") -> Any:
+        a = self.cfg.algo
+        cfg = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, agg=a.agg, kl=a.kl,
+                   kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, clip_cov_ratio=a.clip_cov_ratio,
+                   norm_len=self.cfg.rollout.max_new_tokens)
+
+        def fn(mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, stats = ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, cfg,
+                                        mb.ref_logprobs, out.get("entropy"))
+            if "values" in out and mb.value_mask is not None:
+                vl = value_loss(out["values"], mb.old_values, mb.returns, mb.value_mask, a.value_clip)
+                loss = loss + a.value_coef * vl
+                stats["value_loss"] = float(vl)
+            return loss, stats
+
+        return fn
+
+    def after_update(self, trainer: "Trainer", stats: dict[str, float]) -> None:
+        pass
+
+    # ----- the step ----------------------------------------------------------------------------
+    def step(self, trainer: "Trainer") -> dict[str, float]:
+        starts = self.starts(trainer)
+        episodes = trainer.rollout(starts)
+        self.after_rollout(trainer, episodes)
+        samples, stats = self.make_batch(trainer, episodes)
+        metrics = dict(stats)
+        metrics.update(trainer.diagnostics(episodes, self))
+        if samples:
+            if self.cfg.algo.estimator == "gae":
+                samples = self.critic_advantages(trainer, samples)
+            metrics.update(trainer.update(samples, self.loss_fn(trainer), need_values=self.cfg.algo.estimator == "gae"))
+        self.after_update(trainer, metrics)
+        return metrics
+
+    def critic_advantages(self, trainer: "Trainer", samples: list[Sample]) -> list[Sample]:
+        """PPO: turn-level GAE from the value head's estimate at the last prompt token of each turn."""
+        values = trainer.values(samples)
+        by_episode: dict[tuple, list[int]] = defaultdict(list)
+        for i, s in enumerate(samples):
+            by_episode[(s.meta["group"], id(s.meta["turn_rewards"]))].append(i)
+        for idx in by_episode.values():
+            idx.sort(key=lambda i: samples[i].meta.get("turn", 0))
+            rewards = torch.tensor([samples[i].meta["turn_rewards"][samples[i].meta.get("turn", 0)] for i in idx])
+            rewards[-1] += samples[idx[-1]].meta["reward"]
+            v = torch.tensor([values[i] for i in idx])
+            adv, ret = gae(rewards[None], v[None], self.cfg.algo.gamma, self.cfg.algo.lam)
+            for j, i in enumerate(idx):
+                s = samples[i]
+                first = s.loss_mask.index(1)
+                s.advantages = [float(adv[0, j]) if m else 0.0 for m in s.loss_mask]
+                # the value target sits at the last prompt token, which predicts the first generated one
+                s.returns, s.old_values, s.value_mask = [0.0] * len(s.ids), [0.0] * len(s.ids), [0] * len(s.ids)
+                s.returns[first], s.old_values[first], s.value_mask[first] = float(ret[0, j]), float(v[j]), 1
+        return samples
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,96 @@
+"""`agentrl train`, `agentrl eval` and `agentrl plot`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env", help="env name (default: the recipe's)")
+    p.add_argument("--model", help="tiny | smollm2 | path to an HF model folder (default: the recipe's)")
+    p.add_argument("--seed", type=int, help="trainer.seed")
+    p.add_argument("--out", help="trainer.out_dir (default runs/{recipe}-{env}-s{seed})")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_turns=5 algo.kl_coef=0.001")
+
+
+def add_parser(sub: Any) -> None:
+    t = sub.add_parser("train", help="train with a recipe", description="Train a policy with a recipe YAML "
+                       "(recipes/NAME.yaml or a path). Resumes from the run folder's last checkpoint.",
+                       epilog="example: agentrl train grpo --env sokoban rollout.group_size=8 trainer.steps=50")
+    t.add_argument("recipe", nargs="?", default="grpo", help="recipe name or YAML path (default grpo)")
+    _common(t)
+    t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    t.set_defaults(func=run_train)
+    e = sub.add_parser("eval", help="evaluate a model or checkpoint: success, pass@k, per category")
+    e.add_argument("--split", default="valid")
+    e.add_argument("--tasks", type=int, default=32)
+    e.add_argument("--samples", type=int, default=1, help="samples per task (pass@k for k <= samples)")
+    _common(e)
+    e.set_defaults(func=run_eval)
+    pl = sub.add_parser("plot", help="PNG learning curves and diagnostics of a run folder")
+    pl.add_argument("run_dir", nargs="+")
+    pl.add_argument("--out", help="output PNG (default RUN_DIR/curves.png)")
+    pl.set_defaults(func=run_plot)
+
+
+def _config(args: argparse.Namespace, recipe: str) -> Any:
+    from agentrl.config import load_config
+
+    overrides = list(args.overrides or [])
+    if args.seed is not None:
+        overrides.append(f"trainer.seed={args.seed}")
+    if args.out:
+        overrides.append(f"trainer.out_dir={args.out}")
+    return load_config(recipe, env=args.env, overrides=overrides, model=args.model)
+
+
+def _trainer(cfg: Any) -> Any:
+    import recipes  # noqa: F401
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    recipe = RECIPES.get(cfg.method or cfg.recipe)(cfg)
+    return Trainer(cfg, recipe)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    cfg = _config(args, args.recipe)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return 0
+    trainer = _trainer(cfg)
+    try:
+        final = trainer.train()
+    finally:
+        trainer.close()
+    print(json.dumps({"run": str(cfg.out_dir), **final}, indent=1))
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides or []) + [f"eval.split={args.split}", f"eval.tasks={args.tasks}",
+                                              f"eval.samples={args.samples}"]
+    args.overrides = overrides
+    cfg = _config(args, "eval")
+    trainer = _trainer(cfg)
+    try:
+        ks = tuple(k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= args.samples)
+        res = trainer.evaluate(ks=ks)
+    finally:
+        trainer.close()
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from agentrl.plot import plot_runs
+
+    out = Path(args.out) if args.out else Path(args.run_dir[0]) / "curves.png"
+    plot_runs([Path(d) for d in args.run_dir], out)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,265 @@
+"""The actor/learner loop: env slots -> rollouts -> batches -> learner -> weights -> generator.
+
+The trainer owns the parts (learner engine, generator, env slots, rollout engine, metric sinks,
+checkpoints); the recipe decides what one step does (``Recipe.step``). Runs resume from their last
+checkpoint with the learner, the recipe's buffers and controllers, the task sampler and every RNG.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from agentrl.config import RecipeCfg, dump
+from agentrl.learner.batch import Sample, collate
+from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
+from agentrl.metrics import MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, read_metrics
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+from agentrl.types import Episode, SamplingParams
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: RecipeCfg, recipe: Any):
+        from agentrl.learner.models import resolve_model
+
+        self.cfg, self.recipe = cfg, recipe
+        self.out_dir = cfg.out_dir
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        dump(cfg, self.out_dir / "config.yaml")
+        seed_everything(cfg.trainer.seed)
+        self.rng = random.Random(cfg.trainer.seed)
+        self.step = 0
+        self.model_dir = resolve_model(cfg.model.name)
+        self.engine = self._make_engine()
+        self.tokenizer = self.engine.tokenizer
+        self.generator = self._make_generator()
+        self.envs = self._make_envs()
+        self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict())
+        self._tasks = None
+
+    # ----- parts -------------------------------------------------------------------------------
+    def _make_engine(self) -> Any:
+        c = self.cfg
+        ecfg = EngineConfig(optim=OptimConfig(lr=c.optim.lr, weight_decay=c.optim.weight_decay,
+                                              grad_clip=c.optim.grad_clip, warmup_steps=c.optim.warmup_steps),
+                            lora=LoraSettings(r=c.model.lora_r, alpha=c.model.lora_alpha) if c.model.lora_r else None,
+                            value_head=c.algo.estimator == "gae", token_budget=c.optim.token_budget,
+                            dtype=c.model.dtype, seed=c.trainer.seed)
+        if c.trainer.engine == "deepspeed":
+            from agentrl.learner.deepspeed_engine import DeepSpeedEngine
+
+            return DeepSpeedEngine(self.model_dir, ecfg, c.trainer.deepspeed_config or None)
+        return TorchEngine(self.model_dir, ecfg)
+
+    def _make_generator(self) -> Any:
+        if self.cfg.trainer.generator == "remote":
+            from agentrl.generation.client import RemoteGenerator
+
+            gen = RemoteGenerator(self.cfg.trainer.generator_url)
+            gen.wait_ready()
+            return gen
+        from agentrl.generation.embedded import EmbeddedGenerator
+        from agentrl.learner.models import stop_token_ids
+
+        model = getattr(self.engine, "model", None)
+        if model is None:  # DeepSpeed: a separate copy, refreshed from exported weights
+            return EmbeddedGenerator.from_folder(self.model_dir)
+        # The torch engine's own module: rollouts always see the latest weights, no copy to sync.
+        return EmbeddedGenerator(model, self.tokenizer, stop_token_ids(self.tokenizer, model.config))
+
+    def _make_envs(self) -> Any:
+        r = self.cfg.rollout
+        if r.pool == "process":
+            from envs.pool import EnvPool
+
+            return EnvPool(self.cfg.env, r.slots, self.cfg.env_kwargs)
+        from envs.pool import InProcessEnvs
+
+        return InProcessEnvs(self.cfg.env, r.slots, self.cfg.env_kwargs)
+
+    def rollout_config(self, temperature: float | None = None, max_turns: int | None = None) -> RolloutConfig:
+        r = self.cfg.rollout
+        spec = self.envs.call(0, "prompt_spec")
+        stops = [f"</{spec.answer_tag}>"]
+        return RolloutConfig(max_turns=max_turns or r.max_turns, history_len=r.history_len, chat_mode=r.chat_mode,
+                             require_think=r.require_think, format_penalty=r.format_penalty,
+                             show_admissible=r.show_admissible,
+                             sampling=SamplingParams(temperature=r.temperature if temperature is None else temperature,
+                                                     top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=stops,
+                                                     seed=self.rng.randrange(2**31)))
+
+    # ----- services the recipes use ----------------------------------------------------------------
+    def task_ids(self, split: str) -> list[str]:
+        return [t.task_id for t in self.envs.call(0, "tasks", split)]
+
+    def sample_tasks(self, n: int, split: str | None = None) -> list[tuple[str, int]]:
+        ids = self.task_ids(split or self.cfg.rollout.split)
+        return [(self.rng.choice(ids), self.rng.randrange(2**31)) for _ in range(n)]
+
+    def rollout(self, starts: list[Start], temperature: float | None = None, max_turns: int | None = None
+                ) -> list[Episode]:
+        engine = RolloutEngine(self.generator, self.tokenizer, self.envs, self.cfg.env,
+                               self.rollout_config(temperature, max_turns))
+        self.generator.model.eval() if hasattr(self.generator, "model") else None
+        eps = engine.run(starts)
+        self._rollout_stats = engine.stats
+        return eps
+
+    def update(self, samples: list[Sample], loss_fn: Any, need_values: bool = False) -> dict[str, float]:
+        batch = collate(samples, self.engine.pad_id)
+        t = time.perf_counter()
+        stats: dict[str, float] = {}
+        for _ in range(self.cfg.algo.ppo_epochs):
+            stats = self.engine.step(batch, loss_fn, temperature=self.cfg.rollout.temperature,
+                                     need_entropy=True, need_values=need_values)
+        self.sync_weights()
+        stats["time_learn_s"] = time.perf_counter() - t
+        return stats
+
+    def values(self, samples: list[Sample]) -> list[float]:
+        """Critic value at the last prompt token of each sample (PPO)."""
+        batch = collate(samples, self.engine.pad_id)
+        _, vals = self.engine.logprobs(batch, values=True)
+        return [float(vals[i, s.loss_mask.index(1) - 1]) for i, s in enumerate(samples)]
+
+    def sync_weights(self) -> None:
+        """After an update the generator must sample from the new policy."""
+        if self.generator is not None and getattr(self.generator, "model", None) is getattr(self.engine, "model", 1):
+            return  # shared module
+        folder = self.out_dir / "weights"
+        if folder.exists():
+            shutil.rmtree(folder)
+        self.engine.export_weights(folder)
+        self.generator.load_weights(folder)
+
+    def diagnostics(self, episodes: list[Episode], recipe: Any) -> dict[str, float]:
+        d = episode_diagnostics(episodes, recipe.reward)
+        st = getattr(self, "_rollout_stats", {})
+        d.update(time_generate_s=st.get("generate_s", 0.0), time_env_s=st.get("env_s", 0.0))
+        return d
+
+    # ----- evaluation --------------------------------------------------------------------------
+    def evaluate(self, n_tasks: int | None = None, samples: int | None = None, split: str | None = None,
+                 ks: tuple[int, ...] = (1,)) -> dict[str, float]:
+        e = self.cfg.eval
+        split, n_tasks, samples = split or e.split, n_tasks or e.tasks, samples or e.samples
+        ids = self.task_ids(split)[:n_tasks]
+        starts = [Start(t, 1000 + i, f"eval:{t}") for i, t in enumerate(ids) for _ in range(samples)]
+        eps = self.rollout(starts, temperature=e.temperature)
+        out = episode_diagnostics(eps, lambda ep: float(ep.won), prefix="eval/")
+        by_task: dict[str, list[bool]] = {}
+        for ep in eps:
+            by_task.setdefault(ep.task_id, []).append(ep.won)
+        for k in sorted({1, *ks}):
+            if k <= samples:
+                out[f"eval/pass@{k}"] = sum(pass_at_k(len(w), sum(w), k) for w in by_task.values()) / len(by_task)
+        return out
+
+    # ----- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        ckpt = self.out_dir / "checkpoint"
+        tmp = self.out_dir / "checkpoint.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        self.engine.save(tmp)
+        torch.save(dict(step=self.step, rng=self.rng.getstate(), recipe=self.recipe.state_dict()), tmp / "trainer.pt")
+        if ckpt.exists():
+            shutil.rmtree(ckpt)
+        tmp.rename(ckpt)  # a kill mid-save leaves the previous checkpoint intact
+        return ckpt
+
+    def load_checkpoint(self) -> bool:
+        ckpt = self.out_dir / "checkpoint"
+        if not (ckpt / "trainer.pt").exists():
+            return False
+        self.engine.load(ckpt)
+        state = torch.load(ckpt / "trainer.pt", weights_only=False)
+        self.step = state["step"]
+        self.rng.setstate(state["rng"])
+        self.recipe.load_state_dict(state["recipe"])
+        self.sync_weights()
+        return True
+
+    # ----- the run -----------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        resumed = self.load_checkpoint()
+        if resumed:
+            print(f"resumed from {self.out_dir / 'checkpoint'} at step {self.step}", flush=True)
+        if self.step == 0 and not resumed:
+            pre = self.recipe.before_training(self) if hasattr(self.recipe, "before_training") else {}
+            first = self.evaluate() if self.cfg.eval.tasks else {}
+            self.logger.log(0, {**pre, **first})
+            self._print(0, first)
+        progress = _Progress(self.cfg.trainer.steps, self.step, self.cfg.trainer.progress)
+        final: dict[str, float] = {}
+        try:
+            while self.step < self.cfg.trainer.steps:
+                t = time.perf_counter()
+                metrics = self.recipe.step(self)
+                self.step += 1
+                metrics["time_step_s"] = time.perf_counter() - t
+                metrics.update(echo_trap_flags(read_metrics(self.out_dir) + [metrics]))
+                e = self.cfg.eval
+                if self.cfg.eval.tasks and ((e.every and self.step % e.every == 0) or self.step == self.cfg.trainer.steps):
+                    metrics.update(self.evaluate())
+                    final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+                self.logger.log(self.step, metrics)
+                progress.update(self.step, metrics)
+                if self.step % self.cfg.trainer.checkpoint_every == 0 or self.step == self.cfg.trainer.steps:
+                    self.save_checkpoint()
+        finally:
+            progress.close()
+            self.logger.close()
+        (self.out_dir / "final.json").write_text(json.dumps(final, indent=1))
+        return final
+
+    def _print(self, step: int, m: dict[str, float]) -> None:
+        if "eval/success" in m:
+            print(f"step {step}: eval success {m['eval/success']:.3f} on {self.cfg.eval.tasks} "
+                  f"{self.cfg.eval.split} tasks", flush=True)
+
+    def close(self) -> None:
+        if hasattr(self.envs, "close"):
+            self.envs.close()
+
+
+class _Progress:
+    """A rich progress bar with the key metrics, or plain lines when not on a terminal."""
+
+    KEYS = ("success", "reward_mean", "in_group_reward_std", "loss", "eval/success")
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        import sys
+
+        self.bar = None
+        self.plain = enabled and not sys.stdout.isatty()
+        if enabled and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                TextColumn("{task.fields[info]}"))
+            self.bar.start()
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+
+    def update(self, step: int, m: dict[str, Any]) -> None:
+        info = "  ".join(f"{k} {m[k]:.3f}" for k in self.KEYS if isinstance(m.get(k), (int, float)))
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info)
+        elif self.plain:
+            print(f"step {step}: {info}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,48 @@
+"""Supervised recipes: ``sft`` (expert demonstrations), ``rft`` (fine-tune on the policy's own
+successes, rejection sampling) and ``eval`` (evaluate a model, no training)."""
+from __future__ import annotations
+
+from typing import Any
+
+from agentrl.learner.batch import turn_sample
+from agentrl.recipe import RECIPES, Recipe
+from agentrl.sft import expert_samples, fit_sft
+
+
+@RECIPES.register("sft")
+class SFT(Recipe):
+    """Each step fits another slice of expert demonstrations (sft.demos episodes, sft.epochs passes)."""
+
+    def before_training(self, trainer: Any) -> dict[str, float]:
+        return {}
+
+    def step(self, trainer: Any) -> dict[str, float]:
+        s = self.cfg.sft
+        samples, expert_success = expert_samples(trainer, s.demos)
+        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr)
+        stats["expert_success"] = expert_success
+        return stats
+
+
+@RECIPES.register("rft")
+class RFT(Recipe):
+    """Roll out groups, keep the successful episodes, SFT on their generated tokens."""
+
+    def step(self, trainer: Any) -> dict[str, float]:
+        episodes = trainer.rollout(self.starts(trainer))
+        metrics = trainer.diagnostics(episodes, self)
+        keep = [e for e in episodes if e.won and not e.dropped]
+        samples = [turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, 1.0) for e in keep for t in e.turns if t.gen_ids]
+        metrics["rft_kept_episodes"] = float(len(keep))
+        if samples:
+            metrics.update(fit_sft(trainer, samples, self.cfg.sft.epochs, self.cfg.sft.batch_size, self.cfg.optim.lr))
+        return metrics
+
+
+@RECIPES.register("eval")
+class Eval(Recipe):
+    def before_training(self, trainer: Any) -> dict[str, float]:
+        return {}
+
+    def step(self, trainer: Any) -> dict[str, float]:
+        return trainer.evaluate()
