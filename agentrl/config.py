@@ -173,11 +173,16 @@ def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any
     path = recipe_yaml(name_or_path)
     if str(path) in seen:
         raise ConfigError(f"recipe inheritance loop: {' -> '.join(seen + (str(path),))}")
+    from agentrl.recipe import RECIPES
+    import recipes  # noqa: F401  (registers the recipe classes)
+
     data = _read_yaml(path)
+    own_method = data.get("method") or (path.stem if path.stem in RECIPES else None)
     base = data.pop("base", None)
     if base:
         data = deep_merge(resolve_yaml(base, seen + (str(path),)), data)
-    data.setdefault("method", path.stem)  # a derived YAML inherits its base's method
+    # A recipe's YAML names its own class; a user's YAML derived from it inherits the base's class.
+    data["method"] = own_method or data.get("method") or path.stem
     data["recipe"] = path.stem
     return data
 

@@ -1,0 +1,106 @@
+"""Recipes end to end on CPU with a tiny model (1-2 steps each), config validation, resume, CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from agentrl.config import ConfigError, load_config
+
+BASELINES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "gigpo", "starpo", "starpo_s", "sft", "rft", "eval"]
+
+
+def small(tmp_path, model_dir, *extra):
+    return [f"model.name={model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=2", "trainer.tensorboard=false",
+            "trainer.progress=false", "rollout.groups=2", "rollout.group_size=2", "rollout.slots=4",
+            "rollout.max_turns=2", "rollout.max_new_tokens=8", "eval.tasks=2", "eval.every=1", "sft.demos=2",
+            "sft.epochs=1", "trainer.checkpoint_every=1", *extra]
+
+
+def run(cfg):
+    import recipes  # noqa: F401
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    try:
+        return t, t.train()
+    finally:
+        t.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recipe", BASELINES)
+def test_baseline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
+    cfg = load_config(recipe, env="sokoban", overrides=small(tmp_path, tiny_model_dir))
+    trainer, final = run(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/success" in final and "eval/pass@1" in final
+    assert (tmp_path / "checkpoint" / "model" / "config.json").exists()
+    if recipe not in ("sft", "eval"):
+        assert "all_zero_groups" in rows[1] and "group_entropy_bits" in rows[1] and "success" in rows[1]
+    if recipe in ("grpo", "ppo", "starpo_s"):
+        assert "loss" in rows[1] and "grad_norm" in rows[1]
+
+
+@pytest.mark.timeout(300)
+def test_killed_run_resumes_from_checkpoint(tiny_model_dir, tmp_path):
+    cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=1"))
+    run(cfg)
+    cfg2 = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=2"))
+    trainer, _ = run(cfg2)
+    rows = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [0, 1, 2]  # step 0 (SFT + first eval) was not redone
+    assert trainer.step == 2
+
+
+def test_unknown_key_and_bad_value_fail_fast_with_the_key_named():
+    with pytest.raises(ConfigError, match=r"unknown key 'rollout.max_turn'; allowed: .*max_turns"):
+        load_config("grpo", overrides=["rollout.max_turn=3"])
+    with pytest.raises(ConfigError, match=r"bad value for 'rollout.chat_mode': 'chat'; allowed: one of window, full"):
+        load_config("grpo", overrides=["rollout.chat_mode=chat"])
+    with pytest.raises(ConfigError, match=r"bad value for 'algo.estimator': 'grpoo'; allowed: .*dr_grpo"):
+        load_config("grpo", overrides=["algo.estimator=grpoo"])
+    with pytest.raises(ConfigError, match=r"bad value for 'optim.lr': 'fast'; allowed: a number"):
+        load_config("grpo", overrides=["optim.lr=fast"])
+    with pytest.raises(ConfigError, match=r"unknown recipe 'grop'; allowed: .*grpo"):
+        load_config("grop")
+    with pytest.raises(ConfigError, match=r"bad value for 'env': 'sokobon'"):
+        load_config("grpo", env="sokobon")
+
+
+def test_malformed_yaml_and_inheritance(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [1, 2\n")
+    with pytest.raises(ConfigError, match="malformed YAML"):
+        load_config(str(bad))
+    child = tmp_path / "mine.yaml"
+    child.write_text("base: starpo_s\nalgo:\n  variance_keep: 0.5\nenv_overlays:\n  bandit:\n    rollout: {group_size: 16}\n")
+    cfg = load_config(str(child), env="bandit")
+    assert cfg.recipe == "mine" and cfg.method == "starpo_s" and cfg.algo.variance_keep == 0.5
+    assert cfg.rollout.chat_mode == "full" and cfg.algo.filters == ["dropped", "variance"]  # from starpo(_s)
+    assert cfg.rollout.group_size == 16  # the overlay of the chosen env
+    loop = tmp_path / "loop.yaml"
+    loop.write_text(f"base: {loop}\n")
+    with pytest.raises(ConfigError, match="inheritance loop"):
+        load_config(str(loop))
+
+
+def test_cli_reports_config_errors_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "grpo", "rollout.max_turn=3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        r.stderr.strip().splitlines()[0]] and "unknown key 'rollout.max_turn'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "dotted overrides" in r.stdout
+
+
+def test_pass_at_k_unbiased():
+    from agentrl.metrics import group_entropy_bits, pass_at_k
+
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 4 * 2 / 3)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert group_entropy_bits([True, False]) == 1.0 and group_entropy_bits([True] * 3) == 0.0
