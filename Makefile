@@ -50,15 +50,7 @@ envs: $(STAMP)
 	$(BIN)/agentrl envs list
 	$(BIN)/agentrl envs check sokoban sokoban-large sokoban-newvocab frozenlake bandit bandit-reversed
 
-check-RECIPE ?= grpo
-ENV ?= sokoban
-MODEL ?=
-OVERRIDES ?=
-train: $(STAMP)
-	$(BIN)/agentrl train $(RECIPE) --env $(ENV) $(if $(MODEL),--model $(MODEL)) $(OVERRIDES)
-	$(BIN)/agentrl plot runs/$(RECIPE)-$(ENV)-s0
-
-envs: $(STAMP)
+check-envs: $(STAMP)
 	$(BIN)/agentrl envs check sokoban sokoban-large sokoban-newvocab frozenlake bandit bandit-reversed textworld scienceworld
 
 TASK ?=

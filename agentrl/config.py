@@ -254,6 +254,11 @@ def _type_ok(tp: Any, value: Any) -> tuple[bool, Any, str]:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value, "an integer"
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
+            try:
+                return True, float(value), "a number"
+            except ValueError:
+                return False, value, "a number"
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         return ok, float(value) if ok else value, "a number"
     if tp is str:
