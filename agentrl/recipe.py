@@ -94,8 +94,8 @@ class Recipe:
             traj = ESTIMATORS.get(algo.estimator)(rewards, groups)
             turn_adv = [[float(a)] * len(e.turns) for a, e in zip(traj, kept)]
         samples = []
-        for e, advs, r in zip(kept, turn_adv, rewards.tolist()):
-            meta = dict(group=e.group_id, reward=r, turn_rewards=[t.reward for t in e.turns])
+        for n, (e, advs, r) in enumerate(zip(kept, turn_adv, rewards.tolist())):
+            meta = dict(episode=n, group=e.group_id, reward=r, turn_rewards=[t.reward for t in e.turns])
             if algo.level == "trajectory":
                 samples.append(episode_sample(e, advs, meta))
             else:
@@ -143,9 +143,9 @@ class Recipe:
     def critic_advantages(self, trainer: "Trainer", samples: list[Sample]) -> list[Sample]:
         """PPO: turn-level GAE from the value head's estimate at the last prompt token of each turn."""
         values = trainer.values(samples)
-        by_episode: dict[tuple, list[int]] = defaultdict(list)
+        by_episode: dict[int, list[int]] = defaultdict(list)
         for i, s in enumerate(samples):
-            by_episode[(s.meta["group"], id(s.meta["turn_rewards"]))].append(i)
+            by_episode[s.meta["episode"]].append(i)
         for idx in by_episode.values():
             idx.sort(key=lambda i: samples[i].meta.get("turn", 0))
             rewards = torch.tensor([samples[i].meta["turn_rewards"][samples[i].meta.get("turn", 0)] for i in idx])

@@ -112,7 +112,8 @@ class Trainer:
                 ) -> list[Episode]:
         engine = RolloutEngine(self.generator, self.tokenizer, self.envs, self.cfg.env,
                                self.rollout_config(temperature, max_turns))
-        self.generator.model.eval() if hasattr(self.generator, "model") else None
+        if hasattr(self.generator, "model"):
+            self.generator.model.eval()  # the learner leaves its module in train mode
         eps = engine.run(starts)
         self._rollout_stats = engine.stats
         return eps
