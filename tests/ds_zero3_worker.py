@@ -2,7 +2,6 @@
 import json
 import sys
 
-import torch
 
 from agentrl.algos.losses import ppo_objective
 from agentrl.learner.batch import collate

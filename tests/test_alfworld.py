@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from envs import EnvError, make, replay
+from envs import EnvError, make
 from envs.alfworld_gen import CATEGORY, TASK_TYPES, pddl_problem, sample_task
 from envs.check import check_env
 from envs.replay import run_expert

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from agentrl.algos.advantages import ESTIMATORS, assign, discounted_returns, gae, gigpo, grpo
+from agentrl.algos.advantages import ESTIMATORS, assign, discounted_returns, gae, gigpo
 from agentrl.algos.filters import FILTERS, variance_filter
 from agentrl.algos.losses import (aggregate, clip_cov_mask, dpo_loss, kl_penalty, policy_loss, ppo_objective,
                                   sft_loss, value_loss)

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from agentrl.learner.engine import EngineConfig, OptimConfig, TorchEngine
 
