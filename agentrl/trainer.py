@@ -205,13 +205,15 @@ class Trainer:
             self._print(0, first)
         progress = _Progress(self.cfg.trainer.steps, self.step, self.cfg.trainer.progress)
         final: dict[str, float] = {}
+        history = read_metrics(self.out_dir)  # read once; the echo-trap check looks back over it
         try:
             while self.step < self.cfg.trainer.steps:
                 t = time.perf_counter()
                 metrics = self.recipe.step(self)
                 self.step += 1
                 metrics["time_step_s"] = time.perf_counter() - t
-                metrics.update(echo_trap_flags(read_metrics(self.out_dir) + [metrics]))
+                history.append(metrics)
+                metrics.update(echo_trap_flags(history))
                 e = self.cfg.eval
                 if self.cfg.eval.tasks and ((e.every and self.step % e.every == 0) or self.step == self.cfg.trainer.steps):
                     metrics.update(self.evaluate())
