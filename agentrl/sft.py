@@ -9,7 +9,7 @@ from agentrl.algos.losses import sft_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.rollout.engine import first_prompt_ids
 from envs import make
-from envs.replay import run_expert
+from envs.replay import expert_episode
 
 if TYPE_CHECKING:
     from agentrl.trainer import Trainer
@@ -31,18 +31,16 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     samples, wins = [], 0
     try:
         for task_id in rng.sample(ids, min(n_episodes, len(ids))):
-            trace, observations, info = run_expert(env, task_id, seed=rng.randrange(2**31))
-            wins += bool(info.get("won"))
-            env.reset(task_id, trace.seed)
+            trace, observations, infos = expert_episode(env, task_id, seed=rng.randrange(2**31))
+            wins += bool(infos[-1].get("won"))
             spec, instruction = env.prompt_spec(), env.instruction()
             history: list[tuple[str, str]] = []
             for k, action in enumerate(trace.actions):
-                admissible = env.last_info.get("admissible_actions") if cfg.show_admissible else None
+                admissible = infos[k].get("admissible_actions") if cfg.show_admissible else None
                 prompt = first_prompt_ids(tok, cfg, spec, instruction, observations[k], history, k, admissible)
                 target = tok(answer_text(spec, action), add_special_tokens=False)["input_ids"] + eos
                 samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}))
                 history.append((observations[k], action))
-                env.step(action)
     finally:
         env.close()
     return samples, wins / max(1, n_episodes)

@@ -9,7 +9,7 @@ fingerprint; pass ``reseed`` to give the continuation a fresh stream (G rollouts
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from envs.base import EnvError, TextEnv
 
@@ -79,34 +79,40 @@ def _check(env: TextEnv, trace: Trace, i: int, obs: str, info: dict[str, Any], v
         raise DivergenceError(env.name, trace.task_id, i, trace.fingerprints[i], info["fingerprint"], obs)
 
 
-def record(env: TextEnv, task_id: str, seed: int, actions: list[str]) -> tuple[Trace, list[str]]:
-    """Play ``actions`` from a fresh reset (stopping if the episode ends); return the trace and observations."""
+def play(env: TextEnv, task_id: str, seed: int, next_action: Callable[[int], str | None]
+         ) -> tuple[Trace, list[str], list[dict[str, Any]]]:
+    """Reset, then step with ``next_action(step)`` until the episode ends or it returns None; returns the
+    trace, the observations and the info dicts (index 0 = after reset)."""
     obs, info = env.reset(task_id, seed)
     trace = Trace(env.name, task_id, seed, [], [info["fingerprint"]])
-    observations = [obs]
-    for a in actions:
-        if env.done:
-            break
-        obs, _, _, _, info = env.step(a)
-        trace.actions.append(a)
-        trace.fingerprints.append(info["fingerprint"])
-        observations.append(obs)
-    return trace, observations
-
-
-def run_expert(env: TextEnv, task_id: str, seed: int = 0, max_steps: int | None = None
-               ) -> tuple[Trace, list[str], dict[str, Any]]:
-    """Roll out the env's expert from a fresh reset; return trace, observations and the final info."""
-    obs, info = env.reset(task_id, seed)
-    trace = Trace(env.name, task_id, seed, [], [info["fingerprint"]])
-    observations = [obs]
-    limit = max_steps or env.max_steps
-    while not env.done and len(trace.actions) < limit:
-        a = env.expert_action()
+    observations, infos = [obs], [info]
+    while not env.done:
+        a = next_action(len(trace.actions))
         if a is None:
             break
         obs, _, _, _, info = env.step(a)
         trace.actions.append(a)
         trace.fingerprints.append(info["fingerprint"])
         observations.append(obs)
-    return trace, observations, info
+        infos.append(info)
+    return trace, observations, infos
+
+
+def record(env: TextEnv, task_id: str, seed: int, actions: list[str]) -> tuple[Trace, list[str]]:
+    """Play ``actions`` from a fresh reset (stopping if the episode ends); return the trace and observations."""
+    trace, observations, _ = play(env, task_id, seed, lambda k: actions[k] if k < len(actions) else None)
+    return trace, observations
+
+
+def run_expert(env: TextEnv, task_id: str, seed: int = 0, max_steps: int | None = None
+               ) -> tuple[Trace, list[str], dict[str, Any]]:
+    """Roll out the env's expert from a fresh reset; return trace, observations and the final info."""
+    trace, observations, infos = expert_episode(env, task_id, seed, max_steps)
+    return trace, observations, infos[-1]
+
+
+def expert_episode(env: TextEnv, task_id: str, seed: int = 0, max_steps: int | None = None
+                   ) -> tuple[Trace, list[str], list[dict[str, Any]]]:
+    """The expert's episode with every step's info (admissible actions included)."""
+    limit = max_steps or env.max_steps
+    return play(env, task_id, seed, lambda k: env.expert_action() if k < limit else None)

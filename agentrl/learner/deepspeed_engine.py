@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from agentrl.learner.batch import TokenBatch, micro_batches
-from agentrl.learner.engine import EngineConfig, LossFn, ValueHead, forward_batch, rng_state, set_rng_state
+from agentrl.learner.engine import (EngineConfig, LossFn, ValueHead, batched_forward, forward_batch, rng_state,
+                                    set_rng_state)
 
 ZERO3 = {
     "train_micro_batch_size_per_gpu": 1,
@@ -95,12 +96,7 @@ class DeepSpeedEngine:
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
         """Every rank computes the whole batch (ZeRO-3 forward is collective: all ranks must take part)."""
         self.ds.eval()
-        logp = torch.zeros_like(batch.old_logprobs)
-        for idx in micro_batches(batch, self.cfg.token_budget):
-            mb = batch.select(idx)
-            out = self.forward(mb, temperature)
-            logp[idx, :out["logp"].shape[1]] = out["logp"]
-        return logp
+        return batched_forward(self.forward, batch, self.cfg.token_budget, temperature)[0]
 
     def step(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
              need_values: bool = False, weight_by: str = "tokens") -> dict[str, float]:

@@ -92,6 +92,20 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
     return res
 
 
+def batched_forward(forward: Callable[..., dict[str, torch.Tensor]], batch: TokenBatch, token_budget: int,
+                    temperature: float = 1.0, values: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, values) of a whole batch, shaped like its target tensors, micro-batch by micro-batch."""
+    logp = torch.zeros_like(batch.old_logprobs)
+    vals = torch.zeros_like(batch.old_logprobs)
+    for idx in micro_batches(batch, token_budget):
+        out = forward(batch.select(idx), temperature, need_values=values)
+        w = out["logp"].shape[1]
+        logp[idx, :w] = out["logp"]
+        if "values" in out:
+            vals[idx, :w] = out["values"]
+    return logp, vals
+
+
 class TorchEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         from agentrl.learner.models import load_model, load_tokenizer
@@ -139,15 +153,8 @@ class TorchEngine:
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs (and values) for the whole batch, computed micro-batch by micro-batch."""
         self.model.eval()
-        logp = torch.zeros_like(batch.old_logprobs)
-        vals = torch.zeros_like(batch.old_logprobs)
-        for idx in micro_batches(batch, self.cfg.token_budget):
-            mb = batch.select(idx)
-            out = self.forward(mb, temperature, need_values=values and self.value_head is not None)
-            w = out["logp"].shape[1]
-            logp[idx, :w] = out["logp"]
-            if "values" in out:
-                vals[idx, :w] = out["values"]
+        logp, vals = batched_forward(self.forward, batch, self.cfg.token_budget, temperature,
+                                     values and self.value_head is not None)
         return (logp, vals) if values else logp
 
     def step(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
