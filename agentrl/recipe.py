@@ -117,7 +117,7 @@ class Recipe:
             if "values" in out and mb.value_mask is not None:
                 vl = value_loss(out["values"], mb.old_values, mb.returns, mb.value_mask, a.value_clip)
                 loss = loss + a.value_coef * vl
-                stats["value_loss"] = float(vl)
+                stats["value_loss"] = float(vl.detach())
             return loss, stats
 
         return fn

@@ -140,11 +140,11 @@ def ppo_objective(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     if kl_coef and kind != "none" and ref_logp is not None:
         kl = aggregate(kl_penalty(logp, ref_logp, kind), mask, agg)
         loss = loss + kl_coef * kl
-        stats["kl"] = float(kl)
+        stats["kl"] = float(kl.detach())
     ent_coef = float(cfg.get("entropy_coef", 0.0))
     if entropy is not None:
         ent = aggregate(entropy, mask, agg)
-        stats["entropy"] = float(ent)
+        stats["entropy"] = float(ent.detach())
         if ent_coef:
             loss = loss - ent_coef * ent
     return loss, stats
