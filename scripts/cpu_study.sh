@@ -10,7 +10,7 @@ ENV=${3:-sokoban}
 DEMOS=${4:-1500}
 BIN=.venv/bin
 COMMON="trainer.tensorboard=false eval.tasks=48 eval.split=valid"
-$BIN/agentrl train sft --env "$ENV" --out "$OUT/sft" trainer.steps=1 sft.demos="$DEMOS" sft.epochs=1 \
+$BIN/agentrl train sft --env "$ENV" --out "$OUT/sft" trainer.steps=1 sft.demos="$DEMOS" sft.epochs=2 \
   sft.batch_size=32 sft.lr=3.0e-3 eval.every=1 $COMMON
 for seed in 0 1 2; do
   $BIN/agentrl train grpo --env "$ENV" --model "$OUT/sft/checkpoint/model" --seed "$seed" \
