@@ -236,6 +236,8 @@ class Trainer:
     def close(self) -> None:
         if hasattr(self.envs, "close"):
             self.envs.close()
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
 
 class _Progress:

@@ -28,6 +28,7 @@ def main(model_dir, out_dir, steps):
     eng.export_weights(f"{out_dir}/exported")
     with open(f"{out_dir}/rank{eng.rank}.json", "w") as f:
         json.dump(report, f)
+    eng.close()
 
 
 if __name__ == "__main__":

@@ -172,6 +172,17 @@ class DeepSpeedEngine:
             set_rng_state(torch.load(rng, weights_only=False))
 
 
+    def close(self) -> None:
+        """Leave the process group in step with the other ranks. Without this, gloo's and DeepSpeed's
+        comm threads are torn down by static destructors at exit, which can abort a rank
+        ("terminate called without an active exception") after a run that succeeded."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
 class _WithValueHead(torch.nn.Module):
     """One module for DeepSpeed to wrap: the policy and its optional value head."""
 
