@@ -52,6 +52,9 @@ class RolloutCfg:
 class AlgoCfg:
     estimator: str = "grpo"
     level: Literal["turn", "trajectory"] = "turn"  # window-mode turns, or whole full-chat episodes
+    # turn level: "episode" divides each turn's advantage by its episode's number of turns, so every
+    # trajectory weighs the same; "uniform" lets long (often failed) episodes outweigh short ones
+    turn_weight: Literal["uniform", "episode"] = "uniform"
     reward: Literal["score", "success", "env_return"] = "success"
     gamma: float = 1.0
     lam: float = 1.0
@@ -295,6 +298,12 @@ def _check_names(cfg: RecipeCfg) -> None:
 
     if cfg.method not in RECIPES:
         raise ConfigError(f"bad value for 'method': {cfg.method!r}; allowed: {', '.join(RECIPES.names())}")
+    cls = RECIPES.get(cfg.method)
+    params = getattr(cls, "Params", None)
+    if params is None and cfg.extra:
+        raise ConfigError(f"unknown key 'extra.{next(iter(cfg.extra))}': recipe method '{cfg.method}' takes no extra keys")
+    if params is not None:
+        build(params, cfg.extra, "extra.")
     if cfg.algo.estimator not in ESTIMATORS:
         raise ConfigError(f"bad value for 'algo.estimator': {cfg.algo.estimator!r}; allowed: "
                           f"{', '.join(ESTIMATORS.names())}")

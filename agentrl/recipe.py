@@ -29,9 +29,14 @@ RECIPES = Registry("recipe")
 class Recipe:
     name = "base"
     online = True  # False: a staged recipe (collect -> fit -> eval) that overrides ``run``
+    Params: type | None = None  # a dataclass of the recipe's own knobs (the YAML's ``extra:`` section)
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
+        if self.Params is not None:
+            from agentrl.config import build
+
+            self.p = build(self.Params, cfg.extra, "extra.")
 
     # ----- hooks -------------------------------------------------------------------------------
     def before_training(self, trainer: "Trainer") -> dict[str, float]:
@@ -99,6 +104,9 @@ class Recipe:
             if algo.level == "trajectory":
                 samples.append(episode_sample(e, advs, meta))
             else:
+                if algo.turn_weight == "episode":
+                    n_turns = max(1, sum(1 for t in e.turns if t.gen_ids))
+                    advs = [a / n_turns for a in advs]
                 for k, (t, a) in enumerate(zip(e.turns, advs)):
                     if t.gen_ids:
                         samples.append(turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, a, dict(meta, turn=k)))

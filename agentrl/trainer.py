@@ -122,9 +122,16 @@ class Trainer:
         batch = collate(samples, self.engine.pad_id)
         t = time.perf_counter()
         stats: dict[str, float] = {}
+        a = self.cfg.algo
+        if (not need_values and not bool((batch.advantages * batch.loss_mask).abs().gt(0).any())
+                and not (a.kl != "none" and a.kl_coef) and not a.entropy_coef):
+            # Every advantage is zero (all groups all-fail or all-succeed): the gradient is exactly zero,
+            # but Adam's momentum would still move the weights. No signal, no step.
+            return dict(skipped_update=1.0, loss=0.0, grad_norm=0.0, time_learn_s=time.perf_counter() - t)
         for _ in range(self.cfg.algo.ppo_epochs):
             stats = self.engine.step(batch, loss_fn, temperature=self.cfg.rollout.temperature,
-                                     need_entropy=True, need_values=need_values)
+                                     need_entropy=True, need_values=need_values,
+                                     weight_by="tokens" if self.cfg.algo.agg == "token-mean" else "sequences")
         self.sync_weights()
         stats["time_learn_s"] = time.perf_counter() - t
         return stats

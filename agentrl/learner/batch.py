@@ -25,6 +25,7 @@ class Sample:
     ref_logprobs: list[float] = field(default_factory=list)
     value_mask: list[int] = field(default_factory=list)  # where the value loss applies (PPO), 1 per state
     meta: dict = field(default_factory=dict)
+    tag: int = 0  # which part of a recipe's objective the row feeds (SPEAR: 1 = self-imitation replay)
 
     def __post_init__(self) -> None:
         n = len(self.ids)
@@ -72,6 +73,7 @@ class TokenBatch:
     old_values: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
     value_mask: torch.Tensor | None = None
+    tags: torch.Tensor | None = None  # (B,) Sample.tag
 
     @property
     def num_targets(self) -> int:
@@ -86,7 +88,8 @@ class TokenBatch:
         cut = lambda t: None if t is None else t[i][:, :max(1, width - 1)]  # noqa: E731
         return TokenBatch(self.input_ids[i][:, :width], self.attention_mask[i][:, :width], cut(self.loss_mask),
                           cut(self.old_logprobs), cut(self.advantages), cut(self.returns), cut(self.old_values),
-                          cut(self.ref_logprobs), cut(self.value_mask))
+                          cut(self.ref_logprobs), cut(self.value_mask),
+                          None if self.tags is None else self.tags[i])
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
@@ -113,7 +116,8 @@ def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
     has_ref = any(s.ref_logprobs for s in samples)
     has_v = any(s.value_mask for s in samples)
     return TokenBatch(ids, att, tgt["mask"], tgt["lp"], tgt["adv"], tgt["ret"], tgt["val"],
-                      tgt["ref"] if has_ref else None, tgt["vmask"] if has_v else None)
+                      tgt["ref"] if has_ref else None, tgt["vmask"] if has_v else None,
+                      torch.tensor([s.tag for s in samples]))
 
 
 def micro_batches(batch: TokenBatch, token_budget: int) -> list[list[int]]:

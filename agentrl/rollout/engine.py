@@ -54,6 +54,7 @@ class Start:
     t0: int = 0
     reseed: int | None = None
     history: list[tuple[str, str]] = field(default_factory=list)
+    max_turns: int | None = None  # a suffix replay gets the turns left of the horizon (default: all)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class _Slot:
     env_steps: int
     prompt_ids: list[int] | None = None  # full mode: the growing conversation
     done: bool = False
+    max_turns: int = 10**9
 
 
 def first_prompt_ids(tok: Any, cfg: RolloutConfig, spec: PromptSpec, instruction: str, obs: str,
@@ -110,10 +112,10 @@ class RolloutEngine:
                          list(s.trace.actions[:s.t0]) if s.trace else [], r.obs, r.info.get("fingerprint", ""))
             ep.dropped = r.dropped
             slot = _Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
-                         done=r.dropped)
+                         done=r.dropped, max_turns=s.max_turns or self.cfg.max_turns)
             slots.append(slot)
         for _ in range(self.cfg.max_turns):
-            live = [i for i, sl in enumerate(slots) if not sl.done]
+            live = [i for i, sl in enumerate(slots) if not sl.done and len(sl.ep.turns) < sl.max_turns]
             if not live:
                 break
             self._turn(slots, live)
@@ -189,6 +191,8 @@ class RolloutEngine:
                     sl.ep.dropped, turn.done = True, True
                     continue
                 turn.actions.append(batch[i])
+                if r.info.get("action_is_valid", True):  # SPEAR's tool-call count: actions the env accepted
+                    turn.info["valid_actions"] = turn.info.get("valid_actions", 0) + 1
                 turn.fingerprints.append(r.info.get("fingerprint", ""))
                 turn.reward += r.reward
                 turn.observation = r.obs

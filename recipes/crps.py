@@ -1,0 +1,143 @@
+"""CRPS: curriculum replay via progressive suffixes of successful trajectories (a GRPO add-on), and the
+``exp_replay`` baseline (replay buffered successful tasks from their initial state).
+
+Each step mixes fresh groups (prob. 1 - p_replay) with replay groups (eq. 13). A replay group takes a
+buffer entry, restores the env after its first t0 = T - k turns (native snapshot or replay-prefix
+reset, verified against the recorded fingerprints) and lets the current policy finish from there; the
+prefix is prompt context (the history window), never a loss target. Fresh successes enter the buffer
+when their group's accuracy is <= alpha_max (eq. 7) with k0 from eq. 9; each replay group's success
+rate drives that entry's k controller (eq. 10-12). Everything else is GRPO.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agentrl.buffers.success import SuccessBuffer
+from agentrl.config import ConfigError
+from agentrl.curriculum.suffix_k import KController, initial_k
+from agentrl.metrics import episode_diagnostics
+from agentrl.recipe import RECIPES, Recipe
+from agentrl.rollout.engine import Start
+from agentrl.types import Episode
+
+if TYPE_CHECKING:
+    from agentrl.trainer import Trainer
+
+GROUP_KEYS = ("success", "all_zero_groups", "all_one_groups", "group_entropy_bits", "in_group_reward_std")
+
+
+@dataclass
+class CRPSParams:
+    p_replay: float = 0.2  # share of groups started from the buffer (eq. 13)
+    alpha_max: float = 0.75  # insertion gate on the group's accuracy (eq. 7)
+    beta_min: float = 0.25  # k0 = clip(floor((beta_min + (beta_max - beta_min) acc) T), k_min, k_max) (eq. 9)
+    beta_max: float = 0.75
+    k_min: int = 1
+    k_max: int = 0  # 0: the entry's own T (replay may reach the initial state)
+    dynamic_k: bool = True  # False: k stays at k0 (ablation)
+    fixed_k: int = 0  # > 0: every replay uses this k (ablation)
+    ema: float = 0.9  # lambda in eq. 11
+    band: list[float] = field(default_factory=lambda: [0.2, 0.8])  # [rho_l, rho_u] in eq. 12
+    delta: int = 2  # step of k in eq. 12
+    capacity: int = 256
+    mastery_acc: float = 1.0  # an entry whose replays from t0 = 0 reach this accuracy ...
+    mastery_patience: int = 2  # ... this many times in a row is removed (0: never)
+    from_start: bool = False  # exp_replay: replay from the initial state, no suffix curriculum
+
+
+class CRPS(Recipe):
+    Params = CRPSParams
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        p = self.p
+        if len(p.band) != 2 or not 0.0 <= p.band[0] < p.band[1] <= 1.0:
+            raise ConfigError(f"bad value for 'extra.band': {p.band!r}; allowed: [rho_l, rho_u] with 0 <= rho_l < rho_u <= 1")
+        if not 0.0 <= p.p_replay <= 1.0:
+            raise ConfigError(f"bad value for 'extra.p_replay': {p.p_replay!r}; allowed: a number in [0, 1]")
+        if not 0.0 < p.ema <= 1.0:
+            raise ConfigError(f"bad value for 'extra.ema': {p.ema!r}; allowed: a number in (0, 1]")
+        self.buffer = SuccessBuffer(p.capacity, p.alpha_max)
+        self._replays: dict[str, tuple[str, int]] = {}  # group id -> (entry key, t0 in turns)
+        self._metrics: dict[str, float] = {}
+
+    def _controller(self, acc: float, T: int) -> KController:
+        p = self.p
+        k_max = p.k_max or T
+        k0 = p.fixed_k or initial_k(acc, T, p.beta_min, p.beta_max, p.k_min, k_max)
+        return KController(k0, p.k_min, k_max, p.ema, p.band[0], p.band[1], p.delta)
+
+    # ----- hooks -------------------------------------------------------------------------------
+    def starts(self, trainer: "Trainer") -> list[Start]:
+        r, p = self.cfg.rollout, self.p
+        self._replays = {}
+        replay_groups = sum(trainer.rng.random() < p.p_replay for _ in range(r.groups)) if len(self.buffer) else 0
+        out = []
+        for task_id, seed in trainer.sample_tasks(r.groups - replay_groups):
+            gid = f"{trainer.step}:{task_id}:{seed}"
+            out += [Start(task_id, seed, gid) for _ in range(r.group_size)]
+        for g in range(replay_groups):
+            e = self.buffer.sample(trainer.rng)
+            k = e.T if p.from_start else (p.fixed_k or e.ctrl.k)
+            t0, t0_steps = e.handover(k)
+            gid = f"replay:{trainer.step}:{g}:{e.key}:{t0}"
+            self._replays[gid] = (e.key, t0)
+            reseed = trainer.rng.randrange(2**31)  # stochastic envs continue on a fresh stream per group
+            out += [Start(e.task_id, e.seed, gid, trace=e.trace, t0=t0_steps, reseed=reseed, history=e.history(t0),
+                          max_turns=max(1, r.max_turns - t0)) for _ in range(r.group_size)]
+        return out
+
+    def after_rollout(self, trainer: "Trainer", episodes: list[Episode]) -> None:
+        p = self.p
+        groups: dict[str, list[Episode]] = defaultdict(list)
+        for e in episodes:
+            if not e.dropped:
+                groups[e.group_id].append(e)
+        before = dict(self.buffer.counts)
+        ks = []
+        for gid, eps in groups.items():
+            acc = sum(e.won for e in eps) / len(eps)
+            if gid in self._replays:
+                key, t0 = self._replays[gid]
+                ks.append(self.buffer.entries[key].T - t0 if key in self.buffer.entries else 0)
+                self.buffer.record_replay(key, acc, t0 == 0, p.mastery_acc, p.mastery_patience,
+                                          update_k=p.dynamic_k and not p.fixed_k and not p.from_start)
+            else:
+                wins = sorted((e for e in eps if e.won), key=lambda e: len(e.env_actions))
+                if wins:  # the shortest success of the group represents the instance
+                    T = sum(1 for t in wins[0].turns if t.actions)
+                    self.buffer.offer(wins[0], acc, self._controller(acc, T), trainer.step)
+        fresh = [e for e in episodes if e.group_id not in self._replays]
+        replay = [e for e in episodes if e.group_id in self._replays]
+        m: dict[str, float] = {}
+        for name, subset in (("fresh", fresh), ("replay", replay)):
+            d = episode_diagnostics(subset, lambda e: float(e.won)) if subset else {}
+            for k in GROUP_KEYS:
+                if k in d:
+                    m[f"{name}/{k}"] = d[k]
+        m["replay_groups"] = float(len(self._replays))
+        m["buffer_size"] = float(len(self.buffer))
+        for k, v in self.buffer.counts.items():
+            m[f"buffer_{k}"] = float(v - before.get(k, 0))
+        if ks:
+            m.update(k_mean=sum(ks) / len(ks), k_min=float(min(ks)), k_max=float(max(ks)))
+        if self.buffer.entries:
+            all_k = [e.ctrl.k for e in self.buffer.entries.values()]
+            m["buffer_k_mean"] = sum(all_k) / len(all_k)
+        self._metrics = m
+
+    def after_update(self, trainer: "Trainer", stats: dict[str, float]) -> None:
+        stats.update(self._metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(buffer=self.buffer.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("buffer"):
+            self.buffer.load_state_dict(state["buffer"])
+
+
+RECIPES.register("crps")(CRPS)
+RECIPES.register("exp_replay")(CRPS)

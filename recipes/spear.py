@@ -1,0 +1,165 @@
+"""SPEAR: self-imitation with progressive exploration (section 4, algorithm 1), on top of GRPO,
+GiGPO or Dr.BoT (whichever base YAML the spear YAML inherits).
+
+Per step: rewards with the intrinsic shaping R = outcome (+1/-1) + mu * min(1, 0.1 n_tool) + format
+(eq. 6, 15-17; mu decays by eq. 14); the group means go to the FIFO baseline buffer D_R; while the
+replay buffer D is not full, trajectories with a positive group advantage enter it and the update is
+plain on-policy. Once D is full, every stored trajectory's advantage is recalibrated to R - P50(D_R)
+(eq. 2), only those with A^ > 0 and A~ > 0 are kept (eq. 3), and one update maximizes
+J_GRPO + gamma * J_SIL (eq. 5, gamma warms up by eq. 13) with covariance-based token clipping on the
+self-imitation rows only (eq. 18-21); then D is emptied.
+
+One batch carries both terms: replay rows are tagged, their advantages are gamma * A~ and their
+old log-probs are recomputed under the current policy just before the update (as verl recomputes
+old log-probs), so the clipped ratio starts at 1 for them too.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from agentrl.algos.losses import clip_cov_mask, ppo_objective, value_loss
+from agentrl.buffers.sil import BaselineBuffer, SILBuffer, SILEntry, dual_filter
+from agentrl.config import ConfigError
+from agentrl.curriculum.schedules import cosine_decay, cosine_warmup
+from agentrl.learner.batch import Sample, collate
+from agentrl.recipe import RECIPES, Recipe
+from agentrl.types import Episode
+
+if TYPE_CHECKING:
+    from agentrl.trainer import Trainer
+
+SIL_TAG = 1
+
+
+@dataclass
+class SPEARParams:
+    buffer_size: int = 2048  # N_D, trajectories
+    baseline_size: int = 10240  # N_DR, group means
+    warmup_steps: int = 100  # T_warm-up of gamma (eq. 13)
+    decay_steps: int = 200  # T_decay of mu (eq. 14)
+    intrinsic_reward: bool = True  # eq. 6; False: the base recipe's reward
+    tool_call_unit: float = 0.1  # R_tool = min(1, unit * n_tool) (eq. 16)
+    format_reward: float = 0.1  # eq. 17
+    cov_ratio: float = 0.02  # lambda: share of a replay row's tokens masked by covariance clipping
+    cov_bounds: list[float] = field(default_factory=lambda: [2.0, 60.0])  # omega_lb, omega_ub (eq. 20)
+
+
+def intrinsic_reward(ep: Episode, mu: float, unit: float = 0.1, fmt: float = 0.1) -> float:
+    """R = R_outcome + mu R_tool + R_format (eq. 6, 15-17); a tool call is an env action accepted as valid."""
+    n_tool = sum(t.info.get("valid_actions", 0) for t in ep.turns)
+    outcome = 1.0 if ep.won else -1.0
+    fmt_ok = bool(ep.turns) and all(t.format_ok for t in ep.turns)
+    return outcome + mu * min(1.0, unit * n_tool) + (fmt if fmt_ok else 0.0)
+
+
+class SPEAR(Recipe):
+    Params = SPEARParams
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        if len(self.p.cov_bounds) != 2 or self.p.cov_bounds[0] >= self.p.cov_bounds[1]:
+            raise ConfigError(f"bad value for 'extra.cov_bounds': {self.p.cov_bounds!r}; allowed: [omega_lb, omega_ub] "
+                              "with omega_lb < omega_ub")
+        self.sil = SILBuffer(self.p.buffer_size)
+        self.baseline = BaselineBuffer(self.p.baseline_size)
+        self.t = 0  # training iteration, for the schedules
+
+    def mu(self) -> float:
+        return cosine_decay(self.t, self.p.decay_steps)
+
+    def gamma(self) -> float:
+        return cosine_warmup(self.t, self.p.warmup_steps)
+
+    def reward(self, ep: Episode) -> float:
+        if not self.p.intrinsic_reward:
+            return super().reward(ep)
+        return intrinsic_reward(ep, self.mu(), self.p.tool_call_unit, self.p.format_reward)
+
+    def loss_fn(self, trainer: "Trainer") -> Any:
+        a = self.cfg.algo
+        cfg = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, agg=a.agg, kl=a.kl,
+                   kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, clip_cov_ratio=a.clip_cov_ratio,
+                   norm_len=self.cfg.rollout.max_new_tokens)
+        ratio, bounds = self.p.cov_ratio, tuple(self.p.cov_bounds)
+
+        def fn(mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+            mask = mb.loss_mask
+            if ratio and mb.tags is not None and bool((mb.tags == SIL_TAG).any()):
+                sil_rows = (mb.tags == SIL_TAG).to(mask.dtype)[:, None]
+                keep_sil = clip_cov_mask(out["logp"], mb.advantages, mask * sil_rows, ratio, bounds)
+                mask = mask * (1 - sil_rows) + keep_sil * sil_rows
+            loss, stats = ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mask, cfg,
+                                        mb.ref_logprobs, out.get("entropy"))
+            stats["sil_cov_masked"] = float((mb.loss_mask - mask).sum())
+            if "values" in out and mb.value_mask is not None:
+                vl = value_loss(out["values"], mb.old_values, mb.returns, mb.value_mask, a.value_clip)
+                loss = loss + a.value_coef * vl
+            return loss, stats
+
+        return fn
+
+    def _sil_samples(self, trainer: "Trainer", kept: list[tuple[SILEntry, float]], gamma: float) -> list[Sample]:
+        out = []
+        for entry, recal in kept:
+            for s in entry.samples:
+                adv = [gamma * recal if m else 0.0 for m in s.loss_mask]
+                out.append(Sample(s.ids, s.loss_mask, list(s.old_logprobs), adv, meta=dict(s.meta, sil=True),
+                                  tag=SIL_TAG))
+        if out:  # old log-probs under the current policy (the stored ones are from an older one)
+            lp = trainer.engine.logprobs(collate(out, trainer.engine.pad_id), self.cfg.rollout.temperature)
+            for b, s in enumerate(out):
+                n = len(s.ids)
+                row = [0.0] + lp[b, :n - 1].tolist()
+                s.old_logprobs = [v if m else 0.0 for v, m in zip(row, s.loss_mask)]
+        return out
+
+    def step(self, trainer: "Trainer") -> dict[str, float]:
+        self.t = trainer.step + 1  # t_iter of eq. 13-14 counts from 1 (the logged step)
+        episodes = trainer.rollout(self.starts(trainer))
+        self.after_rollout(trainer, episodes)
+        samples, stats = self.make_batch(trainer, episodes)
+        metrics = dict(stats)
+        metrics.update(trainer.diagnostics(episodes, self))
+        groups: dict[str, list[float]] = defaultdict(list)
+        for e in episodes:
+            if not e.dropped:
+                groups[e.group_id].append(self.reward(e))
+        for rs in groups.values():  # algorithm 1, line 19
+            self.baseline.add(sum(rs) / len(rs))
+        sil_samples: list[Sample] = []
+        gamma = self.gamma()
+        if not self.sil.full:
+            by_episode: dict[int, list[Sample]] = defaultdict(list)
+            for s in samples:
+                by_episode[s.meta["episode"]].append(s)
+            for group in by_episode.values():
+                adv = next((a for a, m in zip(group[0].advantages, group[0].loss_mask) if m), 0.0)
+                self.sil.add(SILEntry(group, group[0].meta["reward"], adv, trainer.step))
+        else:
+            drained = self.sil.drain()
+            kept = dual_filter(drained, self.baseline.p50())
+            sil_samples = self._sil_samples(trainer, kept, gamma) if gamma > 0 else []
+            metrics.update(sil_trajectories=float(len(kept)), sil_dropped=float(len(drained) - len(kept)))
+        metrics.update(sil_buffer=float(len(self.sil.entries)), sil_gamma=gamma, tool_mu=self.mu(),
+                       baseline_p50=self.baseline.p50(), sil_samples=float(len(sil_samples)))
+        if samples or sil_samples:
+            if self.cfg.algo.estimator == "gae":
+                samples = self.critic_advantages(trainer, samples) if samples else samples
+            metrics.update(trainer.update(samples + sil_samples, self.loss_fn(trainer),
+                                          need_values=self.cfg.algo.estimator == "gae"))
+        self.after_update(trainer, metrics)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(sil=list(self.sil.entries), baseline=list(self.baseline.values))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sil.entries = list(state.get("sil", []))
+        self.baseline = BaselineBuffer(self.p.baseline_size, state.get("baseline", []))
+
+
+RECIPES.register("spear")(SPEAR)

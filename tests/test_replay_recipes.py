@@ -1,0 +1,146 @@
+"""CRPS and SPEAR parts against the papers' equations, on hand-made inputs."""
+import math
+import random
+
+import pytest
+import torch
+
+from agentrl.buffers.sil import BaselineBuffer, SILBuffer, SILEntry, dual_filter
+from agentrl.buffers.success import SuccessBuffer
+from agentrl.curriculum.schedules import cosine_decay, cosine_warmup
+from agentrl.curriculum.suffix_k import KController, initial_k, suffix_start
+from agentrl.types import Episode, Turn
+
+
+# ----- CRPS ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("acc,T,expected", [
+    (0.0, 10, 2),   # floor(0.25 * 10) = 2
+    (0.5, 10, 5),   # floor((0.25 + 0.5 * 0.5) * 10) = 5
+    (1.0, 10, 7),   # floor(0.75 * 10) = 7
+    (0.25, 8, 3),   # floor(0.375 * 8) = 3
+    (0.0, 2, 1),    # floor(0.5) = 0 -> clipped to k_min = 1
+    (1.0, 40, 20),  # floor(30) -> clipped to k_max = 20
+])
+def test_initial_k_eq9(acc, T, expected):
+    assert initial_k(acc, T, beta_min=0.25, beta_max=0.75, k_min=1, k_max=20) == expected
+
+
+def test_suffix_start_eq8():
+    assert suffix_start(10, 3) == 7 and suffix_start(4, 9) == 0
+
+
+def test_k_controller_follows_eq11_12_on_a_scripted_sequence():
+    c = KController(k=4, k_min=1, k_max=9, lam=0.9, rho_low=0.2, rho_high=0.8, delta=2)
+    rho = 0.5  # the EMA starts at the band's midpoint
+    expected_k = 4
+    for acc in [1.0, 1.0, 0.75, 0.5, 0.0, 0.0, 0.25, 1.0, 1.0, 1.0, 1.0]:
+        rho = 0.1 * rho + 0.9 * acc  # eq. 11
+        if rho > 0.8:
+            expected_k = min(expected_k + 2, 9)  # eq. 12
+        elif rho < 0.2:
+            expected_k = max(expected_k - 2, 1)
+        assert c.update(acc) == expected_k
+        assert c.rho_hat == pytest.approx(rho)
+    # the scripted path visits the caps: up 4->6->8, stays, down 8->6->4, stays, up 6->8->9->9
+    c2 = KController(k=4, k_min=1, k_max=9)
+    assert [c2.update(a) for a in [1.0, 1.0, 0.75, 0.5, 0.0, 0.0, 0.25, 1.0, 1.0, 1.0, 1.0]] == \
+        [6, 8, 8, 8, 6, 4, 4, 6, 8, 9, 9]
+
+
+def _episode(task="t1", seed=0, won=True, actions=("up", "left", "down"), start_index=0):
+    turns = []
+    for i, a in enumerate(actions):
+        turns.append(Turn([1], [2], [-0.1], a, [a], True, f"obs{i + 1}", 0.0, i == len(actions) - 1,
+                          fingerprints=[f"fp{i + 1}"]))
+    return Episode("sokoban", task, seed, "g", instruction="push", initial_observation="obs0",
+                   initial_fingerprint="fp0", turns=turns, won=won, start_index=start_index)
+
+
+def test_success_buffer_gates_insertion_by_group_accuracy_eq7():
+    buf = SuccessBuffer(capacity=4, alpha_max=0.5)
+    ctrl = lambda: KController(1, 1, 3)  # noqa: E731
+    assert not buf.offer(_episode(won=False), 0.25, ctrl())  # eq. 7 needs R = 1
+    assert not buf.offer(_episode("easy"), 0.75, ctrl())  # acc > alpha_max: too easy
+    assert buf.offer(_episode("hard"), 0.5, ctrl())  # acc = alpha_max is allowed
+    assert not buf.offer(_episode("hard"), 0.25, ctrl())  # one entry per instance
+    assert not buf.offer(_episode("replayed", start_index=2), 0.25, ctrl())  # suffix replays are not traces
+    assert len(buf) == 1 and buf.counts["rejected_easy"] == 1 and buf.counts["duplicate"] == 1
+    e = buf.entries["hard:0"]
+    assert e.T == 3 and e.trace.actions == ["up", "left", "down"] and e.trace.fingerprints == ["fp0", "fp1", "fp2", "fp3"]
+    assert e.handover(1) == (2, 2) and e.history(2) == [("obs0", "up"), ("obs1", "left")]
+    assert e.handover(5) == (0, 0)  # k >= T: from the initial state
+
+
+def test_success_buffer_mastery_removal_and_fifo_and_state():
+    buf = SuccessBuffer(capacity=2, alpha_max=1.0)
+    for i in range(3):
+        buf.offer(_episode(f"t{i}"), 0.5, KController(1, 1, 3), step=i)
+    assert sorted(buf.entries) == ["t1:0", "t2:0"] and buf.counts["evicted_full"] == 1
+    buf.record_replay("t1:0", 1.0, full_horizon=False, mastery_acc=1.0, mastery_patience=2)
+    buf.record_replay("t1:0", 1.0, full_horizon=True, mastery_acc=1.0, mastery_patience=2)
+    assert "t1:0" in buf.entries  # only one full-horizon success so far
+    buf.record_replay("t1:0", 1.0, full_horizon=True, mastery_acc=1.0, mastery_patience=2)
+    assert "t1:0" not in buf.entries and buf.counts["evicted_mastered"] == 1
+    other = SuccessBuffer()
+    other.load_state_dict(buf.state_dict())
+    assert other.entries["t2:0"].to_dict() == buf.entries["t2:0"].to_dict()
+
+
+# ----- SPEAR --------------------------------------------------------------------------------------
+def test_spear_schedules_eq13_eq14():
+    assert cosine_warmup(0, 100) == 0.0 and cosine_warmup(50, 100) == pytest.approx(0.5)
+    assert cosine_warmup(25, 100) == pytest.approx(0.5 * (1 - math.cos(math.pi / 4)))
+    assert cosine_warmup(100, 100) == pytest.approx(1.0) and cosine_warmup(101, 100) == 1.0
+    assert cosine_decay(0, 200) == 1.0 and cosine_decay(100, 200) == pytest.approx(0.5)
+    assert cosine_decay(150, 200) == pytest.approx(0.5 * (math.cos(math.pi * 0.75) + 1))
+    assert cosine_decay(200, 200) == pytest.approx(0.0) and cosine_decay(201, 200) == 0.0
+
+
+def test_p50_recalibration_and_dual_filter_on_a_hand_made_buffer():
+    base = BaselineBuffer(capacity=4)
+    for m in [0.9, -1.0, 0.2, 0.4, 0.6]:  # FIFO: 0.9 falls out
+        base.add(m)
+    assert list(base.values) == [-1.0, 0.2, 0.4, 0.6] and base.p50() == pytest.approx(0.3)
+    sil = SILBuffer(capacity=3)
+    assert not sil.add(SILEntry([], reward=1.0, adv=0.0))  # eq. 1: only positive advantages
+    for r, a in [(1.1, 0.8), (0.2, 0.5), (1.0, 1.2)]:
+        assert sil.add(SILEntry([], reward=r, adv=a))
+    assert sil.full and not sil.add(SILEntry([], reward=1.0, adv=1.0))
+    kept = dual_filter(sil.drain(), base.p50())
+    assert [(e.reward, round(a, 6)) for e, a in kept] == [(1.1, 0.8), (1.0, 0.7)]  # R = 0.2 < P50 is out
+    assert sil.entries == []
+
+
+def test_spear_intrinsic_reward_eq6():
+    from recipes.spear import intrinsic_reward
+
+    ep = _episode(won=False)
+    for t in ep.turns:
+        t.info["valid_actions"] = 1
+    assert intrinsic_reward(ep, mu=1.0) == pytest.approx(-1.0 + 0.3 + 0.1)
+    assert intrinsic_reward(ep, mu=0.5) == pytest.approx(-1.0 + 0.15 + 0.1)
+    ep.won = True
+    ep.turns[0].format_ok = False
+    assert intrinsic_reward(ep, mu=0.0) == pytest.approx(1.0)
+    for t in ep.turns:
+        t.info["valid_actions"] = 5  # min(1, 0.1 n) caps at 1
+    assert intrinsic_reward(ep, mu=1.0) == pytest.approx(2.0)
+
+
+def test_spear_loss_masks_high_covariance_tokens_only_on_replay_rows():
+    from agentrl.learner.batch import Sample, collate
+    from recipes.spear import SPEAR, SIL_TAG
+    from agentrl.config import load_config
+
+    cfg = load_config("spear", overrides=["extra.cov_ratio=0.5", "extra.cov_bounds=[0.01, 100.0]"])
+    recipe = SPEAR(cfg)
+    fn = recipe.loss_fn(None)
+    on = Sample([1, 2, 3, 4], [0, 1, 1, 1], [0.0, -1.0, -2.0, -0.5], [0.0, 1.0, 1.0, 1.0])
+    sil = Sample([1, 2, 3, 4], [0, 1, 1, 1], [0.0, -1.0, -2.0, -0.5], [0.0, 2.0, 0.5, 1.0], tag=SIL_TAG)
+    mb = collate([on, sil], pad_id=0)
+    logp = mb.old_logprobs.clone()
+    _, stats = fn(mb, dict(logp=logp))
+    assert stats["sil_cov_masked"] >= 1  # some replay tokens masked ...
+    mb_on = collate([on, on], pad_id=0)
+    _, stats_on = fn(mb_on, dict(logp=mb_on.old_logprobs.clone()))
+    assert stats_on["sil_cov_masked"] == 0  # ... never on-policy ones
