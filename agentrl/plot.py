@@ -31,3 +31,58 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
     plt.close(fig)
+
+
+COMPARE_PANELS = [("eval/success", "held-out success"), ("success", "rollout success (all groups)"),
+                  ("all_zero_groups", "all-zero group fraction"), ("group_entropy_bits", "group reward entropy (bits)")]
+
+
+def run_label(run: Path) -> str:
+    """``runs/study/crps-s1`` -> ``crps``: runs that differ only in the seed suffix are one method."""
+    name = run.name
+    return name.rsplit("-s", 1)[0] if "-s" in name and name.rsplit("-s", 1)[1].isdigit() else name
+
+
+def plot_compare(run_dirs: list[Path], out: Path, x: str = "env_steps") -> dict[str, list[tuple[float, float]]]:
+    """Methods against each other: runs grouped by ``run_label``, the mean over seeds (band = min..max),
+    against cumulative env steps (``x="env_steps"``, the interaction budget) or the step. Fresh-group
+    diagnostics (``fresh/...``) are used where a recipe logs them, so replay groups do not flatter it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[list[dict]]] = {}
+    for run in run_dirs:
+        groups.setdefault(run_label(run), []).append(read_metrics(run))
+    fig, axes = plt.subplots(1, len(COMPARE_PANELS), figsize=(5 * len(COMPARE_PANELS), 4))
+    summary: dict[str, list[tuple[float, float]]] = {}
+    for label, runs in groups.items():
+        for ax, (key, title) in zip(axes, COMPARE_PANELS):
+            series = []
+            for rows in runs:
+                total, pts = 0.0, []
+                for r in rows:
+                    total += float(r.get("env_steps", 0.0) or 0.0)
+                    k = f"fresh/{key}" if key in ("all_zero_groups", "group_entropy_bits") and f"fresh/{key}" in r else key
+                    if isinstance(r.get(k), (int, float)):
+                        pts.append((total if x == "env_steps" else r["step"], float(r[k])))
+                series.append(pts)
+            n = min(len(s) for s in series)
+            if not n:
+                continue
+            xs = [sum(s[i][0] for s in series) / len(series) for i in range(n)]
+            ys = [[s[i][1] for s in series] for i in range(n)]
+            mean = [sum(v) / len(v) for v in ys]
+            line, = ax.plot(xs, mean, marker="o" if key.startswith("eval/") else None, label=f"{label} (n={len(runs)})")
+            ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], alpha=0.15, color=line.get_color())
+            ax.set_title(title)
+            ax.set_xlabel("env steps (cumulative, training rollouts)" if x == "env_steps" else "step")
+            if key == "eval/success":
+                summary[label] = list(zip(xs, mean))
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return summary

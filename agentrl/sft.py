@@ -46,13 +46,31 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     return samples, wins / max(1, n_episodes)
 
 
+def _set_lr(eng: Any, lr: float) -> Any:
+    """Run the optimizer at ``lr``: the LR scheduler recomputes every group's lr from its ``base_lrs``
+    at each step, so those are what must change (setting the groups' lr alone lasts one step)."""
+    sched = getattr(eng, "scheduler", None)
+    saved = (list(sched.base_lrs) if sched is not None else None, [g["lr"] for g in eng.optimizer.param_groups])
+    if sched is not None:
+        sched.base_lrs = [lr] * len(sched.base_lrs)
+    for g in eng.optimizer.param_groups:
+        g["lr"] = lr
+    return saved
+
+
+def _restore_lr(eng: Any, saved: Any) -> None:
+    base, current = saved
+    if base is not None:
+        eng.scheduler.base_lrs = base
+    for g, v in zip(eng.optimizer.param_groups, current):
+        g["lr"] = v
+
+
 def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None
             ) -> dict[str, float]:
     """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes."""
     eng = trainer.engine
-    if lr is not None:
-        for g in eng.optimizer.param_groups:
-            g["lr"] = lr
+    saved = _set_lr(eng, lr) if lr is not None else None
     rng = random.Random(trainer.cfg.trainer.seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
@@ -65,9 +83,8 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
         for i in range(0, len(order), batch_size):
             batch = collate([samples[j] for j in order[i:i + batch_size]], eng.pad_id)
             losses.append(eng.step(batch, loss)["loss"])
-    if lr is not None:
-        for g in eng.optimizer.param_groups:
-            g["lr"] = trainer.cfg.optim.lr
+    if saved is not None:
+        _restore_lr(eng, saved)
     trainer.sync_weights()
     return {"sft_loss_first": losses[0] if losses else 0.0, "sft_loss_last": losses[-1] if losses else 0.0,
             "sft_samples": float(len(samples))}

@@ -32,6 +32,10 @@ def add_parser(sub: Any) -> None:
     pl = sub.add_parser("plot", help="PNG learning curves and diagnostics of a run folder")
     pl.add_argument("run_dir", nargs="+")
     pl.add_argument("--out", help="output PNG (default RUN_DIR/curves.png)")
+    pl.add_argument("--compare", action="store_true",
+                    help="one curve per method (run folders NAME-sSEED grouped by NAME, mean over seeds), "
+                         "against cumulative env steps")
+    pl.add_argument("--x", choices=["env_steps", "step"], default="env_steps", help="x axis of --compare")
     pl.set_defaults(func=run_plot)
 
 
@@ -87,9 +91,12 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from agentrl.plot import plot_runs
+    from agentrl.plot import plot_compare, plot_runs
 
-    out = Path(args.out) if args.out else Path(args.run_dir[0]) / "curves.png"
-    plot_runs([Path(d) for d in args.run_dir], out)
+    out = Path(args.out) if args.out else Path(args.run_dir[0]) / ("compare.png" if args.compare else "curves.png")
+    if args.compare:
+        plot_compare([Path(d) for d in args.run_dir], out, args.x)
+    else:
+        plot_runs([Path(d) for d in args.run_dir], out)
     print(f"wrote {out}")
     return 0

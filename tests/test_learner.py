@@ -140,3 +140,18 @@ def test_save_kill_resume_gives_the_same_next_loss(tiny_model_dir, tmp_path):
     assert (ckpt / "model" / "config.json").exists()
     resumed = run_steps(tiny_model_dir, 1, load_from=ckpt)
     assert resumed[0] == pytest.approx(straight[2], abs=1e-6)
+
+
+def test_sft_learning_rate_survives_the_scheduler(tiny_model_dir):
+    """fit_sft's own lr must hold for every step, not just the first (LambdaLR resets group lrs)."""
+    from agentrl.learner.batch import collate
+    from agentrl.sft import _restore_lr, _set_lr
+
+    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
+    saved = _set_lr(eng, 3e-3)
+    b = collate(_samples(n=2, seed=1), pad_id=eng.pad_id)
+    lrs = [eng.step(b, lambda mb, out: (-(out["logp"] * mb.loss_mask).sum() / mb.loss_mask.sum(), {}))["lr"]
+           for _ in range(3)]
+    assert lrs == pytest.approx([3e-3] * 3)
+    _restore_lr(eng, saved)
+    assert eng.step(b, lambda mb, out: ((out["logp"] * mb.loss_mask).sum() * 0, {}))["lr"] == pytest.approx(1e-4)
