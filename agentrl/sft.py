@@ -74,7 +74,8 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     rng = random.Random(trainer.cfg.trainer.seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
-        return sft_loss(out["logp"], mb.loss_mask), {}
+        # a sample's advantages weigh its tokens (1.0 for plain SFT; LEAFE's rehearsal uses beta)
+        return sft_loss(out["logp"] * mb.advantages, mb.loss_mask), {}
 
     losses = []
     for _ in range(epochs):

@@ -160,9 +160,11 @@ class Trainer:
 
     # ----- evaluation --------------------------------------------------------------------------
     def evaluate(self, n_tasks: int | None = None, samples: int | None = None, split: str | None = None,
-                 ks: tuple[int, ...] = (1,)) -> dict[str, float]:
+                 ks: tuple[int, ...] | None = None) -> dict[str, float]:
         e = self.cfg.eval
         split, n_tasks, samples = split or e.split, n_tasks or e.tasks, samples or e.samples
+        if ks is None:  # pass@1, 2, 4, ... up to the samples drawn per task
+            ks = tuple(2 ** i for i in range(samples.bit_length()) if 2 ** i <= samples) + (samples,)
         ids = self.task_ids(split)[:n_tasks]
         starts = [Start(t, 1000 + i, f"eval:{t}") for i, t in enumerate(ids) for _ in range(samples)]
         eps = self.rollout(starts, temperature=e.temperature)

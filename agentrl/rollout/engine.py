@@ -55,6 +55,7 @@ class Start:
     reseed: int | None = None
     history: list[tuple[str, str]] = field(default_factory=list)
     max_turns: int | None = None  # a suffix replay gets the turns left of the horizon (default: all)
+    note: str = ""  # text added to the instruction of the first turn only (LEAFE's experience)
 
 
 @dataclass
@@ -68,14 +69,17 @@ class _Slot:
     prompt_ids: list[int] | None = None  # full mode: the growing conversation
     done: bool = False
     max_turns: int = 10**9
+    note: str = ""
+    plain_prompt: list[int] | None = None  # the first prompt without the note
 
 
 def first_prompt_ids(tok: Any, cfg: RolloutConfig, spec: PromptSpec, instruction: str, obs: str,
-                     history: list[tuple[str, str]], env_steps: int, admissible: list[str] | None) -> list[int]:
+                     history: list[tuple[str, str]], env_steps: int, admissible: list[str] | None,
+                     note: str = "") -> list[int]:
     """The prompt of a turn in window mode (and of the first turn in full mode): shared with SFT data
     building, so demonstrations are trained on exactly the prompts the policy will see."""
     msgs = step_messages(spec, instruction, obs, history, env_steps, admissible,
-                         cfg.history_len if cfg.chat_mode == "window" else 0)
+                         cfg.history_len if cfg.chat_mode == "window" else 0, note)
     return chat_ids(tok, msgs)
 
 
@@ -112,7 +116,7 @@ class RolloutEngine:
                          list(s.trace.actions[:s.t0]) if s.trace else [], r.obs, r.info.get("fingerprint", ""))
             ep.dropped = r.dropped
             slot = _Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
-                         done=r.dropped, max_turns=s.max_turns or self.cfg.max_turns)
+                         done=r.dropped, max_turns=s.max_turns or self.cfg.max_turns, note=s.note)
             slots.append(slot)
         for _ in range(self.cfg.max_turns):
             live = [i for i, sl in enumerate(slots) if not sl.done and len(sl.ep.turns) < sl.max_turns]
@@ -127,8 +131,12 @@ class RolloutEngine:
     def _prompt(self, sl: _Slot) -> list[int]:
         admissible = sl.admissible if self.cfg.show_admissible else None
         if self.cfg.chat_mode == "window" or sl.prompt_ids is None:
+            note = sl.note if not sl.ep.turns else ""
             ids = first_prompt_ids(self.tok, self.cfg, sl.spec, sl.ep.instruction, sl.obs, sl.history, sl.env_steps,
-                                   admissible)
+                                   admissible, note)
+            if note:
+                sl.plain_prompt = first_prompt_ids(self.tok, self.cfg, sl.spec, sl.ep.instruction, sl.obs, sl.history,
+                                                   sl.env_steps, admissible)
         else:
             last = sl.ep.turns[-1]
             suffix = self._followup_text(followup_user(sl.spec, sl.obs, admissible), last.finish_reason)
@@ -170,6 +178,8 @@ class RolloutEngine:
             turn = Turn(prompt, out.ids, out.logprobs, out.text, [], parsed.valid, sl.obs, 0.0, False,
                         out.finish_reason, info={"parse_error": parsed.error, "over_budget": parsed.over_budget,
                                                  "inadmissible": parsed.inadmissible})
+            if sl.plain_prompt is not None and not sl.ep.turns:
+                turn.info["plain_prompt_ids"] = sl.plain_prompt
             if out.finish_reason == "stop" and out.ids and out.ids[-1] in self._stop_ids:
                 turn.finish_reason = "stop_id"
             turns[i] = turn

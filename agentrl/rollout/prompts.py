@@ -44,12 +44,15 @@ def ragen_user(spec: PromptSpec, obs: str, admissible: list[str] | None) -> str:
 
 
 def step_messages(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
-                  admissible: list[str] | None, history_len: int = 2) -> list[dict[str, str]]:
-    """Messages for one decision in the windowed-history mode."""
+                  admissible: list[str] | None, history_len: int = 2, note: str = "") -> list[dict[str, str]]:
+    """Messages for one decision in the windowed-history mode; ``note`` (LEAFE's experience) ends the
+    user message."""
+    tail = f"\n\n{note}" if note else ""
     if spec.style == "ragen":
         return [{"role": "system", "content": spec.system},
-                {"role": "user", "content": ragen_user(spec, obs, admissible)}]
-    return [{"role": "user", "content": react_user(spec, instruction, obs, history, step, admissible, history_len)}]
+                {"role": "user", "content": ragen_user(spec, obs, admissible) + tail}]
+    return [{"role": "user", "content": react_user(spec, instruction, obs, history, step, admissible, history_len)
+             + tail}]
 
 
 def followup_user(spec: PromptSpec, obs: str, admissible: list[str] | None) -> str:

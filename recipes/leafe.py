@@ -1,0 +1,268 @@
+"""LEAFE (reflection + rollback tree, then distillation) and the ``early_exp`` baseline.
+
+Stage 1, per task, a BFS queue of branches (tau, experience e, action prefix a_1..a_{tau-1}); each branch
+restores the env after its prefix by replay (verified fingerprints), takes the experience-conditioned
+action at tau (the experience is added to that one prompt only) and continues without it. At every
+K-th turn of a path and when it ends in failure, the policy is prompted for a reflection
+(``<step>N</step><experience>...</experience>``, appendix B.5); each parsed one enqueues a branch at N.
+Reflections do not change the path they look at, so they are generated once the branch's rollout is
+done, from its history up to the reflection point. Budget B branches per task, max rollback depth.
+Stage 2: SFT on counterfactual samples (the revised action given the history WITHOUT the experience)
+plus beta x rehearsal on 20% of the successful trajectories: L = L_cf + beta L_reh.
+
+``early_exp`` (implicit world modelling, from the model's own rollouts): 4 rollouts per task, the
+best-scoring one gives 3 (history, action) -> next observation samples; SFT on predicting them.
+"""
+from __future__ import annotations
+
+import random
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agentrl.config import ConfigError
+from agentrl.generation.base import chat_ids
+from agentrl.learner.batch import Sample, turn_sample
+from agentrl.recipe import RECIPES, Recipe
+from agentrl.rollout.engine import Start
+from agentrl.sft import fit_sft
+from agentrl.types import Episode, SamplingParams, Turn
+from envs.replay import Trace
+
+if TYPE_CHECKING:
+    from agentrl.trainer import Trainer
+
+STEP_RE = re.compile(r"<step>\s*(\d+)\s*</step>", re.S)
+EXP_RE = re.compile(r"<experience>(.*?)</experience>", re.S)
+
+
+@dataclass
+class LEAFEParams:
+    tasks: int = 16  # training tasks explored per step
+    period: int = 5  # K: reflect every K turns (and at failure)
+    budget: int = 8  # B: branches (rollouts) per task
+    max_depth: int = 3  # rollbacks stacked on one path
+    reflect_tokens: int = 96
+    fallback: str = "random"  # unparsable reflection: "random" rollback point without experience, or "none"
+    rehearsal_frac: float = 0.2  # share of successful trajectories rehearsed
+    rehearsal_beta: float = 1.0  # beta in L = L_cf + beta L_reh
+    cf_per_task: int = 3  # counterfactual samples kept per task
+    epochs: int = 2
+    batch_size: int = 16
+    lr: float = 1.0e-3
+
+
+@dataclass
+class Branch:
+    task_id: str
+    seed: int
+    prefix: list[Turn]  # the turns before tau (their actions are replayed; their samples are reused)
+    observations: list[str]  # observation before each prefix turn, then the one at tau
+    fingerprints: list[str]  # initial + after each prefix action
+    experience: str = ""
+    depth: int = 0
+
+    @property
+    def actions(self) -> list[str]:
+        return [a for t in self.prefix for a in t.actions]
+
+
+def reflection_prompt(instruction: str, steps: list[tuple[str, str]], failed: bool) -> str:
+    """Appendix B.5's reflection prompt: the numbered history, the task, what happened, the format."""
+    lines = [f"[STEP {i + 1}] Observation: {o} Action: {a}" for i, (o, a) in enumerate(steps)]
+    status = (f"You have already taken {len(steps)} step(s), but the task failed without completing the objective."
+              if failed else f"You have already taken {len(steps)} step(s) and the task is not solved yet.")
+    return ("\n".join(lines) + f"\n\n{instruction}\n\n{status}\n\nIMPORTANT: Analyze your attempt and identify where "
+            "things went wrong. You have a chance to go back to a specific step and try a different approach, with "
+            "the benefit of your current experience.\n\nFirst, carefully analyze the trajectory within <think> "
+            "</think> tags.\n\nThen, provide your final decision in the following format: <step> ... </step> "
+            "<experience> ... </experience>")
+
+
+def parse_reflection(text: str, max_step: int) -> tuple[int, str] | None:
+    """(tau, experience) with 1 <= tau <= max_step, or None."""
+    s, e = STEP_RE.search(text), EXP_RE.search(text)
+    if not s or not e or not e.group(1).strip():
+        return None
+    tau = int(s.group(1))
+    return (tau, e.group(1).strip()) if 1 <= tau <= max_step else None
+
+
+def experience_note(e: str) -> str:
+    return f"Experience from an earlier attempt at this task: {e}"
+
+
+def branch_queue_step(queue: deque, count: int, budget: int) -> Branch | None:
+    """BFS: the oldest queued branch while the task's budget lasts."""
+    return queue.popleft() if queue and count < budget else None
+
+
+class LEAFE(Recipe):
+    Params = LEAFEParams
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        if self.p.fallback not in ("random", "none"):
+            raise ConfigError(f"bad value for 'extra.fallback': {self.p.fallback!r}; allowed: random, none")
+
+    # ----- stage 1 ----------------------------------------------------------------------------
+    def explore(self, trainer: "Trainer") -> tuple[list[Sample], list[Sample], dict[str, float]]:
+        p, env = self.p, self.cfg.env
+        rng = random.Random(trainer.rng.randrange(2**31))
+        tasks = trainer.sample_tasks(p.tasks)
+        queues = {i: deque([Branch(t, s, [], [], [])]) for i, (t, s) in enumerate(tasks)}
+        counts = {i: 0 for i in queues}
+        successes: dict[int, list[list[Turn]]] = {i: [] for i in queues}
+        cf: dict[int, list[tuple[Sample, bool]]] = {i: [] for i in queues}
+        n = dict(branches=0, reflections=0, parsed=0, fallback=0, enqueued=0, depth_capped=0)
+        while True:
+            wave = []
+            for i, q in queues.items():
+                b = branch_queue_step(q, counts[i], p.budget)
+                if b is not None:
+                    counts[i] += 1
+                    wave.append((i, b))
+            if not wave:
+                break
+            starts = []
+            for i, b in wave:
+                trace = Trace(env, b.task_id, b.seed, b.actions, b.fingerprints) if b.prefix else None
+                history = [(o, " || ".join(t.actions)) for o, t in zip(b.observations, b.prefix) if t.actions]
+                starts.append(Start(b.task_id, b.seed, f"leafe:{i}:{counts[i]}", trace=trace, t0=len(b.actions),
+                                    reseed=rng.randrange(2**31) if trace else None, history=history,
+                                    note=experience_note(b.experience) if b.experience else "",
+                                    max_turns=max(1, self.cfg.rollout.max_turns - len(b.prefix))))
+            eps = trainer.rollout(starts)
+            n["branches"] += len(eps)
+            reflect: list[tuple[int, Branch, Episode, int, bool]] = []
+            for (i, b), ep in zip(wave, eps):
+                if ep.dropped or not ep.turns:
+                    continue
+                path = b.prefix + ep.turns
+                if ep.won:
+                    successes[i].append(path)
+                if b.experience:
+                    first = ep.turns[0]
+                    plain = first.info.get("plain_prompt_ids")
+                    if plain and first.gen_ids:  # counterfactual: the revised action, without the experience
+                        cf[i].append((turn_sample(plain, first.gen_ids, [0.0] * len(first.gen_ids), 1.0,
+                                                  dict(task=b.task_id, tau=len(b.prefix) + 1)), ep.won))
+                T = len(path)
+                points = [t for t in range(p.period, T + 1, p.period) if t > len(b.prefix)]
+                failed = not ep.won and (ep.turns[-1].done or ep.truncated)
+                if failed and T not in points:
+                    points.append(T)
+                reflect += [(i, b, ep, t, failed and t == T) for t in points]
+            if reflect:
+                self._reflect(trainer, reflect, queues, n, rng)
+        all_paths = [(i, path) for i, paths in successes.items() for path in paths]
+        keep = rng.sample(all_paths, max(1, round(p.rehearsal_frac * len(all_paths)))) if all_paths else []
+        rehearsal = [turn_sample(t.info.get("plain_prompt_ids") or t.prompt_ids, t.gen_ids,
+                                 [0.0] * len(t.gen_ids), p.rehearsal_beta)
+                     for _, path in keep for t in path if t.gen_ids]
+        counterfactual = []
+        for i, items in cf.items():
+            items = sorted(items, key=lambda x: not x[1])  # branches that then succeeded first
+            counterfactual += [s for s, _ in items[:p.cf_per_task]]
+        stats = {f"leafe_{k}": float(v) for k, v in n.items()}
+        stats.update(leafe_tasks_solved=sum(bool(v) for v in successes.values()) / max(1, len(successes)),
+                     leafe_successful_paths=float(len(all_paths)), leafe_cf_samples=float(len(counterfactual)),
+                     leafe_rehearsal_samples=float(len(rehearsal)))
+        return counterfactual, rehearsal, stats
+
+    def _reflect(self, trainer: "Trainer", points: list, queues: dict, n: dict, rng: random.Random) -> None:
+        p = self.p
+        prompts = []
+        for i, b, ep, t, failed in points:
+            path = (b.prefix + ep.turns)[:t]
+            obs = b.observations + [ep.initial_observation] + [x.observation for x in ep.turns]
+            steps = [(obs[j], " || ".join(path[j].actions) or "(no valid action)") for j in range(t)]
+            prompts.append(chat_ids(trainer.tokenizer, [{"role": "user",
+                                                         "content": reflection_prompt(ep.instruction, steps, failed)}]))
+        outs = trainer.generator.generate(prompts, SamplingParams(temperature=self.cfg.rollout.temperature,
+                                                                  max_new_tokens=p.reflect_tokens,
+                                                                  seed=rng.randrange(2**31)))
+        for (i, b, ep, t, failed), out in zip(points, outs):
+            n["reflections"] += 1
+            parsed = parse_reflection(out.text, t)
+            if parsed is None:
+                if p.fallback == "none":
+                    continue
+                n["fallback"] += 1
+                parsed = (rng.randint(1, t), "")
+            else:
+                n["parsed"] += 1
+            tau, e = parsed
+            if b.depth + 1 > p.max_depth:
+                n["depth_capped"] += 1
+                continue
+            path = b.prefix + ep.turns
+            obs = b.observations + [ep.initial_observation] + [x.observation for x in ep.turns]
+            fps = b.fingerprints or [ep.initial_fingerprint]
+            fps = fps + [f for x in ep.turns for f in x.fingerprints]
+            prefix = path[:tau - 1]
+            n_actions = sum(len(x.actions) for x in prefix)
+            queues[i].append(Branch(b.task_id, b.seed, prefix, obs[:tau], fps[:n_actions + 1], e, b.depth + 1))
+            n["enqueued"] += 1
+
+    def step(self, trainer: "Trainer") -> dict[str, float]:
+        counterfactual, rehearsal, stats = self.explore(trainer)
+        samples = counterfactual + rehearsal
+        if samples:
+            stats.update(fit_sft(trainer, samples, self.p.epochs, self.p.batch_size, self.p.lr))
+        return stats
+
+
+@dataclass
+class EarlyExpParams:
+    tasks: int = 16
+    rollouts: int = 4  # per task; the best-scoring one is used
+    pairs_per_task: int = 3
+    epochs: int = 1
+    batch_size: int = 16
+    lr: float = 1.0e-3
+
+
+def world_model_prompt(instruction: str, history: list[tuple[str, str]], obs: str, action: str, t: int) -> str:
+    recent = "\n".join(f"[Observation {j + 1}: {o!r}, Action {j + 1}: {a!r}]" for j, (o, a) in enumerate(history))
+    return (f"{instruction}\nPrior to this step, you have already taken {t} step(s). Your most recent observations "
+            f"and actions:\n{recent}\nYou are now at step {t + 1} and your current observation is: {obs}\n"
+            f"The next action is **{action}**. Your task is to predict the environment observation after executing "
+            "this action. Output only the observation.")
+
+
+class EarlyExp(Recipe):
+    Params = EarlyExpParams
+
+    def step(self, trainer: "Trainer") -> dict[str, float]:
+        p = self.p
+        tasks = trainer.sample_tasks(p.tasks)
+        eps = trainer.rollout([Start(t, s, f"iwm:{i}") for i, (t, s) in enumerate(tasks) for _ in range(p.rollouts)])
+        rng = random.Random(trainer.rng.randrange(2**31))
+        tok, samples = trainer.tokenizer, []
+        eos = [tok.eos_token_id]
+        for i in range(len(tasks)):
+            group = [e for e in eps[i * p.rollouts:(i + 1) * p.rollouts] if not e.dropped]
+            if not group:
+                continue
+            best = max(group, key=lambda e: (e.score, e.won))
+            steps, obs, history = [], best.initial_observation, []
+            for turn in best.turns:
+                if turn.actions:
+                    steps.append((list(history), obs, " || ".join(turn.actions), turn.observation))
+                    history.append((obs, " || ".join(turn.actions)))
+                obs = turn.observation
+            for hist, o, a, nxt in rng.sample(steps, min(p.pairs_per_task, len(steps))):
+                prompt = chat_ids(tok, [{"role": "user", "content": world_model_prompt(best.instruction, hist[-5:], o, a,
+                                                                                        len(hist))}])
+                target = tok(nxt, add_special_tokens=False)["input_ids"] + eos
+                samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, dict(task=best.task_id)))
+        stats = dict(iwm_samples=float(len(samples)), iwm_rollout_success=sum(e.won for e in eps) / max(1, len(eps)))
+        if samples:
+            stats.update(fit_sft(trainer, samples, p.epochs, p.batch_size, p.lr))
+        return stats
+
+
+RECIPES.register("leafe")(LEAFE)
+RECIPES.register("early_exp")(EarlyExp)
