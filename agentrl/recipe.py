@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agentrl.algos.advantages import ESTIMATORS, gae
-from agentrl.algos.filters import FILTERS, variance_filter
+from agentrl.algos.filters import FILTERS, variance_filter, zero_variance_filter
 from agentrl.algos.losses import ppo_objective, value_loss
 from agentrl.learner.batch import Sample, episode_sample, turn_sample
 from agentrl.registry import Registry
@@ -75,6 +75,8 @@ class Recipe:
         for name in self.cfg.algo.filters:
             if name == "variance":
                 episodes, n = variance_filter(episodes, self.cfg.algo.variance_keep, self.reward)
+            elif name == "zero_variance":
+                episodes, n = zero_variance_filter(episodes, self.reward)
             else:
                 episodes, n = FILTERS.get(name)(episodes)
             dropped[f"filtered_{name}"] = n

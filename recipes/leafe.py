@@ -176,7 +176,7 @@ class LEAFE(Recipe):
         prompts = []
         for i, b, ep, t, failed in points:
             path = (b.prefix + ep.turns)[:t]
-            obs = b.observations + [ep.initial_observation] + [x.observation for x in ep.turns]
+            obs = b.observations[:len(b.prefix)] + [ep.initial_observation] + [x.observation for x in ep.turns]
             steps = [(obs[j], " || ".join(path[j].actions) or "(no valid action)") for j in range(t)]
             prompts.append(chat_ids(trainer.tokenizer, [{"role": "user",
                                                          "content": reflection_prompt(ep.instruction, steps, failed)}]))
@@ -198,7 +198,9 @@ class LEAFE(Recipe):
                 n["depth_capped"] += 1
                 continue
             path = b.prefix + ep.turns
-            obs = b.observations + [ep.initial_observation] + [x.observation for x in ep.turns]
+            # observation before each turn of the path (a branch's last stored one is its restored state)
+            obs = b.observations[:len(b.prefix)] + [ep.initial_observation] + [x.observation for x in ep.turns]
+            assert len(obs) == len(path) + 1, "observation bookkeeping out of step with the path"
             fps = b.fingerprints or [ep.initial_fingerprint]
             fps = fps + [f for x in ep.turns for f in x.fingerprints]
             prefix = path[:tau - 1]

@@ -144,3 +144,12 @@ def test_other_filters():
     assert FILTERS.get("invalid_format")(eps)[1] == 1
     eps[3].dropped = True
     assert FILTERS.get("dropped")(eps)[1] == 1
+
+
+def test_zero_variance_filter_drops_groups_with_equal_rewards():
+    from agentrl.algos.filters import zero_variance_filter
+    from agentrl.types import Episode
+
+    eps = [Episode("e", "t", 0, g, won=w) for g, w in [("a", 0), ("a", 0), ("b", 1), ("b", 0), ("c", 1), ("c", 1)]]
+    kept, dropped = zero_variance_filter(eps, lambda e: float(e.won))
+    assert [e.group_id for e in kept] == ["b", "b"] and dropped == 4

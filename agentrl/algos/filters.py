@@ -38,6 +38,21 @@ def variance_filter(episodes: list[Episode], keep_top: float = 0.75, reward: Cal
     return kept, len(episodes) - len(kept)
 
 
+@FILTERS.register("zero_variance")
+def zero_variance_filter(episodes: list[Episode], reward: Callable[[Episode], float] | None = None
+                         ) -> tuple[list[Episode], int]:
+    """DAPO's dynamic-sampling filter without the resampling: drop groups whose rewards are all equal.
+    Their group-relative advantages are zero, so they add no gradient, only compute (and they dilute a
+    token-mean loss)."""
+    reward = reward or (lambda e: e.total_reward)
+    groups: dict[str, list[Episode]] = defaultdict(list)
+    for e in episodes:
+        groups[e.group_id].append(e)
+    kept_ids = {g for g, eps in groups.items() if group_std([reward(e) for e in eps]) > 1e-12}
+    kept = [e for e in episodes if e.group_id in kept_ids]
+    return kept, len(episodes) - len(kept)
+
+
 @FILTERS.register("overlong")
 def overlong_filter(episodes: list[Episode]) -> tuple[list[Episode], int]:
     """Drop episodes with a response cut at the token limit (its end was never sampled)."""
