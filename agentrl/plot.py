@@ -34,7 +34,9 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
 
 
 COMPARE_PANELS = [("eval/success", "held-out success"), ("success", "rollout success (all groups)"),
-                  ("all_zero_groups", "all-zero group fraction"), ("group_entropy_bits", "group reward entropy (bits)")]
+                  ("all_zero_groups", "all-zero group fraction (all groups)"),
+                  ("replay/all_zero_groups", "all-zero fraction, replay groups (CRPS, exp_replay)"),
+                  ("group_entropy_bits", "group reward entropy, bits (all groups)")]
 
 
 def run_label(run: Path) -> str:
@@ -46,7 +48,7 @@ def run_label(run: Path) -> str:
 def plot_compare(run_dirs: list[Path], out: Path, x: str = "env_steps") -> dict[str, list[tuple[float, float]]]:
     """Methods against each other: runs grouped by ``run_label``, the mean over seeds (band = min..max),
     against cumulative env steps (``x="env_steps"``, the interaction budget) or the step. Fresh-group
-    diagnostics (``fresh/...``) are used where a recipe logs them, so replay groups do not flatter it."""
+    diagnostics are over every group the update saw (fresh and replay); replay groups alone get a panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,6 +59,8 @@ def plot_compare(run_dirs: list[Path], out: Path, x: str = "env_steps") -> dict[
         groups.setdefault(run_label(run), []).append(read_metrics(run))
     fig, axes = plt.subplots(1, len(COMPARE_PANELS), figsize=(5 * len(COMPARE_PANELS), 4))
     summary: dict[str, list[tuple[float, float]]] = {}
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {label: palette[i % len(palette)] for i, label in enumerate(groups)}  # one colour per method
     for label, runs in groups.items():
         for ax, (key, title) in zip(axes, COMPARE_PANELS):
             series = []
@@ -64,18 +68,19 @@ def plot_compare(run_dirs: list[Path], out: Path, x: str = "env_steps") -> dict[
                 total, pts = 0.0, []
                 for r in rows:
                     total += float(r.get("env_steps", 0.0) or 0.0)
-                    k = f"fresh/{key}" if key in ("all_zero_groups", "group_entropy_bits") and f"fresh/{key}" in r else key
-                    if isinstance(r.get(k), (int, float)):
-                        pts.append((total if x == "env_steps" else r["step"], float(r[k])))
+                    if isinstance(r.get(key), (int, float)):
+                        pts.append((total if x == "env_steps" else r["step"], float(r[key])))
                 series.append(pts)
             n = min(len(s) for s in series)
+            ax.set_title(title, fontsize=9)
             if not n:
                 continue
             xs = [sum(s[i][0] for s in series) / len(series) for i in range(n)]
             ys = [[s[i][1] for s in series] for i in range(n)]
             mean = [sum(v) / len(v) for v in ys]
-            line, = ax.plot(xs, mean, marker="o" if key.startswith("eval/") else None, label=f"{label} (n={len(runs)})")
-            ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], alpha=0.15, color=line.get_color())
+            ax.plot(xs, mean, marker="o" if key.startswith("eval/") else None, label=f"{label} (n={len(runs)})",
+                    color=colors[label])
+            ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], alpha=0.15, color=colors[label])
             ax.set_title(title)
             ax.set_xlabel("env steps (cumulative, training rollouts)" if x == "env_steps" else "step")
             if key == "eval/success":

@@ -15,6 +15,7 @@ old log-probs), so the clipped ratio starts at 1 for them too.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,10 @@ class SPEARParams:
     tool_call_unit: float = 0.1  # R_tool = min(1, unit * n_tool) (eq. 16)
     format_reward: float = 0.1  # eq. 17
     cov_ratio: float = 0.02  # lambda: share of a replay row's tokens masked by covariance clipping
-    cov_bounds: list[float] = field(default_factory=lambda: [2.0, 60.0])  # omega_lb, omega_ub (eq. 20)
+    # omega_lb, omega_ub (eq. 20). Empty: set once from the first self-imitation batch as the paper does
+    # from its initial model, lb = mean covariance of the top 20% tokens, ub = that of the top 0.02%
+    # (the paper's [2, 60] for its 1.5B+ models masks nothing on a tiny model, whose covariances are < 2)
+    cov_bounds: list[float] = field(default_factory=list)
 
 
 def intrinsic_reward(ep: Episode, mu: float, unit: float = 0.1, fmt: float = 0.1) -> float:
@@ -56,17 +60,30 @@ def intrinsic_reward(ep: Episode, mu: float, unit: float = 0.1, fmt: float = 0.1
     return outcome + mu * min(1.0, unit * n_tool) + (fmt if fmt_ok else 0.0)
 
 
+def covariance_bounds(samples: list[Sample], low_top: float = 0.2, high_top: float = 0.0002) -> tuple[float, float]:
+    """(omega_lb, omega_ub): the mean centred covariance (logp - mean)(A - mean) of the top ``low_top``
+    and top ``high_top`` shares of the samples' target tokens (appendix A.12)."""
+    lp = torch.tensor([v for s in samples for v, m in zip(s.old_logprobs, s.loss_mask) if m])
+    adv = torch.tensor([v for s in samples for v, m in zip(s.advantages, s.loss_mask) if m])
+    cov = ((lp - lp.mean()) * (adv - adv.mean())).sort(descending=True).values
+    n = len(cov)
+    lb = float(cov[:max(1, math.ceil(low_top * n))].mean())
+    ub = float(cov[:max(1, math.ceil(high_top * n))].mean())
+    return lb, max(ub, lb + 1e-6)
+
+
 class SPEAR(Recipe):
     Params = SPEARParams
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
-        if len(self.p.cov_bounds) != 2 or self.p.cov_bounds[0] >= self.p.cov_bounds[1]:
+        if self.p.cov_bounds and (len(self.p.cov_bounds) != 2 or self.p.cov_bounds[0] >= self.p.cov_bounds[1]):
             raise ConfigError(f"bad value for 'extra.cov_bounds': {self.p.cov_bounds!r}; allowed: [omega_lb, omega_ub] "
                               "with omega_lb < omega_ub")
         self.sil = SILBuffer(self.p.buffer_size)
         self.baseline = BaselineBuffer(self.p.baseline_size)
         self.t = 0  # training iteration, for the schedules
+        self.bounds: tuple[float, float] | None = tuple(self.p.cov_bounds) if self.p.cov_bounds else None
 
     def mu(self) -> float:
         return cosine_decay(self.t, self.p.decay_steps)
@@ -84,11 +101,11 @@ class SPEAR(Recipe):
         cfg = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, agg=a.agg, kl=a.kl,
                    kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, clip_cov_ratio=a.clip_cov_ratio,
                    norm_len=self.cfg.rollout.max_new_tokens)
-        ratio, bounds = self.p.cov_ratio, tuple(self.p.cov_bounds)
+        ratio, bounds = self.p.cov_ratio, self.bounds
 
         def fn(mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
             mask = mb.loss_mask
-            if ratio and mb.tags is not None and bool((mb.tags == SIL_TAG).any()):
+            if ratio and bounds and mb.tags is not None and bool((mb.tags == SIL_TAG).any()):
                 sil_rows = (mb.tags == SIL_TAG).to(mask.dtype)[:, None]
                 keep_sil = clip_cov_mask(out["logp"], mb.advantages, mask * sil_rows, ratio, bounds)
                 mask = mask * (1 - sil_rows) + keep_sil * sil_rows
@@ -115,6 +132,8 @@ class SPEAR(Recipe):
                 n = len(s.ids)
                 row = [0.0] + lp[b, :n - 1].tolist()
                 s.old_logprobs = [v if m else 0.0 for v, m in zip(row, s.loss_mask)]
+            if self.bounds is None:
+                self.bounds = covariance_bounds(out)
         return out
 
     def step(self, trainer: "Trainer") -> dict[str, float]:
@@ -144,6 +163,8 @@ class SPEAR(Recipe):
             kept = dual_filter(drained, self.baseline.p50())
             sil_samples = self._sil_samples(trainer, kept, gamma) if gamma > 0 else []
             metrics.update(sil_trajectories=float(len(kept)), sil_dropped=float(len(drained) - len(kept)))
+        if self.bounds:
+            metrics.update(cov_bound_low=self.bounds[0], cov_bound_high=self.bounds[1])
         metrics.update(sil_buffer=float(len(self.sil.entries)), sil_gamma=gamma, tool_mu=self.mu(),
                        baseline_p50=self.baseline.p50(), sil_samples=float(len(sil_samples)))
         if samples or sil_samples:
@@ -155,11 +176,12 @@ class SPEAR(Recipe):
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(sil=list(self.sil.entries), baseline=list(self.baseline.values))
+        return dict(sil=list(self.sil.entries), baseline=list(self.baseline.values), bounds=self.bounds)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sil.entries = list(state.get("sil", []))
         self.baseline = BaselineBuffer(self.p.baseline_size, state.get("baseline", []))
+        self.bounds = state.get("bounds") or self.bounds
 
 
 RECIPES.register("spear")(SPEAR)

@@ -144,3 +144,13 @@ def test_spear_loss_masks_high_covariance_tokens_only_on_replay_rows():
     mb_on = collate([on, on], pad_id=0)
     _, stats_on = fn(mb_on, dict(logp=mb_on.old_logprobs.clone()))
     assert stats_on["sil_cov_masked"] == 0  # ... never on-policy ones
+
+
+def test_spear_covariance_bounds_from_the_first_batch():
+    from agentrl.learner.batch import Sample
+    from recipes.spear import covariance_bounds
+
+    s = Sample([0, 1, 2, 3, 4], [0, 1, 1, 1, 1], [0.0, -1.0, -2.0, -3.0, -4.0], [0.0, 1.0, 2.0, 3.0, 4.0])
+    # lp - mean = [1.5, .5, -.5, -1.5], A - mean = [-1.5, -.5, .5, 1.5]: cov = [-2.25, -.25, -.25, -2.25]
+    lb, ub = covariance_bounds([s], low_top=0.5, high_top=0.25)
+    assert lb == pytest.approx(-0.25) and ub == pytest.approx(-0.25 + 1e-6)
