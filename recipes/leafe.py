@@ -50,7 +50,7 @@ class LEAFEParams:
     cf_per_task: int = 3  # counterfactual samples kept per task
     epochs: int = 2
     batch_size: int = 16
-    lr: float = 1.0e-3
+    lr: float = 5.0e-5
 
 
 @dataclass
@@ -223,7 +223,7 @@ class EarlyExpParams:
     pairs_per_task: int = 3
     epochs: int = 1
     batch_size: int = 16
-    lr: float = 1.0e-3
+    lr: float = 5.0e-5
 
 
 def world_model_prompt(instruction: str, history: list[tuple[str, str]], obs: str, action: str, t: int) -> str:

@@ -20,8 +20,9 @@ def first_step(run: str) -> dict:
 
 
 curves = {}
-for label, run in [("SFT warm start", "passk-sft"), ("GRPO (15 steps)", "passk-grpo-s0"), ("LEAFE", "leafe-s0"),
-                   ("early_exp", "early_exp-s0")]:
+for label, run in [("SFT warm start", "passk-sft"), ("GRPO (15 steps)", "passk-grpo-s0"),
+                   ("LEAFE, lr 1e-3", "leafe-s0"), ("LEAFE, lr 5e-5", "leafe_lr5e-5-s0"),
+                   ("early_exp, lr 1e-3", "early_exp-s0"), ("early_exp, lr 5e-5", "early_exp_lr5e-5-s0")]:
     try:
         f = final(run)
     except (FileNotFoundError, ValueError, StopIteration):

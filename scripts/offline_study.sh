@@ -15,10 +15,10 @@ COMMON="--env $ENV --model $SFT sft.enabled=false trainer.tensorboard=false trai
 PASSK="eval.tasks=$TASKS eval.samples=64 eval.temperature=1.0 eval.split=valid"
 run() { OMP_NUM_THREADS=1 "$@"; }
 # LEAFE and early_exp: one explore/collect + fit round, then pass@k
-[ -f "$OUT/leafe-s0/final.json" ] || run $BIN/agentrl train leafe --seed 0 --out "$OUT/leafe-s0" $COMMON $PASSK \
-  extra.tasks=32 > "$OUT/leafe-s0.log" 2>&1 &
-[ -f "$OUT/early_exp-s0/final.json" ] || run $BIN/agentrl train early_exp --seed 0 --out "$OUT/early_exp-s0" $COMMON \
-  $PASSK extra.tasks=32 > "$OUT/early_exp-s0.log" 2>&1 &
+[ -f "$OUT/leafe_lr5e-5-s0/final.json" ] || run $BIN/agentrl train leafe --seed 0 --out "$OUT/leafe_lr5e-5-s0" $COMMON $PASSK \
+  extra.tasks=32 > "$OUT/leafe_lr5e-5-s0.log" 2>&1 &
+[ -f "$OUT/early_exp_lr5e-5-s0/final.json" ] || run $BIN/agentrl train early_exp --seed 0 --out "$OUT/early_exp_lr5e-5-s0" $COMMON \
+  $PASSK extra.tasks=32 > "$OUT/early_exp_lr5e-5-s0.log" 2>&1 &
 wait
 # pass@k of the warm start and of GRPO's final policy
 for m in sft grpo-s0; do
