@@ -3,6 +3,7 @@ SFT loop (also the warm start of RL runs and the fit stage of RFT)."""
 from __future__ import annotations
 
 import random
+import time
 from typing import TYPE_CHECKING, Any
 
 from agentrl.algos.losses import sft_loss
@@ -78,12 +79,18 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
         return sft_loss(out["logp"] * mb.advantages, mb.loss_mask), {}
 
     losses = []
-    for _ in range(epochs):
+    n_batches = (len(samples) + batch_size - 1) // batch_size
+    t0 = time.perf_counter()
+    for epoch in range(epochs):
         order = list(range(len(samples)))
         rng.shuffle(order)
         for i in range(0, len(order), batch_size):
             batch = collate([samples[j] for j in order[i:i + batch_size]], eng.pad_id)
             losses.append(eng.step(batch, loss)["loss"])
+            b = i // batch_size + 1
+            if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
+                print(f"sft pass {epoch + 1}/{epochs}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
+                      f"{time.perf_counter() - t0:.0f}s", flush=True)
     if saved is not None:
         _restore_lr(eng, saved)
     trainer.sync_weights()
