@@ -53,11 +53,13 @@ class Recipe:
 
     def starts(self, trainer: "Trainer") -> list[Start]:
         """``groups`` fresh tasks, each rolled out ``group_size`` times from the same start state."""
-        r = self.cfg.rollout
+        return self.fresh_starts(trainer, self.cfg.rollout.groups)
+
+    def fresh_starts(self, trainer: "Trainer", n_groups: int) -> list[Start]:
         out = []
-        for task_id, seed in trainer.sample_tasks(r.groups):
+        for task_id, seed in trainer.sample_tasks(n_groups):
             gid = f"{trainer.step}:{task_id}:{seed}"
-            out += [Start(task_id, seed, gid) for _ in range(r.group_size)]
+            out += [Start(task_id, seed, gid) for _ in range(self.cfg.rollout.group_size)]
         return out
 
     def after_rollout(self, trainer: "Trainer", episodes: list[Episode]) -> None:
@@ -115,11 +117,16 @@ class Recipe:
         stats["samples"] = len(samples)
         return samples, stats
 
+    def objective_config(self) -> dict[str, Any]:
+        """The ``ppo_objective`` settings from ``algo``, shared by every recipe's loss."""
+        a = self.cfg.algo
+        return dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, agg=a.agg, kl=a.kl,
+                    kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, clip_cov_ratio=a.clip_cov_ratio,
+                    norm_len=self.cfg.rollout.max_new_tokens)
+
     def loss_fn(self, trainer: "Trainer") -> Any:
         a = self.cfg.algo
-        cfg = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, agg=a.agg, kl=a.kl,
-                   kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, clip_cov_ratio=a.clip_cov_ratio,
-                   norm_len=self.cfg.rollout.max_new_tokens)
+        cfg = self.objective_config()
 
         def fn(mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
             loss, stats = ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, cfg,

@@ -74,10 +74,7 @@ class CRPS(Recipe):
         r, p = self.cfg.rollout, self.p
         self._replays = {}
         replay_groups = sum(trainer.rng.random() < p.p_replay for _ in range(r.groups)) if len(self.buffer) else 0
-        out = []
-        for task_id, seed in trainer.sample_tasks(r.groups - replay_groups):
-            gid = f"{trainer.step}:{task_id}:{seed}"
-            out += [Start(task_id, seed, gid) for _ in range(r.group_size)]
+        out = self.fresh_starts(trainer, r.groups - replay_groups)
         for g in range(replay_groups):
             e = self.buffer.sample(trainer.rng)
             k = e.T if p.from_start else (p.fixed_k or e.ctrl.k)

@@ -98,9 +98,7 @@ class SPEAR(Recipe):
 
     def loss_fn(self, trainer: "Trainer") -> Any:
         a = self.cfg.algo
-        cfg = dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, agg=a.agg, kl=a.kl,
-                   kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, clip_cov_ratio=a.clip_cov_ratio,
-                   norm_len=self.cfg.rollout.max_new_tokens)
+        cfg = self.objective_config()
         ratio, bounds = self.p.cov_ratio, self.bounds
 
         def fn(mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -22,18 +22,4 @@ printf '%s\n' "${jobs[@]}" | xargs -P 2 -L 1 bash -c '
 runs=()
 for r in $RECIPES; do for s in 0 1 2; do runs+=("$OUT/$r-s$s"); done; done
 .venv/bin/agentrl plot --compare "${runs[@]}" --out "docs/study_${ENV}_$(echo $RECIPES | tr ' ' '_').png"
-.venv/bin/python - "$OUT" $RECIPES <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-print("| recipe | seed | held-out success, step 0 | final | mean all-zero group fraction (fresh groups) | env steps |")
-print("| --- | --- | --- | --- | --- | --- |")
-for r in sys.argv[2:]:
-    for s in (0, 1, 2):
-        rows = [json.loads(l) for l in (out / f"{r}-s{s}" / "metrics.jsonl").read_text().splitlines()]
-        ev = [x for x in rows if "eval/success" in x]
-        z = [x.get("fresh/all_zero_groups", x.get("all_zero_groups")) for x in rows if "all_zero_groups" in x]
-        env_steps = sum(x.get("env_steps", 0) for x in rows)
-        print(f"| {r} | {s} | {ev[0]['eval/success']:.3f} | {ev[-1]['eval/success']:.3f} | "
-              f"{sum(z) / max(1, len(z)):.2f} | {env_steps:.0f} |")
-PY
+.venv/bin/python scripts/online_report.py "$OUT" $RECIPES
