@@ -44,6 +44,8 @@ class RolloutCfg:
     max_new_tokens: int = 48
     require_think: bool = False
     format_penalty: float = -0.1
+    # per turn whose actions changed nothing (same env fingerprint before and after); a shaping term
+    ineffective_penalty: float = 0.0
     show_admissible: bool = True
     split: Literal["train", "valid", "test"] = "train"
 
@@ -68,6 +70,9 @@ class AlgoCfg:
     entropy_coef: float = 0.0
     clip_cov_ratio: float = 0.0
     ppo_epochs: int = 1
+    # optimizer steps per epoch: the batch is shuffled and split into this many mini-batches (verl's
+    # ppo_mini_batch_size). One full-batch step per RL step left the tiny model all but unmoved in 15 steps.
+    mini_batches: int = 1
     value_coef: float = 0.5
     value_clip: float | None = 0.2
     filters: list[str] = field(default_factory=lambda: ["dropped"])

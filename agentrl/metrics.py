@@ -58,6 +58,7 @@ def episode_diagnostics(episodes: list[Episode], reward: Callable[[Episode], flo
         "response_tokens": sum(len(t.gen_ids) for t in turns) / max(1, len(turns)),
         "turns_per_episode": len(turns) / len(episodes),
         "valid_format": sum(t.format_ok for t in turns) / max(1, len(turns)),
+        "ineffective_turns": sum(bool(t.info.get("ineffective")) for t in turns) / max(1, len(turns)),
         "env_steps": float(sum(len(t.actions) for t in turns)),
         "generated_tokens": float(sum(len(t.gen_ids) for t in turns)),
         "dropped_episodes": float(sum(e.dropped for e in episodes)),

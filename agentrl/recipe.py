@@ -69,7 +69,9 @@ class Recipe:
         kind = self.cfg.algo.reward
         base = float(ep.won) if kind == "success" else ep.score if kind == "score" else \
             sum(t.info.get("env_reward", t.reward) for t in ep.turns)
-        penalty = sum(self.cfg.rollout.format_penalty for t in ep.turns if not t.format_ok)
+        r = self.cfg.rollout
+        penalty = sum(r.format_penalty for t in ep.turns if not t.format_ok) + \
+            sum(r.ineffective_penalty for t in ep.turns if t.info.get("ineffective"))
         return base + penalty
 
     def filter(self, episodes: list[Episode]) -> tuple[list[Episode], dict[str, int]]:

@@ -95,6 +95,7 @@ class Trainer:
         stops = [f"</{spec.answer_tag}>"]
         return RolloutConfig(max_turns=max_turns or r.max_turns, history_len=r.history_len, chat_mode=r.chat_mode,
                              require_think=r.require_think, format_penalty=r.format_penalty,
+                             ineffective_penalty=r.ineffective_penalty,
                              show_admissible=r.show_admissible,
                              sampling=SamplingParams(temperature=r.temperature if temperature is None else temperature,
                                                      top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=stops,
@@ -128,10 +129,23 @@ class Trainer:
             # Every advantage is zero (all groups all-fail or all-succeed): the gradient is exactly zero,
             # but Adam's momentum would still move the weights. No signal, no step.
             return dict(skipped_update=1.0, loss=0.0, grad_norm=0.0, time_learn_s=time.perf_counter() - t)
-        for _ in range(self.cfg.algo.ppo_epochs):
-            stats = self.engine.step(batch, loss_fn, temperature=self.cfg.rollout.temperature,
+        order = list(range(len(batch)))
+        n_mb = max(1, min(a.mini_batches, len(order)))
+        sums: dict[str, float] = {}
+        n_steps = 0
+        for _ in range(a.ppo_epochs):
+            if n_mb > 1:
+                self.rng.shuffle(order)
+            for part in (order[i::n_mb] for i in range(n_mb)):
+                mb = batch if n_mb == 1 else batch.select(sorted(part))
+                s = self.engine.step(mb, loss_fn, temperature=self.cfg.rollout.temperature,
                                      need_entropy=True, need_values=need_values,
-                                     weight_by="tokens" if self.cfg.algo.agg == "token-mean" else "sequences")
+                                     weight_by="tokens" if a.agg == "token-mean" else "sequences")
+                for k, v in s.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                n_steps += 1
+        stats = {k: v / n_steps for k, v in sums.items()}  # means over the optimizer steps
+        stats["optim_steps"] = float(n_steps)
         self.sync_weights()
         stats["time_learn_s"] = time.perf_counter() - t
         return stats

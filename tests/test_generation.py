@@ -151,3 +151,20 @@ def test_server_rejects_bad_requests(server):
     assert e.value.code == 400 and "prompt must be" in e.value.read().decode()
     with pytest.raises(GenerationServerError, match="cannot reach"):
         RemoteGenerator("http://127.0.0.1:9", timeout=2)
+
+
+def test_ineffective_turns_are_flagged_and_penalized(tiny_generator):
+    """A move into a wall leaves the fingerprint unchanged: flagged and given ineffective_penalty."""
+    tok = tiny_generator.tokenizer
+    env = make("sokoban")
+    for task in env.tasks("train"):
+        env.reset(task.task_id)
+        r, c = env.player
+        if (r - 1, c) in env.level.walls and (r, c - 1) not in env.level.walls | env.boxes:
+            break
+    eng = _engine(ScriptedGenerator(tok, "<answer>Up</answer>"), tok, slots=1, ineffective_penalty=-0.5)
+    ep = eng.run([Start(task.task_id)])[0]
+    assert [t.info.get("ineffective", False) for t in ep.turns] == [True] * 3
+    assert all(t.reward == pytest.approx(-0.1 - 0.5) for t in ep.turns)  # sokoban's step cost + the penalty
+    eng = _engine(ScriptedGenerator(tok, "<answer>Left</answer>"), tok, slots=1, ineffective_penalty=-0.5)
+    assert not eng.run([Start(task.task_id)])[0].turns[0].info.get("ineffective")  # a real move

@@ -155,3 +155,25 @@ def test_sft_learning_rate_survives_the_scheduler(tiny_model_dir):
     assert lrs == pytest.approx([3e-3] * 3)
     _restore_lr(eng, saved)
     assert eng.step(b, lambda mb, out: ((out["logp"] * mb.loss_mask).sum() * 0, {}))["lr"] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_targets_only_forward_matches_the_full_vocabulary_pass(tiny_model_dir, lora):
+    """Projecting to the vocabulary only at target positions gives the same log-probs, entropies and
+    gradients there as the full pass."""
+    from agentrl.learner.engine import forward_batch
+
+    eng = TorchEngine(tiny_model_dir, EngineConfig(lora=LoraSettings(r=4, alpha=8) if lora else None))
+    b = collate(_samples(), pad_id=eng.pad_id)
+    m = b.loss_mask.bool()
+    outs, grads = [], []
+    for fast in (False, True):
+        eng.model.zero_grad()
+        out = forward_batch(eng.model, None, b, 0.7, need_entropy=True, targets_only=fast)
+        (out["logp"][m].sum() + out["entropy"][m].sum()).backward()
+        outs.append(out)
+        grads.append([p.grad.clone() for p in eng.model.parameters() if p.grad is not None])
+    assert torch.allclose(outs[0]["logp"][m], outs[1]["logp"][m], atol=1e-5)
+    assert torch.allclose(outs[0]["entropy"][m], outs[1]["entropy"][m], atol=1e-5)
+    assert (outs[1]["logp"][~m] == 0).all()
+    assert all(torch.allclose(g, h, atol=1e-5, rtol=1e-4) for g, h in zip(*grads))

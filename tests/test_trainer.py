@@ -104,3 +104,27 @@ def test_pass_at_k_unbiased():
     assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 4 * 2 / 3)  # 1 - C(3,2)/C(4,2)
     assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
     assert group_entropy_bits([True, False]) == 1.0 and group_entropy_bits([True] * 3) == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_mini_batches_give_one_optimizer_step_each(tiny_model_dir, tmp_path):
+    """algo.mini_batches x algo.ppo_epochs optimizer steps per update, every sample used once an epoch."""
+    import recipes  # noqa: F401
+    from agentrl.learner.batch import turn_sample
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "algo.mini_batches=3",
+                                                              "algo.ppo_epochs=2"))
+    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    try:
+        samples = [turn_sample([5, 6, 7 + i], [8, 9], [-1.0, -1.0], 1.0 if i % 2 else -1.0) for i in range(7)]
+        seen = []
+        step = t.engine.step
+        t.engine.step = lambda batch, *a, **k: (seen.append(len(batch)), step(batch, *a, **k))[1]
+        before = t.engine.global_step
+        stats = t.update(samples, t.recipe.loss_fn(t))
+        assert t.engine.global_step - before == 6 and stats["optim_steps"] == 6
+        assert seen == [3, 2, 2, 3, 2, 2]  # each epoch covers all 7 samples
+    finally:
+        t.close()

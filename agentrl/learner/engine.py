@@ -72,23 +72,56 @@ class ValueHead(torch.nn.Module):
         return self.v(h.float())[..., 0]
 
 
+def _decoder_and_head(model: Any) -> tuple[Any, Any] | None:
+    """(decoder, lm_head) of a plain HF causal LM (LoRA-wrapped too), or None where the head is not a
+    plain projection of the last hidden state (logit soft-capping) or the model hides its parts."""
+    get_dec, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    if not (callable(get_dec) and callable(get_head)):
+        return None
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return None
+    dec, head = get_dec(), get_head()
+    return (dec, head) if dec is not None and head is not None and dec is not model else None
+
+
 def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
-                  need_values: bool = False) -> dict[str, torch.Tensor]:
-    """Per-target log-probs (B, T-1), and optionally entropies and values at the same positions."""
+                  need_values: bool = False, targets_only: bool = False) -> dict[str, torch.Tensor]:
+    """Per-target log-probs (B, T-1), and optionally entropies and values at the same positions.
+
+    ``targets_only``: project to the vocabulary only where ``loss_mask`` is set (other positions read 0).
+    Agent turns are mostly prompt (~300 prompt tokens for ~8 generated on Sokoban), and the vocabulary
+    projection plus its softmax over every prompt position was a third of the tiny model's step."""
     from agentrl.algos.losses import entropy_from_logits
 
     pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos,
-                output_hidden_states=need_values)
-    logits = out.logits[:, :-1].float()
+    parts = _decoder_and_head(model) if targets_only and mb.loss_mask is not None else None
+    if parts is None:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos,
+                    output_hidden_states=need_values)
+        logits = out.logits[:, :-1].float()
+        if temperature > 0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
+        res = {"logp": logp}
+        if need_entropy:
+            res["entropy"] = entropy_from_logits(logits)
+        if need_values:
+            res["values"] = value_head(out.hidden_states[-1][:, :-1])
+        return res
+    decoder, head = parts
+    hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos).last_hidden_state
+    sel = mb.loss_mask.bool()
+    logits = head(hidden[:, :-1][sel]).float()
     if temperature > 0:
         logits = logits / temperature
-    logp = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
-    res = {"logp": logp}
+    picked = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:][sel][:, None])[:, 0]
+    zeros = torch.zeros(sel.shape, dtype=picked.dtype, device=picked.device)
+    res = {"logp": zeros.masked_scatter(sel, picked)}
     if need_entropy:
-        res["entropy"] = entropy_from_logits(logits)
+        res["entropy"] = zeros.masked_scatter(sel, entropy_from_logits(logits))
     if need_values:
-        res["values"] = value_head(out.hidden_states[-1][:, :-1])
+        res["values"] = value_head(hidden[:, :-1])
     return res
 
 
@@ -146,7 +179,8 @@ class TorchEngine:
     # ----- compute -----------------------------------------------------------------------------
     def forward(self, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
                 need_values: bool = False) -> dict[str, torch.Tensor]:
-        return forward_batch(self.model, self.value_head, mb, temperature, need_entropy, need_values)
+        return forward_batch(self.model, self.value_head, mb, temperature, need_entropy, need_values,
+                             targets_only=True)
 
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0, values: bool = False

@@ -33,6 +33,9 @@ class RolloutConfig:
     chat_mode: str = "window"  # "window" | "full"
     require_think: bool = False
     format_penalty: float = 0.0  # added to a turn's reward when its output has no valid action format
+    # added to a turn's reward when its actions left the env state (fingerprint) unchanged: walking into
+    # a wall, "Nothing happens." (RAGEN logs such actions as not effective)
+    ineffective_penalty: float = 0.0
     max_actions_per_turn: int | None = None  # default: the env's PromptSpec
     show_admissible: bool = True
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0, max_new_tokens=64))
@@ -214,6 +217,12 @@ class RolloutEngine:
         self.stats["env_s"] += time.perf_counter() - t
         for i, turn in turns.items():
             sl = slots[i]
+            if turn.actions and turn.fingerprints and turn.fingerprints[-1]:
+                before = sl.ep.turns[-1].fingerprints[-1] if sl.ep.turns and sl.ep.turns[-1].fingerprints \
+                    else sl.ep.initial_fingerprint
+                if turn.fingerprints[-1] == before and not turn.done:
+                    turn.info["ineffective"] = True
+                    turn.reward += self.cfg.ineffective_penalty
             sl.ep.turns.append(turn)
             self.stats["turns"] += 1
             if turn.actions:
