@@ -152,12 +152,20 @@ class Recipe:
         samples, stats = self.make_batch(trainer, episodes)
         metrics = dict(stats)
         metrics.update(trainer.diagnostics(episodes, self))
-        if samples:
-            if self.cfg.algo.estimator == "gae":
-                samples = self.critic_advantages(trainer, samples)
-            metrics.update(trainer.update(samples, self.loss_fn(trainer), need_values=self.cfg.algo.estimator == "gae"))
+        extra = self.extra_samples(trainer, episodes, samples, metrics)
+        if samples and self.cfg.algo.estimator == "gae":
+            samples = self.critic_advantages(trainer, samples)
+        if samples or extra:
+            metrics.update(trainer.update(samples + extra, self.loss_fn(trainer),
+                                          need_values=self.cfg.algo.estimator == "gae"))
         self.after_update(trainer, metrics)
         return metrics
+
+    def extra_samples(self, trainer: "Trainer", episodes: list[Episode], samples: list[Sample],
+                      metrics: dict[str, float]) -> list[Sample]:
+        """Rows trained alongside this step's batch with their own advantages (SPEAR's self-imitation
+        replay); recipes may also add to ``metrics`` here."""
+        return []
 
     def critic_advantages(self, trainer: "Trainer", samples: list[Sample]) -> list[Sample]:
         """PPO: turn-level GAE from the value head's estimate at the last prompt token of each turn."""

@@ -136,11 +136,10 @@ class SPEAR(Recipe):
 
     def step(self, trainer: "Trainer") -> dict[str, float]:
         self.t = trainer.step + 1  # t_iter of eq. 13-14 counts from 1 (the logged step)
-        episodes = trainer.rollout(self.starts(trainer))
-        self.after_rollout(trainer, episodes)
-        samples, stats = self.make_batch(trainer, episodes)
-        metrics = dict(stats)
-        metrics.update(trainer.diagnostics(episodes, self))
+        return super().step(trainer)
+
+    def extra_samples(self, trainer: "Trainer", episodes: list[Episode], samples: list[Sample],
+                      metrics: dict[str, float]) -> list[Sample]:
         groups: dict[str, list[float]] = defaultdict(list)
         for e in episodes:
             if not e.dropped:
@@ -165,13 +164,7 @@ class SPEAR(Recipe):
             metrics.update(cov_bound_low=self.bounds[0], cov_bound_high=self.bounds[1])
         metrics.update(sil_buffer=float(len(self.sil.entries)), sil_gamma=gamma, tool_mu=self.mu(),
                        baseline_p50=self.baseline.p50(), sil_samples=float(len(sil_samples)))
-        if samples or sil_samples:
-            if self.cfg.algo.estimator == "gae":
-                samples = self.critic_advantages(trainer, samples) if samples else samples
-            metrics.update(trainer.update(samples + sil_samples, self.loss_fn(trainer),
-                                          need_values=self.cfg.algo.estimator == "gae"))
-        self.after_update(trainer, metrics)
-        return metrics
+        return sil_samples
 
     def state_dict(self) -> dict[str, Any]:
         return dict(sil=list(self.sil.entries), baseline=list(self.baseline.values), bounds=self.bounds)
