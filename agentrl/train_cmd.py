@@ -82,8 +82,7 @@ def run_eval(args: argparse.Namespace) -> int:
     cfg = _config(args, "eval")
     trainer = _trainer(cfg)
     try:
-        ks = tuple(k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= args.samples)
-        res = trainer.evaluate(ks=ks)
+        res = trainer.evaluate()  # pass@1, 2, 4, ... up to eval.samples (the ladder lives in Trainer.evaluate)
     finally:
         trainer.close()
     print(json.dumps(res, indent=1))
