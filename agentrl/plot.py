@@ -81,7 +81,6 @@ def plot_compare(run_dirs: list[Path], out: Path, x: str = "env_steps") -> dict[
             ax.plot(xs, mean, marker="o" if key.startswith("eval/") else None, label=f"{label} (n={len(runs)})",
                     color=colors[label])
             ax.fill_between(xs, [min(v) for v in ys], [max(v) for v in ys], alpha=0.15, color=colors[label])
-            ax.set_title(title)
             ax.set_xlabel("env steps (cumulative, training rollouts)" if x == "env_steps" else "step")
             if key == "eval/success":
                 summary[label] = list(zip(xs, mean))

@@ -131,8 +131,10 @@ class Recipe:
         cfg = self.objective_config()
 
         def fn(mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-            loss, stats = ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, cfg,
+            mask, mask_stats = self.policy_mask(mb, out)
+            loss, stats = ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mask, cfg,
                                         mb.ref_logprobs, out.get("entropy"))
+            stats.update(mask_stats)
             if "values" in out and mb.value_mask is not None:
                 vl = value_loss(out["values"], mb.old_values, mb.returns, mb.value_mask, a.value_clip)
                 loss = loss + a.value_coef * vl
@@ -140,6 +142,10 @@ class Recipe:
             return loss, stats
 
         return fn
+
+    def policy_mask(self, mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The tokens the policy loss sees (default: every generated token), plus stats about it."""
+        return mb.loss_mask, {}
 
     def after_update(self, trainer: "Trainer", stats: dict[str, float]) -> None:
         pass

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentrl.algos.losses import clip_cov_mask, ppo_objective, value_loss
+from agentrl.algos.losses import clip_cov_mask
 from agentrl.buffers.sil import BaselineBuffer, SILBuffer, SILEntry, dual_filter
 from agentrl.config import ConfigError
 from agentrl.curriculum.schedules import cosine_decay, cosine_warmup
@@ -96,26 +96,14 @@ class SPEAR(Recipe):
             return super().reward(ep)
         return intrinsic_reward(ep, self.mu(), self.p.tool_call_unit, self.p.format_reward)
 
-    def loss_fn(self, trainer: "Trainer") -> Any:
-        a = self.cfg.algo
-        cfg = self.objective_config()
-        ratio, bounds = self.p.cov_ratio, self.bounds
-
-        def fn(mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-            mask = mb.loss_mask
-            if ratio and bounds and mb.tags is not None and bool((mb.tags == SIL_TAG).any()):
-                sil_rows = (mb.tags == SIL_TAG).to(mask.dtype)[:, None]
-                keep_sil = clip_cov_mask(out["logp"], mb.advantages, mask * sil_rows, ratio, bounds)
-                mask = mask * (1 - sil_rows) + keep_sil * sil_rows
-            loss, stats = ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mask, cfg,
-                                        mb.ref_logprobs, out.get("entropy"))
-            stats["sil_cov_masked"] = float((mb.loss_mask - mask).sum())
-            if "values" in out and mb.value_mask is not None:
-                vl = value_loss(out["values"], mb.old_values, mb.returns, mb.value_mask, a.value_clip)
-                loss = loss + a.value_coef * vl
-            return loss, stats
-
-        return fn
+    def policy_mask(self, mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Covariance clipping (eq. 18-21) on the self-imitation rows only."""
+        mask = mb.loss_mask
+        if self.p.cov_ratio and self.bounds and mb.tags is not None and bool((mb.tags == SIL_TAG).any()):
+            sil_rows = (mb.tags == SIL_TAG).to(mask.dtype)[:, None]
+            keep_sil = clip_cov_mask(out["logp"], mb.advantages, mask * sil_rows, self.p.cov_ratio, self.bounds)
+            mask = mask * (1 - sil_rows) + keep_sil * sil_rows
+        return mask, {"sil_cov_masked": float((mb.loss_mask - mask).sum())}
 
     def _sil_samples(self, trainer: "Trainer", kept: list[tuple[SILEntry, float]], gamma: float) -> list[Sample]:
         out = []
