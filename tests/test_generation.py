@@ -168,3 +168,33 @@ def test_ineffective_turns_are_flagged_and_penalized(tiny_generator):
     assert all(t.reward == pytest.approx(-0.1 - 0.5) for t in ep.turns)  # sokoban's step cost + the penalty
     eng = _engine(ScriptedGenerator(tok, "<answer>Left</answer>"), tok, slots=1, ineffective_penalty=-0.5)
     assert not eng.run([Start(task.task_id)])[0].turns[0].info.get("ineffective")  # a real move
+
+
+def test_each_generate_call_gets_its_own_seed(tiny_generator):
+    """One rollout seed must not re-draw the same random numbers every turn: that locks each episode to
+    one quantile at its action token, turn after turn. Seeds differ per call and are reproducible."""
+    g = tiny_generator
+
+    class Recording:  # records what the engine asks of the real generator
+        def __init__(self):
+            self.seeds, self.tokenizer, self.stop_ids = [], g.tokenizer, getattr(g, "stop_ids", ())
+
+        def generate(self, prompts, sampling):
+            self.seeds.append(sampling.seed)
+            return g.generate(prompts, sampling)
+
+    runs = []
+    for _ in range(2):
+        rec = Recording()
+        eps = _engine(rec, g.tokenizer).run([Start(f"train/{i:05d}", 0, "g") for i in range(4)])
+        runs.append((rec.seeds, [t.gen_ids for ep in eps for t in ep.turns]))
+    seeds = runs[0][0]
+    assert len(seeds) == 3 and len(set(seeds)) == 3 and SAMPLING.seed not in seeds  # one per turn, all different
+    assert runs[0] == runs[1]  # same rollout seed, same per-call seeds, same samples
+
+
+def test_vllm_requests_carry_no_shared_seed():
+    """vLLM seeds every prompt of a request alike: a group's identical prompts would sample identically."""
+    ours, vllm = RemoteGenerator("http://x", model="m"), RemoteGenerator("http://x", model="m", backend="vllm")
+    assert ours._body([[1, 2]], SAMPLING)["seed"] == SAMPLING.seed
+    assert "seed" not in vllm._body([[1, 2], [1, 2]], SAMPLING)

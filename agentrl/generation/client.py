@@ -65,7 +65,9 @@ class RemoteGenerator:
         body: dict[str, Any] = dict(model=self.lora_name or self.model, prompt=prompts, max_tokens=sampling.max_new_tokens,
                                     temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0,
                                     stop=sampling.stop or None, return_tokens_as_token_ids=True)
-        if sampling.seed is not None:
+        # vLLM seeds every prompt of a request with the request's seed, so the G identical prompts of a
+        # group would come back as G identical samples; our server draws one stream across the rows.
+        if sampling.seed is not None and self.backend != "vllm":
             body["seed"] = sampling.seed
         if self.backend == "vllm":
             # vLLM extras: keep stop strings in the text (our parser expects the closing tag), and ids.

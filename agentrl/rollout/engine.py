@@ -12,6 +12,8 @@ generated spans are exactly what was sampled).
 """
 from __future__ import annotations
 
+import dataclasses
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +94,18 @@ class RolloutEngine:
         self.stats = dict(generate_s=0.0, env_s=0.0, prompt_s=0.0, generated_tokens=0, env_steps=0, turns=0,
                           generate_calls=0)
         self._suffix_cache: dict[str, str] = {}
+        self._seeds = random.Random(config.sampling.seed)  # per-call seeds (see _call_sampling)
         self._stop_ids = set(getattr(generator, "stop_ids", ())) | {tokenizer.eos_token_id}
+
+    def _call_sampling(self) -> SamplingParams:
+        """The sampling settings of the next generate call: with a seed, a fresh one per call, drawn from
+        the rollout's seed. One seed for every call re-draws the same random numbers each turn, so an
+        episode keeps the same quantile at its action token turn after turn (measured on Sokoban: the
+        same move repeated into walls, whole batches failing) and its turns are not independent samples."""
+        base = self.cfg.sampling
+        if base.seed is None:
+            return base
+        return dataclasses.replace(base, seed=self._seeds.randrange(2**31))
 
     # ----- public ------------------------------------------------------------------------------
     def run(self, starts: list[Start]) -> list[Episode]:
@@ -168,7 +181,7 @@ class RolloutEngine:
         prompts = [self._prompt(slots[i]) for i in live]
         self.stats["prompt_s"] += time.perf_counter() - t
         t = time.perf_counter()
-        outs = self.gen.generate(prompts, self.cfg.sampling)
+        outs = self.gen.generate(prompts, self._call_sampling())
         self.stats["generate_s"] += time.perf_counter() - t
         self.stats["generate_calls"] += 1
         turns: dict[int, Turn] = {}
