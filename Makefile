@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 .PHONY: help setup test train envs check-envs play bench serve vllm-setup test-vllm clean
 
 help:
-	@echo "make train [RECIPE=grpo] [ENV=sokoban] [MODEL=tiny] [OVERRIDES=\"a.b=c ...\"]   train (CPU default)"
+	@echo "make train [RECIPE=grpo] [ENV=sokoban] [MODEL=tiny] [SEED=0] [OVERRIDES=\"a.b=c ...\"]   train (CPU default)"
 	@echo "make envs         set up, list the envs and self-check the fast ones (expert + restore)"
 	@echo "make test         set up and run the test suite"
 	@echo "make check-envs   full self-check of every env (50 expert tasks, 20 restore checks each)"
@@ -41,10 +41,11 @@ test: $(STAMP)
 RECIPE ?= grpo
 ENV ?= sokoban
 MODEL ?=
+SEED ?= 0
 OVERRIDES ?=
 train: $(STAMP)
-	$(BIN)/agentrl train $(RECIPE) --env $(ENV) $(if $(MODEL),--model $(MODEL)) $(OVERRIDES)
-	$(BIN)/agentrl plot runs/$(RECIPE)-$(ENV)-s0
+	$(BIN)/agentrl train $(RECIPE) --env $(ENV) --seed $(SEED) $(if $(MODEL),--model $(MODEL)) $(OVERRIDES)
+	$(BIN)/agentrl plot runs/$(RECIPE)-$(ENV)-s$(SEED)
 
 envs: $(STAMP)
 	$(BIN)/agentrl envs list

@@ -1,7 +1,8 @@
 """Recipe configuration: typed dataclasses, YAML with inheritance and per-env overlays, dotted overrides.
 
 A recipe YAML may say ``base: grpo`` (deep-merged over the base recipe's YAML), carry ``env_overlays:
-{alfworld: {...}}`` (merged when that env is chosen), and be overridden from the command line with
+{alfworld: {...}}`` (merged when that env is chosen, over the keys of the YAML that carries it: a child
+recipe's own keys beat its base's overlay), and be overridden from the command line with
 ``rollout.max_turns=5``-style strings (values parsed as YAML). Every key is checked against the schema
 below before any work starts; a wrong key or value fails with one line naming it and what is allowed.
 """
@@ -176,8 +177,10 @@ def recipe_yaml(name_or_path: str) -> Path:
     return cand
 
 
-def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The recipe's YAML with its ``base`` chain merged in (base first)."""
+def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None = None) -> dict[str, Any]:
+    """The recipe's YAML with its ``base`` chain merged in (base first). With ``env``, each level's overlay
+    for that env is applied right after that level's own keys, so a recipe's own setting beats an overlay
+    it inherits (``leafe`` says ``trainer.steps: 1``; its base's alfworld overlay must not make that 10)."""
     path = recipe_yaml(name_or_path)
     if str(path) in seen:
         raise ConfigError(f"recipe inheritance loop: {' -> '.join(seen + (str(path),))}")
@@ -187,8 +190,18 @@ def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any
     data = _read_yaml(path)
     own_method = data.get("method") or (path.stem if path.stem in RECIPES else None)
     base = data.pop("base", None)
+    overlay = None
+    if env is not None:
+        overlays = data.pop("env_overlays", None) or {}
+        if not isinstance(overlays, dict):
+            raise ConfigError(f"{path}: env_overlays must map env names to sections, got {type(overlays).__name__}")
+        overlay = overlays.get(env)
+        if overlay is not None and not isinstance(overlay, dict):
+            raise ConfigError(f"{path}: env_overlays.{env} must be a mapping of sections, got {type(overlay).__name__}")
     if base:
-        data = deep_merge(resolve_yaml(base, seen + (str(path),)), data)
+        data = deep_merge(resolve_yaml(base, seen + (str(path),), env), data)
+    if overlay:
+        data = deep_merge(data, overlay)
     # A recipe's YAML names its own class; a user's YAML derived from it inherits the base's class.
     data["method"] = own_method or data.get("method") or path.stem
     data["recipe"] = path.stem
@@ -208,14 +221,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def load_config(recipe: str, env: str | None = None, overrides: list[str] | tuple[str, ...] = (),
                 model: str | None = None) -> RecipeCfg:
-    data = resolve_yaml(recipe)
+    chosen_env = env or resolve_yaml(recipe).get("env", RecipeCfg.env)
+    data = resolve_yaml(recipe, env=chosen_env)
     name = data["recipe"]
-    overlays = data.pop("env_overlays", {}) or {}
-    if env:
-        data["env"] = env
-    chosen_env = data.get("env", RecipeCfg.env)
-    if chosen_env in overlays:
-        data = deep_merge(data, overlays[chosen_env])
+    data["env"] = chosen_env
     if model:
         data.setdefault("model", {})["name"] = model
     for text in overrides:

@@ -81,6 +81,11 @@ def test_malformed_yaml_and_inheritance(tmp_path):
     assert cfg.recipe == "mine" and cfg.method == "starpo_s" and cfg.algo.variance_keep == 0.5
     assert cfg.rollout.chat_mode == "full" and cfg.algo.filters == ["dropped", "variance"]  # from starpo(_s)
     assert cfg.rollout.group_size == 16  # the overlay of the chosen env
+    # a recipe's own keys beat the env overlay it inherits from its base (grpo's alfworld overlay says
+    # trainer.steps 10; leafe is a one-step staged run)
+    assert load_config("grpo", env="alfworld").trainer.steps == 10
+    assert load_config("leafe", env="alfworld").trainer.steps == 1
+    assert load_config("leafe", env="alfworld").rollout.max_turns == 15  # not set by leafe: overlay applies
     loop = tmp_path / "loop.yaml"
     loop.write_text(f"base: {loop}\n")
     with pytest.raises(ConfigError, match="inheritance loop"):
