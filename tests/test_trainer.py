@@ -40,8 +40,10 @@ def test_baseline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
     assert (tmp_path / "checkpoint" / "model" / "config.json").exists()
     if recipe not in ("sft", "eval"):
         assert "all_zero_groups" in rows[1] and "group_entropy_bits" in rows[1] and "success" in rows[1]
-    if recipe in ("grpo", "ppo", "starpo_s"):
+    if recipe in ("ppo", "starpo_s"):
         assert "loss" in rows[1] and "grad_norm" in rows[1]
+    if recipe == "grpo":  # zero-variance groups are dropped; the untrained tiny model fails all 4 episodes
+        assert "loss" in rows[1] or rows[1]["filtered_zero_variance"] == 4
 
 
 @pytest.mark.timeout(300)
