@@ -38,6 +38,8 @@ def test_baseline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "eval/success" in final and "eval/pass@1" in final
     assert (tmp_path / "checkpoint" / "model" / "config.json").exists()
+    if recipe not in ("sft", "rft", "eval"):  # the SFT warm start is kept for before/after comparisons
+        assert (tmp_path / "warm_start" / "config.json").exists()
     if recipe not in ("sft", "eval"):
         assert "all_zero_groups" in rows[1] and "group_entropy_bits" in rows[1] and "success" in rows[1]
     if recipe in ("ppo", "starpo_s"):
