@@ -145,12 +145,12 @@ class DeepSpeedEngine:
     def export_weights(self, folder: str | Path) -> Path:
         import torch.distributed as dist
 
+        if self.cfg.lora is not None:  # on every rank, before the collective gather (rank 0 alone would hang the rest)
+            raise NotImplementedError("export of LoRA under ZeRO-3: use export_adapter")
         folder = Path(folder)
         sd = self.full_state_dict()
         if self.rank == 0:
             policy = self.ds.module.policy
-            if self.cfg.lora is not None:
-                raise NotImplementedError("export of LoRA under ZeRO-3: use export_adapter")
             policy.save_pretrained(folder, state_dict=sd, safe_serialization=True)
             self.tokenizer.save_pretrained(folder)
         dist.barrier()
