@@ -177,3 +177,37 @@ def test_targets_only_forward_matches_the_full_vocabulary_pass(tiny_model_dir, l
     assert torch.allclose(outs[0]["entropy"][m], outs[1]["entropy"][m], atol=1e-5)
     assert (outs[1]["logp"][~m] == 0).all()
     assert all(torch.allclose(g, h, atol=1e-5, rtol=1e-4) for g, h in zip(*grads))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prefix_pass_matches_the_plain_pass(tiny_model_dir, lora):
+    """Rows with a common system prompt run it once; log-probs, entropies and gradients equal the pass
+    that runs every row in full (rows of different lengths, right padding, a target on the first token
+    after the prefix)."""
+    from agentrl.learner import engine as E
+
+    eng = TorchEngine(tiny_model_dir, EngineConfig(lora=LoraSettings(r=4, alpha=8) if lora else None))
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(4, 300, (20,), generator=g).tolist()
+    samples = _samples()
+    samples = [turn_sample(system + s.ids[:4 + i], s.ids[4 + i:], [-5.0] * (len(s.ids) - 4 - i), s.advantages[-1])
+               for i, s in enumerate(samples)]
+    samples.append(turn_sample(system, [7, 8, 9], [-5.0] * 3, 1.0))  # generation starts right after the prefix
+    b = collate(samples, pad_id=eng.pad_id)
+    assert E.shared_prefix_len(b.input_ids, b.attention_mask) == 20
+    m = b.loss_mask.bool()
+    outs, grads = [], []
+    for min_shared in (10**9, 16):
+        E.MIN_SHARED_PREFIX = min_shared
+        try:
+            eng.model.zero_grad()
+            out = E.forward_batch(eng.model, None, b, 0.7, need_entropy=True, targets_only=True)
+        finally:
+            E.MIN_SHARED_PREFIX = 16
+        (out["logp"][m].sum() + out["entropy"][m].sum()).backward()
+        outs.append(out)
+        grads.append([p.grad.clone() for p in eng.model.parameters() if p.grad is not None])
+    assert torch.allclose(outs[0]["logp"][m], outs[1]["logp"][m], atol=1e-5)
+    assert torch.allclose(outs[0]["entropy"][m], outs[1]["entropy"][m], atol=1e-5)
+    assert len(grads[1]) == len(grads[0]) > 0
+    assert all(torch.allclose(g, h, atol=1e-5, rtol=1e-4) for g, h in zip(*grads))

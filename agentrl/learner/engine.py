@@ -85,6 +85,40 @@ def _decoder_and_head(model: Any) -> tuple[Any, Any] | None:
     return (dec, head) if dec is not None and head is not None and dec is not model else None
 
 
+# below this many shared tokens the prefix pass is not worth its own call
+MIN_SHARED_PREFIX = 16
+
+
+def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """Leading tokens every row has in common, leaving each row at least one token of its own."""
+    shortest = int(attention_mask.sum(-1).min())
+    if input_ids.shape[0] < 2 or shortest < 2:
+        return 0
+    same = (input_ids[:, :shortest] == input_ids[:1, :shortest]).all(0).long()
+    return min(int(same.cumprod(0).sum()), shortest - 1)
+
+
+def _decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor) -> torch.Tensor:
+    """Last hidden states (B, T, H). Rows sharing a prefix (an agent's system prompt and task rules:
+    183 of Sokoban's ~275 tokens) run it once: one pass over the prefix at batch 1, its keys and values
+    repeated per row, then the rows' own tokens. Gradients flow back through the repeated cache into the
+    one prefix pass, so results equal the full pass (test) at about a third of the work on Sokoban."""
+    from transformers import DynamicCache
+
+    n = shared_prefix_len(mb.input_ids, mb.attention_mask)
+    if n < MIN_SHARED_PREFIX:
+        return decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos).last_hidden_state
+    B, T = mb.input_ids.shape
+    cache = DynamicCache(config=decoder.config)
+    head = decoder(input_ids=mb.input_ids[:1, :n], attention_mask=mb.attention_mask[:1, :n], position_ids=pos[:1, :n],
+                   past_key_values=cache, use_cache=True).last_hidden_state
+    cache.batch_repeat_interleave(B)
+    tail = decoder(input_ids=mb.input_ids[:, n:], attention_mask=mb.attention_mask, position_ids=pos[:, n:],
+                   past_key_values=cache, use_cache=True,
+                   cache_position=torch.arange(n, T, device=mb.input_ids.device)).last_hidden_state
+    return torch.cat([head.expand(B, -1, -1), tail], dim=1)
+
+
 def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
                   need_values: bool = False, targets_only: bool = False) -> dict[str, torch.Tensor]:
     """Per-target log-probs (B, T-1), and optionally entropies and values at the same positions.
@@ -110,7 +144,7 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
             res["values"] = value_head(out.hidden_states[-1][:, :-1])
         return res
     decoder, head = parts
-    hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos).last_hidden_state
+    hidden = _decoder_hidden(decoder, mb, pos)
     sel = mb.loss_mask.bool()
     logits = head(hidden[:, :-1][sel]).float()
     if temperature > 0:
