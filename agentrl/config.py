@@ -96,6 +96,9 @@ class SFTCfg:
     epochs: int = 2
     batch_size: int = 16
     lr: float = 1e-3
+    # lr over the SFT steps: "linear"/"cosine" decay it to 0 by the last step, so the warm start ends on
+    # small updates rather than wherever the last full-lr batches left it
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
 
 
 @dataclass

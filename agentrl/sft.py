@@ -2,6 +2,7 @@
 SFT loop (also the warm start of RL runs and the fit stage of RFT)."""
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import TYPE_CHECKING, Any
@@ -67,11 +68,22 @@ def _restore_lr(eng: Any, saved: Any) -> None:
         g["lr"] = v
 
 
-def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None
-            ) -> dict[str, float]:
-    """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes."""
+def lr_factor(step: int, total: int, schedule: str) -> float:
+    """Multiplier of the SFT lr at optimizer step ``step`` of ``total`` (1 at the first step)."""
+    frac = step / max(1, total)
+    if schedule == "linear":
+        return 1.0 - frac
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+    return 1.0
+
+
+def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None,
+            schedule: str = "constant") -> dict[str, float]:
+    """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes, lr per ``schedule``."""
     eng = trainer.engine
-    saved = _set_lr(eng, lr) if lr is not None else None
+    base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
+    saved = _set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
     rng = random.Random(trainer.cfg.trainer.seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
@@ -85,6 +97,8 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
         order = list(range(len(samples)))
         rng.shuffle(order)
         for i in range(0, len(order), batch_size):
+            if schedule != "constant":
+                _set_lr(eng, base_lr * lr_factor(epoch * n_batches + i // batch_size, epochs * n_batches, schedule))
             batch = collate([samples[j] for j in order[i:i + batch_size]], eng.pad_id)
             losses.append(eng.step(batch, loss)["loss"])
             b = i // batch_size + 1

@@ -19,7 +19,7 @@ class SFT(Recipe):
     def step(self, trainer: Any) -> dict[str, float]:
         s = self.cfg.sft
         samples, expert_success = expert_samples(trainer, s.demos)
-        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr)
+        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule)
         stats["expert_success"] = expert_success
         return stats
 
@@ -35,7 +35,8 @@ class RFT(Recipe):
         samples = [turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, 1.0) for e in keep for t in e.turns if t.gen_ids]
         metrics["rft_kept_episodes"] = float(len(keep))
         if samples:
-            metrics.update(fit_sft(trainer, samples, self.cfg.sft.epochs, self.cfg.sft.batch_size, self.cfg.optim.lr))
+            metrics.update(fit_sft(trainer, samples, self.cfg.sft.epochs, self.cfg.sft.batch_size, self.cfg.optim.lr,
+                                   self.cfg.sft.schedule))
         return metrics
 
 

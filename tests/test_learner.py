@@ -211,3 +211,24 @@ def test_shared_prefix_pass_matches_the_plain_pass(tiny_model_dir, lora):
     assert torch.allclose(outs[0]["entropy"][m], outs[1]["entropy"][m], atol=1e-5)
     assert len(grads[1]) == len(grads[0]) > 0
     assert all(torch.allclose(g, h, atol=1e-5, rtol=1e-4) for g, h in zip(*grads))
+
+
+def test_sft_linear_schedule_decays_the_lr_to_zero_by_the_last_step(tiny_model_dir):
+    """sft.schedule=linear: 2 passes x 3 batches run at lr x (1, 5/6, ..., 1/6); the engine's own lr is
+    back afterwards."""
+    from types import SimpleNamespace
+
+    from agentrl.sft import fit_sft, lr_factor
+
+    assert lr_factor(0, 10, "cosine") == 1.0 and lr_factor(5, 10, "cosine") == pytest.approx(0.5)
+    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
+    lrs = []
+    step = eng.step
+    eng.step = lambda *a, **k: lrs.append(eng.optimizer.param_groups[0]["lr"]) or step(*a, **k)
+    trainer = SimpleNamespace(engine=eng, cfg=SimpleNamespace(trainer=SimpleNamespace(seed=0)),
+                              sync_weights=lambda: None)
+    fit_sft(trainer, _samples(n=6), epochs=2, batch_size=2, lr=6e-3, schedule="linear")
+    assert lrs == pytest.approx([6e-3 * (6 - k) / 6 for k in range(6)])
+    del eng.step
+    assert eng.step(collate(_samples(n=2), eng.pad_id), lambda mb, out: ((out["logp"] * 0).sum(), {}))["lr"] == \
+        pytest.approx(1e-4)

@@ -97,7 +97,8 @@ class EmbeddedGenerator:
         if shared:
             pre = torch.tensor([prompts[0][:shared]], device=dev)
             self.model(input_ids=pre, attention_mask=torch.ones_like(pre), past_key_values=cache, use_cache=True,
-                       position_ids=torch.arange(shared, device=dev)[None], cache_position=torch.arange(shared, device=dev))
+                       position_ids=torch.arange(shared, device=dev)[None], cache_position=torch.arange(shared, device=dev),
+                       logits_to_keep=1)
             for layer in cache.layers:
                 layer.keys = layer.keys.expand(n, -1, -1, -1).contiguous()
                 layer.values = layer.values.expand(n, -1, -1, -1).contiguous()
@@ -111,8 +112,11 @@ class EmbeddedGenerator:
             mask[i, shared + width - len(own):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        # logits_to_keep=1: only the last position's logits are sampled from; the vocabulary projection of
+        # every prompt position was a third of the prefill
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos[:, shared:], past_key_values=cache,
-                         use_cache=True, cache_position=torch.arange(shared, shared + width, device=dev))
+                         use_cache=True, cache_position=torch.arange(shared, shared + width, device=dev),
+                         logits_to_keep=1)
         return out.past_key_values, mask, pos, out.logits[:, -1]
 
     @torch.inference_mode()
