@@ -232,3 +232,12 @@ def test_sft_linear_schedule_decays_the_lr_to_zero_by_the_last_step(tiny_model_d
     del eng.step
     assert eng.step(collate(_samples(n=2), eng.pad_id), lambda mb, out: ((out["logp"] * 0).sum(), {}))["lr"] == \
         pytest.approx(1e-4)
+
+
+def test_shared_prefix_len_counts_only_real_tokens():
+    from agentrl.learner.engine import shared_prefix_len
+
+    ids = torch.tensor([[0, 0, 5, 6, 7], [0, 0, 5, 6, 9]])
+    assert shared_prefix_len(ids, torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]])) == 4
+    assert shared_prefix_len(ids, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])) == 0  # left padding
+    assert shared_prefix_len(ids[:, :3], torch.ones(2, 3, dtype=torch.long)) == 2  # each row keeps a token
