@@ -180,7 +180,7 @@ def test_targets_only_forward_matches_the_full_vocabulary_pass(tiny_model_dir, l
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_shared_prefix_pass_matches_the_plain_pass(tiny_model_dir, lora):
+def test_shared_prefix_pass_matches_the_plain_pass(tiny_model_dir, lora, monkeypatch):
     """Rows with a common system prompt run it once; log-probs, entropies and gradients equal the pass
     that runs every row in full (rows of different lengths, right padding, a target on the first token
     after the prefix)."""
@@ -194,16 +194,13 @@ def test_shared_prefix_pass_matches_the_plain_pass(tiny_model_dir, lora):
                for i, s in enumerate(samples)]
     samples.append(turn_sample(system, [7, 8, 9], [-5.0] * 3, 1.0))  # generation starts right after the prefix
     b = collate(samples, pad_id=eng.pad_id)
-    assert E.shared_prefix_len(b.input_ids, b.attention_mask) == 20
+    assert E.batch_prefix_len(b.input_ids, b.attention_mask) == 20
     m = b.loss_mask.bool()
     outs, grads = [], []
-    for min_shared in (10**9, 16):
-        E.MIN_SHARED_PREFIX = min_shared
-        try:
-            eng.model.zero_grad()
-            out = E.forward_batch(eng.model, None, b, 0.7, need_entropy=True, targets_only=True)
-        finally:
-            E.MIN_SHARED_PREFIX = 16
+    for shared in (False, True):
+        monkeypatch.setattr(E, "batch_prefix_len", E.batch_prefix_len if shared else lambda ids, mask: 0)
+        eng.model.zero_grad()
+        out = E.forward_batch(eng.model, None, b, 0.7, need_entropy=True, targets_only=True)
         (out["logp"][m].sum() + out["entropy"][m].sum()).backward()
         outs.append(out)
         grads.append([p.grad.clone() for p in eng.model.parameters() if p.grad is not None])
@@ -235,9 +232,18 @@ def test_sft_linear_schedule_decays_the_lr_to_zero_by_the_last_step(tiny_model_d
 
 
 def test_shared_prefix_len_counts_only_real_tokens():
-    from agentrl.learner.engine import shared_prefix_len
+    from agentrl.learner.engine import batch_prefix_len
+    from agentrl.prefix import shared_prefix_len
 
-    ids = torch.tensor([[0, 0, 5, 6, 7], [0, 0, 5, 6, 9]])
-    assert shared_prefix_len(ids, torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]])) == 4
-    assert shared_prefix_len(ids, torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])) == 0  # left padding
-    assert shared_prefix_len(ids[:, :3], torch.ones(2, 3, dtype=torch.long)) == 2  # each row keeps a token
+    assert shared_prefix_len([[0, 0, 5, 6, 7], [0, 0, 5, 6, 9]], minimum=1) == 4
+    assert shared_prefix_len([[0, 0, 5], [0, 0, 5]], minimum=1) == 2  # each row keeps a token
+    assert shared_prefix_len([[0, 0, 5, 6, 7], [0, 0, 5, 6, 9]]) == 0  # under MIN_SHARED_PREFIX
+    assert shared_prefix_len([[1] * 30]) == 0  # one row
+    ids = torch.tensor([[3] * 20 + [7], [3] * 20 + [9]])
+    assert batch_prefix_len(ids, torch.ones_like(ids)) == 20
+    left = torch.ones_like(ids)
+    left[1, :2] = 0
+    assert batch_prefix_len(ids, left) == 0  # left padding
+    right = torch.ones_like(ids)
+    right[1, 17:] = 0
+    assert batch_prefix_len(ids, right) == 16  # the shorter row keeps one real token of its own

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from agentrl.prefix import shared_prefix_len
 from agentrl.types import Completion, SamplingParams
 
 
@@ -36,15 +37,6 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams, gen: torc
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
-def _common_prefix_len(prompts: list[list[int]]) -> int:
-    first, n = prompts[0], min(len(p) for p in prompts)
-    for i in range(n):
-        t = first[i]
-        if any(p[i] != t for p in prompts):
-            return i
-    return n
-
-
 def _select_rows(cache: Any, sel: torch.Tensor) -> None:
     """Keep only the live rows of a static KV cache (StaticCache has no batch_select_indices)."""
     for layer in cache.layers:
@@ -56,7 +48,6 @@ class EmbeddedGenerator:
     def __init__(self, model: Any, tokenizer: Any, stop_ids: list[int], device: str = "cpu"):
         self.model, self.tokenizer, self.stop_ids, self.device = model.eval(), tokenizer, set(stop_ids), device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.min_shared_prefix = 16
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: str = "float32", device: str = "cpu") -> "EmbeddedGenerator":
@@ -88,10 +79,7 @@ class EmbeddedGenerator:
         from transformers import StaticCache
 
         n, dev = len(prompts), self.device
-        shared = _common_prefix_len(prompts) if n > 1 else 0
-        shared = min(shared, min(len(p) for p in prompts) - 1)  # every row keeps >= 1 token of its own
-        if shared < self.min_shared_prefix:
-            shared = 0
+        shared = shared_prefix_len(prompts)
         width = max(len(p) for p in prompts) - shared
         cache = StaticCache(config=self.model.config, max_cache_len=shared + width + max_new)
         if shared:

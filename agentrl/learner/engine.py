@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from agentrl.learner.batch import TokenBatch, micro_batches
+from agentrl.prefix import shared_prefix_len
 
 LossFn = Callable[[TokenBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -85,17 +86,12 @@ def _decoder_and_head(model: Any) -> tuple[Any, Any] | None:
     return (dec, head) if dec is not None and head is not None and dec is not model else None
 
 
-# below this many shared tokens the prefix pass is not worth its own call
-MIN_SHARED_PREFIX = 16
-
-
-def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
-    """Leading real (unpadded) tokens every row has in common, leaving each row at least one of its own."""
-    shortest = int(attention_mask.sum(-1).min())
-    if input_ids.shape[0] < 2 or shortest < 2:
+def batch_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """``shared_prefix_len`` over the real tokens of a right-padded batch; 0 when a row is left-padded
+    (its leading positions are not tokens)."""
+    if not bool(attention_mask[:, 0].all()):
         return 0
-    same = ((input_ids[:, :shortest] == input_ids[:1, :shortest]) & attention_mask[:, :shortest].bool()).all(0).long()
-    return min(int(same.cumprod(0).sum()), shortest - 1)
+    return shared_prefix_len([row[:n] for row, n in zip(input_ids.tolist(), attention_mask.sum(-1).tolist())])
 
 
 def _decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor) -> torch.Tensor:
@@ -105,8 +101,8 @@ def _decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor) -> torch.Te
     one prefix pass, so results equal the full pass (test) at about a third of the work on Sokoban."""
     from transformers import DynamicCache
 
-    n = shared_prefix_len(mb.input_ids, mb.attention_mask)
-    if n < MIN_SHARED_PREFIX:
+    n = batch_prefix_len(mb.input_ids, mb.attention_mask)
+    if not n:
         return decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos).last_hidden_state
     B, T = mb.input_ids.shape
     cache = DynamicCache(config=decoder.config)
