@@ -49,6 +49,11 @@ class RolloutCfg:
     ineffective_penalty: float = 0.0
     show_admissible: bool = True
     split: Literal["train", "valid", "test"] = "train"
+    # DAPO's dynamic sampling: after a round of ``groups`` starts, roll out more rounds until this many
+    # groups have reward variance (the ones with a group-relative gradient), at most ``max_rounds`` rounds
+    # in all. 0: one round.
+    fill_groups: int = 0
+    max_rounds: int = 3
 
 
 @dataclass
@@ -86,6 +91,9 @@ class OptimCfg:
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0
     warmup_steps: int = 0
+    # lr over the RL steps: "linear"/"cosine" decay it to 0 by trainer.steps (set once per RL step, so a
+    # resumed run picks it up where it was)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
     token_budget: int = 16384
 
 
@@ -331,6 +339,9 @@ def _check_names(cfg: RecipeCfg) -> None:
         raise ConfigError(f"bad value for 'env': {cfg.env!r}; allowed: {', '.join(registry.names())}")
     if cfg.rollout.group_size < 1 or cfg.rollout.groups < 1:
         raise ConfigError("rollout.groups and rollout.group_size must be >= 1")
+    if cfg.rollout.max_rounds < 1 or cfg.rollout.fill_groups < 0:
+        raise ConfigError(f"bad value for 'rollout.max_rounds' ({cfg.rollout.max_rounds}) or 'rollout.fill_groups' "
+                          f"({cfg.rollout.fill_groups}); allowed: max_rounds >= 1, fill_groups >= 0")
 
 
 def dump(cfg: RecipeCfg, path: Path) -> None:

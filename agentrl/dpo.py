@@ -14,7 +14,7 @@ import torch
 
 from agentrl.algos.losses import dpo_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
-from agentrl.sft import _restore_lr, _set_lr
+from agentrl.learner.lr import restore_lr, set_lr
 
 if TYPE_CHECKING:
     from agentrl.trainer import Trainer
@@ -54,7 +54,7 @@ def fit_dpo(trainer: "Trainer", pairs: list[PreferencePair], epochs: int, batch_
     rows = pair_rows(pairs)
     ref = sequence_logprobs(eng, rows)
     ref_c, ref_r = ref[0::2], ref[1::2]
-    saved = _set_lr(eng, lr)
+    saved = set_lr(eng, lr)
     rng = random.Random(trainer.cfg.trainer.seed)
     stats: list[dict[str, float]] = []
     try:
@@ -74,7 +74,7 @@ def fit_dpo(trainer: "Trainer", pairs: list[PreferencePair], epochs: int, batch_
                 s.update(loss=float(loss.detach()), grad_norm=eng._clip_and_step())
                 stats.append(s)
     finally:
-        _restore_lr(eng, saved)
+        restore_lr(eng, saved)
     trainer.sync_weights()
     last = stats[-1]
     return dict(dpo_pairs=float(len(pairs)), dpo_loss_first=stats[0]["loss"], dpo_loss_last=last["loss"],

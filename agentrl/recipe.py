@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agentrl.algos.advantages import ESTIMATORS, gae
-from agentrl.algos.filters import FILTERS, variance_filter, zero_variance_filter
+from agentrl.algos.filters import FILTERS, informative_groups, variance_filter, zero_variance_filter
 from agentrl.algos.losses import ppo_objective, value_loss
 from agentrl.learner.batch import Sample, episode_sample, turn_sample
 from agentrl.registry import Registry
@@ -157,12 +157,28 @@ class Recipe:
         pass
 
     # ----- the step ----------------------------------------------------------------------------
+    def collect(self, trainer: "Trainer") -> tuple[list[Episode], dict[str, float]]:
+        """This step's episodes: one round of ``starts`` -> rollout -> ``after_rollout``, repeated while
+        fewer than ``rollout.fill_groups`` groups have reward variance (DAPO's dynamic sampling), up to
+        ``rollout.max_rounds`` rounds. Without it a batch of 16 Sokoban groups often held 1-3 groups with
+        any gradient, and each optimizer step fitted those few levels."""
+        r = self.cfg.rollout
+        episodes: list[Episode] = []
+        rounds = 0
+        while True:
+            eps = trainer.rollout(self.starts(trainer))
+            self.after_rollout(trainer, eps)
+            episodes += eps
+            rounds += 1
+            if r.fill_groups <= 0 or rounds >= r.max_rounds or informative_groups(episodes, self.reward) >= r.fill_groups:
+                break
+        return episodes, dict(rollout_rounds=float(rounds),
+                              informative_groups=float(informative_groups(episodes, self.reward)))
+
     def step(self, trainer: "Trainer") -> dict[str, float]:
-        starts = self.starts(trainer)
-        episodes = trainer.rollout(starts)
-        self.after_rollout(trainer, episodes)
+        episodes, collected = self.collect(trainer)
         samples, stats = self.make_batch(trainer, episodes)
-        metrics = dict(stats)
+        metrics = dict(stats, **collected)
         metrics.update(trainer.diagnostics(episodes, self))
         extra = self.extra_samples(trainer, episodes, samples, metrics)
         if samples and self.cfg.algo.estimator == "gae":

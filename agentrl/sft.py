@@ -2,13 +2,13 @@
 SFT loop (also the warm start of RL runs and the fit stage of RFT)."""
 from __future__ import annotations
 
-import math
 import random
 import time
 from typing import TYPE_CHECKING, Any
 
 from agentrl.algos.losses import sft_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
+from agentrl.learner.lr import lr_factor, restore_lr, set_lr
 from agentrl.rollout.engine import first_prompt_ids
 from envs import make
 from envs.replay import expert_episode
@@ -48,42 +48,12 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     return samples, wins / max(1, n_episodes)
 
 
-def _set_lr(eng: Any, lr: float) -> Any:
-    """Run the optimizer at ``lr``: the LR scheduler recomputes every group's lr from its ``base_lrs``
-    at each step, so those are what must change (setting the groups' lr alone lasts one step)."""
-    sched = getattr(eng, "scheduler", None)
-    saved = (list(sched.base_lrs) if sched is not None else None, [g["lr"] for g in eng.optimizer.param_groups])
-    if sched is not None:
-        sched.base_lrs = [lr] * len(sched.base_lrs)
-    for g in eng.optimizer.param_groups:
-        g["lr"] = lr
-    return saved
-
-
-def _restore_lr(eng: Any, saved: Any) -> None:
-    base, current = saved
-    if base is not None:
-        eng.scheduler.base_lrs = base
-    for g, v in zip(eng.optimizer.param_groups, current):
-        g["lr"] = v
-
-
-def lr_factor(step: int, total: int, schedule: str) -> float:
-    """Multiplier of the SFT lr at optimizer step ``step`` of ``total`` (1 at the first step)."""
-    frac = step / max(1, total)
-    if schedule == "linear":
-        return 1.0 - frac
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * frac))
-    return 1.0
-
-
 def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None,
             schedule: str = "constant") -> dict[str, float]:
     """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes, lr per ``schedule``."""
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
-    saved = _set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
+    saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
     rng = random.Random(trainer.cfg.trainer.seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
@@ -98,7 +68,7 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
         rng.shuffle(order)
         for i in range(0, len(order), batch_size):
             if schedule != "constant":
-                _set_lr(eng, base_lr * lr_factor(epoch * n_batches + i // batch_size, epochs * n_batches, schedule))
+                set_lr(eng, base_lr * lr_factor(epoch * n_batches + i // batch_size, epochs * n_batches, schedule))
             batch = collate([samples[j] for j in order[i:i + batch_size]], eng.pad_id)
             losses.append(eng.step(batch, loss)["loss"])
             b = i // batch_size + 1
@@ -106,7 +76,7 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
                 print(f"sft pass {epoch + 1}/{epochs}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
                       f"{time.perf_counter() - t0:.0f}s", flush=True)
     if saved is not None:
-        _restore_lr(eng, saved)
+        restore_lr(eng, saved)
     trainer.sync_weights()
     return {"sft_loss_first": losses[0] if losses else 0.0, "sft_loss_last": losses[-1] if losses else 0.0,
             "sft_samples": float(len(samples))}

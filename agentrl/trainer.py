@@ -19,6 +19,7 @@ import torch
 from agentrl.config import RecipeCfg, dump
 from agentrl.learner.batch import Sample, collate
 from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
+from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, read_metrics
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
 from agentrl.types import Episode, SamplingParams
@@ -48,6 +49,7 @@ class Trainer:
         self.envs = self._make_envs()
         self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict())
         self._tasks = None
+        self._rollout_stats: dict[str, float] = {}
 
     # ----- parts -------------------------------------------------------------------------------
     def _make_engine(self) -> Any:
@@ -116,7 +118,8 @@ class Trainer:
         if hasattr(self.generator, "model"):
             self.generator.model.eval()  # the learner leaves its module in train mode
         eps = engine.run(starts)
-        self._rollout_stats = engine.stats
+        for k, v in engine.stats.items():  # summed over the step's rollout calls (reset in ``train``)
+            self._rollout_stats[k] = self._rollout_stats.get(k, 0.0) + v
         return eps
 
     def update(self, samples: list[Sample], loss_fn: Any, need_values: bool = False) -> dict[str, float]:
@@ -168,7 +171,7 @@ class Trainer:
 
     def diagnostics(self, episodes: list[Episode], recipe: Any) -> dict[str, float]:
         d = episode_diagnostics(episodes, recipe.reward)
-        st = getattr(self, "_rollout_stats", {})
+        st = self._rollout_stats
         d.update(time_generate_s=st.get("generate_s", 0.0), time_env_s=st.get("env_s", 0.0))
         return d
 
@@ -226,12 +229,18 @@ class Trainer:
             first = self.evaluate() if self.cfg.eval.tasks else {}
             self.logger.log(0, {**pre, **first})
             self._print(0, first)
+            if pre:  # a warm start (minutes of SFT) is not redone when the run is killed before its first checkpoint
+                self.save_checkpoint()
         progress = _Progress(self.cfg.trainer.steps, self.step, self.cfg.trainer.progress)
         final: dict[str, float] = {}
         history = read_metrics(self.out_dir)  # read once; the echo-trap check looks back over it
         try:
             while self.step < self.cfg.trainer.steps:
                 t = time.perf_counter()
+                self._rollout_stats = {}
+                o = self.cfg.optim
+                if o.schedule != "constant":
+                    set_lr(self.engine, o.lr * lr_factor(self.step, self.cfg.trainer.steps, o.schedule))
                 metrics = self.recipe.step(self)
                 self.step += 1
                 metrics["time_step_s"] = time.perf_counter() - t

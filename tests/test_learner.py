@@ -145,15 +145,15 @@ def test_save_kill_resume_gives_the_same_next_loss(tiny_model_dir, tmp_path):
 def test_sft_learning_rate_survives_the_scheduler(tiny_model_dir):
     """fit_sft's own lr must hold for every step, not just the first (LambdaLR resets group lrs)."""
     from agentrl.learner.batch import collate
-    from agentrl.sft import _restore_lr, _set_lr
+    from agentrl.learner.lr import restore_lr, set_lr
 
     eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
-    saved = _set_lr(eng, 3e-3)
+    saved = set_lr(eng, 3e-3)
     b = collate(_samples(n=2, seed=1), pad_id=eng.pad_id)
     lrs = [eng.step(b, lambda mb, out: (-(out["logp"] * mb.loss_mask).sum() / mb.loss_mask.sum(), {}))["lr"]
            for _ in range(3)]
     assert lrs == pytest.approx([3e-3] * 3)
-    _restore_lr(eng, saved)
+    restore_lr(eng, saved)
     assert eng.step(b, lambda mb, out: ((out["logp"] * mb.loss_mask).sum() * 0, {}))["lr"] == pytest.approx(1e-4)
 
 
@@ -215,7 +215,8 @@ def test_sft_linear_schedule_decays_the_lr_to_zero_by_the_last_step(tiny_model_d
     back afterwards."""
     from types import SimpleNamespace
 
-    from agentrl.sft import fit_sft, lr_factor
+    from agentrl.learner.lr import lr_factor
+    from agentrl.sft import fit_sft
 
     assert lr_factor(0, 10, "cosine") == 1.0 and lr_factor(5, 10, "cosine") == pytest.approx(0.5)
     eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))

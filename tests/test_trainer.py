@@ -59,6 +59,17 @@ def test_killed_run_resumes_from_checkpoint(tiny_model_dir, tmp_path):
     assert trainer.step == 2
 
 
+@pytest.mark.timeout(300)
+def test_run_killed_after_its_warm_start_keeps_it(tiny_model_dir, tmp_path):
+    """The SFT warm start is checkpointed at step 0: a run killed before its first RL checkpoint resumes
+    from it rather than fitting again."""
+    run(load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=0")))
+    assert (tmp_path / "checkpoint" / "trainer.pt").exists()
+    trainer, _ = run(load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=1")))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and "sft_loss_last" in rows[0] and "sft_loss_last" not in rows[1]
+
+
 def test_unknown_key_and_bad_value_fail_fast_with_the_key_named():
     with pytest.raises(ConfigError, match=r"unknown key 'rollout.max_turn'; allowed: .*max_turns"):
         load_config("grpo", overrides=["rollout.max_turn=3"])
@@ -72,6 +83,8 @@ def test_unknown_key_and_bad_value_fail_fast_with_the_key_named():
         load_config("grop")
     with pytest.raises(ConfigError, match=r"bad value for 'env': 'sokobon'"):
         load_config("grpo", env="sokobon")
+    with pytest.raises(ConfigError, match=r"bad value for 'rollout.max_rounds' \(0\).*allowed: max_rounds >= 1"):
+        load_config("grpo", overrides=["rollout.max_rounds=0"])
 
 
 def test_malformed_yaml_and_inheritance(tmp_path):
@@ -137,3 +150,73 @@ def test_mini_batches_give_one_optimizer_step_each(tiny_model_dir, tmp_path):
         assert seen == [3, 2, 2, 3, 2, 2]  # each epoch covers all 7 samples
     finally:
         t.close()
+
+
+def test_dynamic_sampling_rolls_out_until_enough_groups_vary(tiny_model_dir, tmp_path):
+    """rollout.fill_groups: more rounds of fresh starts until that many groups have reward variance,
+    never more than rollout.max_rounds; every round's episodes reach the batch and after_rollout."""
+    import recipes  # noqa: F401
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+    from agentrl.types import Episode
+
+    cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "rollout.fill_groups=2",
+                                                              "rollout.max_rounds=4"))
+    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    try:
+        # per round, which groups are mixed (one win among the group's rollouts)
+        plan = iter([[False, False], [True, False], [False, False], [True, True]])
+        seen = []
+
+        def fake_rollout(starts, **_):
+            mixed = next(plan)
+            gids = list(dict.fromkeys(s.group_id for s in starts))
+            return [Episode("sokoban", s.task_id, s.seed, s.group_id,
+                            won=mixed[gids.index(s.group_id)] and i % 2 == 0) for i, s in enumerate(starts)]
+
+        t.rollout = fake_rollout
+        t.recipe.after_rollout = lambda trainer, eps: seen.append(len(eps))
+        eps, stats = t.recipe.collect(t)
+        assert stats == dict(rollout_rounds=4.0, informative_groups=3.0)  # 0, 1, 1, 3 after rounds 1-4
+        assert seen == [4, 4, 4, 4] and len(eps) == 16
+        plan = iter([[True, True]])
+        assert t.recipe.collect(t)[1]["rollout_rounds"] == 1.0  # enough at once: no second round
+        cfg.rollout.max_rounds = 2
+        plan = iter([[False, False]] * 2)
+        assert t.recipe.collect(t)[1] == dict(rollout_rounds=2.0, informative_groups=0.0)  # capped
+    finally:
+        t.close()
+
+
+def test_rl_lr_schedule_decays_per_step_and_resumes(tiny_model_dir, tmp_path):
+    """optim.schedule=linear: the lr each RL step runs at falls toward 0 by trainer.steps, and a run
+    killed mid-way resumes on the same curve."""
+    import recipes  # noqa: F401
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    seen = []
+
+    def run_until(kill_at):
+        cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "optim.lr=1e-4",
+                                                                  "optim.schedule=linear", "trainer.steps=4",
+                                                                  "sft.enabled=false", "eval.tasks=0"))
+        t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+
+        def step(tr):
+            if tr.step == kill_at:
+                raise KeyboardInterrupt
+            seen.append(tr.engine.optimizer.param_groups[0]["lr"])
+            return {}
+
+        t.recipe.step = step
+        try:
+            t.train()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            t.close()
+
+    run_until(kill_at=2)
+    run_until(kill_at=None)
+    assert seen == pytest.approx([1e-4, 7.5e-5, 5e-5, 2.5e-5])

@@ -53,6 +53,16 @@ def zero_variance_filter(episodes: list[Episode], reward: Callable[[Episode], fl
     return kept, len(episodes) - len(kept)
 
 
+def informative_groups(episodes: list[Episode], reward: Callable[[Episode], float]) -> int:
+    """Groups whose (non-dropped) rollouts got different rewards: the ones a group-relative estimator
+    learns from. Dynamic sampling counts these."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for e in episodes:
+        if not e.dropped:
+            groups[e.group_id].append(reward(e))
+    return sum(1 for rs in groups.values() if group_std(rs) > 1e-12)
+
+
 @FILTERS.register("overlong")
 def overlong_filter(episodes: list[Episode]) -> tuple[list[Episode], int]:
     """Drop episodes with a response cut at the token limit (its end was never sampled)."""

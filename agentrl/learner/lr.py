@@ -1,0 +1,38 @@
+"""Learning-rate control shared by the SFT, DPO and RL loops: set an engine's lr for the coming steps,
+put it back, and the decay schedules."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def set_lr(eng: Any, lr: float) -> Any:
+    """Run the optimizer at ``lr``: the LR scheduler recomputes every group's lr from its ``base_lrs``
+    at each step, so those are what must change (setting the groups' lr alone lasts one step).
+    Returns what ``restore_lr`` needs."""
+    sched = getattr(eng, "scheduler", None)
+    saved = (list(sched.base_lrs) if sched is not None else None, [g["lr"] for g in eng.optimizer.param_groups])
+    if sched is not None:
+        sched.base_lrs = [lr] * len(sched.base_lrs)
+    for g in eng.optimizer.param_groups:
+        g["lr"] = lr
+    return saved
+
+
+def restore_lr(eng: Any, saved: Any) -> None:
+    base, current = saved
+    if base is not None:
+        eng.scheduler.base_lrs = base
+    for g, v in zip(eng.optimizer.param_groups, current):
+        g["lr"] = v
+
+
+def lr_factor(step: int, total: int, schedule: str) -> float:
+    """Multiplier of the base lr at step ``step`` of ``total`` (1 at the first step; "linear" and
+    "cosine" reach 0 at ``total``)."""
+    frac = step / max(1, total)
+    if schedule == "linear":
+        return 1.0 - frac
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+    return 1.0
