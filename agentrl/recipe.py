@@ -168,6 +168,9 @@ class Recipe:
         while True:
             eps = trainer.rollout(self.starts(trainer))
             self.after_rollout(trainer, eps)
+            if rounds:  # group ids are unique within a round only (CRPS numbers its replay groups 0, 1, ...)
+                for e in eps:
+                    e.group_id = f"{e.group_id}/round{rounds}"
             episodes += eps
             rounds += 1
             if r.fill_groups <= 0 or rounds >= r.max_rounds or informative_groups(episodes, self.reward) >= r.fill_groups:

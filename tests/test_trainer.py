@@ -171,7 +171,8 @@ def test_dynamic_sampling_rolls_out_until_enough_groups_vary(tiny_model_dir, tmp
         def fake_rollout(starts, **_):
             mixed = next(plan)
             gids = list(dict.fromkeys(s.group_id for s in starts))
-            return [Episode("sokoban", s.task_id, s.seed, s.group_id,
+            # the same group ids every round, as a recipe numbering its groups per round would give
+            return [Episode("sokoban", s.task_id, s.seed, f"g{gids.index(s.group_id)}",
                             won=mixed[gids.index(s.group_id)] and i % 2 == 0) for i, s in enumerate(starts)]
 
         t.rollout = fake_rollout
@@ -179,6 +180,7 @@ def test_dynamic_sampling_rolls_out_until_enough_groups_vary(tiny_model_dir, tmp
         eps, stats = t.recipe.collect(t)
         assert stats == dict(rollout_rounds=4.0, informative_groups=3.0)  # 0, 1, 1, 3 after rounds 1-4
         assert seen == [4, 4, 4, 4] and len(eps) == 16
+        assert len({e.group_id for e in eps}) == 8  # each round's groups stay apart
         plan = iter([[True, True]])
         assert t.recipe.collect(t)[1]["rollout_rounds"] == 1.0  # enough at once: no second round
         cfg.rollout.max_rounds = 2
