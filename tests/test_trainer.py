@@ -45,7 +45,9 @@ def test_baseline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
     if recipe in ("ppo", "starpo_s"):
         assert "loss" in rows[1] and "grad_norm" in rows[1]
     if recipe == "grpo":  # zero-variance groups are dropped; the untrained tiny model fails all 4 episodes
-        assert "loss" in rows[1] or rows[1]["filtered_zero_variance"] == 4
+        # of a round, so the Sokoban overlay's dynamic sampling rolls out all its rounds
+        r = rows[1]
+        assert "loss" in r or (r["rollout_rounds"] == 3 and r["filtered_zero_variance"] == 4 * 3)
 
 
 @pytest.mark.timeout(300)
