@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Online paper recipes against GRPO from one SFT warm start, 3 seeds each, two runs at a time (one
 # thread each), then one comparison plot over env steps and a table.
-# One optimizer step per RL step, as the session-2 study in docs/paper_recipes.md was measured.
+# One optimizer step per RL step and one rollout round (no dynamic sampling), as the session-2 study in
+# docs/paper_recipes.md was measured.
 # Usage: bash scripts/paper_study.sh OUT "grpo exp_replay crps spear" [STEPS]
 #   OUT/sft/checkpoint/model must exist (bash scripts/cpu_study.sh makes one); RL_ARGS adds overrides.
 set -euo pipefail
@@ -14,7 +15,7 @@ COMMON="--env $ENV --model $OUT/sft/checkpoint/model sft.enabled=false trainer.s
   eval.tasks=${EVAL_TASKS:-96} eval.temperature=0.0 eval.split=valid trainer.tensorboard=false trainer.progress=false
   rollout.format_penalty=0.0 rollout.groups=16 rollout.slots=64 algo.turn_weight=episode
   algo.filters=[dropped,zero_variance] optim.lr=5.0e-5
-  algo.mini_batches=1 algo.ppo_epochs=1 ${RL_ARGS:-}"
+  algo.mini_batches=1 algo.ppo_epochs=1 rollout.fill_groups=0 ${RL_ARGS:-}"
 jobs=()
 for r in $RECIPES; do for s in 0 1 2; do jobs+=("$r $s"); done; done
 printf '%s\n' "${jobs[@]}" | xargs -P 2 -L 1 bash -c '
