@@ -173,10 +173,10 @@ class Recipe:
                     e.group_id = f"{e.group_id}/round{rounds}"
             episodes += eps
             rounds += 1
-            if r.fill_groups <= 0 or rounds >= r.max_rounds or informative_groups(episodes, self.reward) >= r.fill_groups:
+            informative = informative_groups(episodes, self.reward)
+            if r.fill_groups <= 0 or rounds >= r.max_rounds or informative >= r.fill_groups:
                 break
-        return episodes, dict(rollout_rounds=float(rounds),
-                              informative_groups=float(informative_groups(episodes, self.reward)))
+        return episodes, dict(rollout_rounds=float(rounds), informative_groups=float(informative))
 
     def step(self, trainer: "Trainer") -> dict[str, float]:
         episodes, collected = self.collect(trainer)

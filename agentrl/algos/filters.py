@@ -41,26 +41,27 @@ def variance_filter(episodes: list[Episode], keep_top: float = 0.75, reward: Cal
 @FILTERS.register("zero_variance")
 def zero_variance_filter(episodes: list[Episode], reward: Callable[[Episode], float] | None = None
                          ) -> tuple[list[Episode], int]:
-    """DAPO's dynamic-sampling filter without the resampling: drop groups whose rewards are all equal.
+    """DAPO's dynamic-sampling filter (the resampling is ``rollout.fill_groups``): drop groups whose
+    rewards are all equal.
     Their group-relative advantages are zero, so they add no gradient, only compute (and they dilute a
     token-mean loss)."""
-    reward = reward or (lambda e: e.total_reward)
-    groups: dict[str, list[Episode]] = defaultdict(list)
-    for e in episodes:
-        groups[e.group_id].append(e)
-    kept_ids = {g for g, eps in groups.items() if group_std([reward(e) for e in eps]) > 1e-12}
+    kept_ids = varying_groups(episodes, reward or (lambda e: e.total_reward))
     kept = [e for e in episodes if e.group_id in kept_ids]
     return kept, len(episodes) - len(kept)
+
+
+def varying_groups(episodes: list[Episode], reward: Callable[[Episode], float]) -> set[str]:
+    """Ids of the groups whose episodes got different rewards: the ones with a group-relative gradient."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for e in episodes:
+        groups[e.group_id].append(reward(e))
+    return {g for g, rs in groups.items() if group_std(rs) > 1e-12}
 
 
 def informative_groups(episodes: list[Episode], reward: Callable[[Episode], float]) -> int:
     """Groups whose (non-dropped) rollouts got different rewards: the ones a group-relative estimator
     learns from. Dynamic sampling counts these."""
-    groups: dict[str, list[float]] = defaultdict(list)
-    for e in episodes:
-        if not e.dropped:
-            groups[e.group_id].append(reward(e))
-    return sum(1 for rs in groups.values() if group_std(rs) > 1e-12)
+    return len(varying_groups([e for e in episodes if not e.dropped], reward))
 
 
 @FILTERS.register("overlong")
