@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from agentrl import __version__
@@ -21,11 +22,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """Drop the ``--local_rank=N`` (or ``--local-rank N``) the deepspeed and older torch launchers put
+    before our own arguments; the rank is read from the environment (LOCAL_RANK) they also set."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        for flag in ("--local_rank", "--local-rank"):
+            if a == flag:
+                if i + 1 < len(argv):
+                    os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+                skip = True
+                break
+            if a.startswith(flag + "="):
+                os.environ.setdefault("LOCAL_RANK", a.split("=", 1)[1])
+                break
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    from agentrl import dist
     from agentrl.config import ConfigError
     from agentrl.registry import RegistryError
     from envs.base import EnvError
 
+    argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     # Dotted overrides (key.sub=value) may come after options; argparse leaves them over: collect them.
     args, extra = parser.parse_known_args(argv)
@@ -39,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (EnvError, ConfigError, RegistryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        where = f"[rank {dist.rank()}] " if dist.launched_world() > 1 else ""
+        print(f"{where}error: {e}", file=sys.stderr)
         return 2
 
 

@@ -124,8 +124,9 @@ class TrainerCfg:
     seed: int = 0
     out_dir: str = "runs/{recipe}-{env}-s{seed}"
     checkpoint_every: int = 5
-    engine: Literal["torch", "deepspeed"] = "torch"
-    deepspeed_config: str = ""
+    engine: Literal["torch", "deepspeed"] = "torch"  # deepspeed: ZeRO-3, one rank or many under a launcher
+    deepspeed_config: str = ""  # a DeepSpeed JSON (configs/deepspeed/); empty: ZeRO-3 in fp32
+    device: str = "auto"  # auto (this rank's CUDA device when present, else CPU) | cpu | cuda
     generator: Literal["embedded", "remote"] = "embedded"
     generator_url: str = ""
     tensorboard: bool = True
@@ -339,6 +340,8 @@ def _check_names(cfg: RecipeCfg) -> None:
         raise ConfigError(f"bad value for 'env': {cfg.env!r}; allowed: {', '.join(registry.names())}")
     if cfg.rollout.group_size < 1 or cfg.rollout.groups < 1:
         raise ConfigError("rollout.groups and rollout.group_size must be >= 1")
+    if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):
+        raise ConfigError(f"bad value for 'trainer.device': {cfg.trainer.device!r}; allowed: auto, cpu, cuda, cuda:N")
     if cfg.rollout.max_rounds < 1 or cfg.rollout.fill_groups < 0:
         raise ConfigError(f"bad value for 'rollout.max_rounds' ({cfg.rollout.max_rounds}) or 'rollout.fill_groups' "
                           f"({cfg.rollout.fill_groups}); allowed: max_rounds >= 1, fill_groups >= 0")

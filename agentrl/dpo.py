@@ -2,7 +2,7 @@
 
 The reference policy is the policy at the start of the fit (the SFT policy for the first one); its
 sequence log-probs are computed once. Each optimizer step sees whole pairs (chosen and rejected rows of
-a pair are never split across micro-batches), so DPO runs on the torch engine only.
+a pair are never split across micro-batches or ranks), on either engine.
 """
 from __future__ import annotations
 
@@ -37,42 +37,46 @@ def pair_rows(pairs: list[PreferencePair]) -> list[Sample]:
     return rows
 
 
-def sequence_logprobs(engine: Any, rows: list[Sample], temperature: float = 1.0) -> torch.Tensor:
-    batch = collate(rows, engine.pad_id)
-    with torch.no_grad():
-        lp = engine.logprobs(batch, temperature)
-    return (lp * batch.loss_mask).sum(-1)
+def with_reference(engine: Any, rows: list[Sample], temperature: float = 1.0) -> list[Sample]:
+    """The rows with the current policy's per-token log-probs as their reference (``ref_logprobs``)."""
+    lp = engine.logprobs(collate(rows, engine.pad_id), temperature)
+    for b, s in enumerate(rows):
+        row = [0.0] + lp[b, :len(s.ids) - 1].tolist()
+        s.ref_logprobs = [v if m else 0.0 for v, m in zip(row, s.loss_mask)]
+    return rows
+
+
+def dpo_loss_fn(beta: float) -> Any:
+    """The engine loss of a micro-batch of whole pairs (rows chosen, rejected, chosen, ...): DPO on
+    sequence log-probs against the reference stored in the rows."""
+
+    def fn(mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        seq = (out["logp"] * mb.loss_mask).sum(-1)
+        ref = (mb.ref_logprobs * mb.loss_mask).sum(-1)
+        return dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta)
+
+    return fn
 
 
 def fit_dpo(trainer: "Trainer", pairs: list[PreferencePair], epochs: int, batch_size: int, lr: float,
             beta: float) -> dict[str, float]:
+    """``epochs`` passes over the pairs, one optimizer step per ``batch_size`` pairs (both engines:
+    ``row_block=2`` keeps a pair's two rows in one micro-batch and on one rank)."""
     eng = trainer.engine
-    if not hasattr(eng, "_clip_and_step"):
-        raise NotImplementedError("DPO runs on the torch engine (trainer.engine=torch)")
     if not pairs:
         return dict(dpo_pairs=0.0)
-    rows = pair_rows(pairs)
-    ref = sequence_logprobs(eng, rows)
-    ref_c, ref_r = ref[0::2], ref[1::2]
+    rows = with_reference(eng, pair_rows(pairs))
     saved = set_lr(eng, lr)
     rng = random.Random(trainer.cfg.trainer.seed)
+    loss_fn = dpo_loss_fn(beta)
     stats: list[dict[str, float]] = []
     try:
         for _ in range(epochs):
             order = list(range(len(pairs)))
             rng.shuffle(order)
             for i in range(0, len(order), batch_size):
-                idx = order[i:i + batch_size]
-                batch = collate([rows[2 * j + k] for j in idx for k in (0, 1)], eng.pad_id)
-                eng.model.train()
-                eng.optimizer.zero_grad(set_to_none=True)
-                out = eng.forward(batch, 1.0)
-                seq = (out["logp"] * batch.loss_mask).sum(-1)
-                t = torch.tensor(idx)
-                loss, s = dpo_loss(seq[0::2], seq[1::2], ref_c[t], ref_r[t], beta)
-                eng._backward(loss)
-                s.update(loss=float(loss.detach()), grad_norm=eng._clip_and_step())
-                stats.append(s)
+                batch = collate([rows[2 * j + k] for j in order[i:i + batch_size] for k in (0, 1)], eng.pad_id)
+                stats.append(eng.step(batch, loss_fn, 1.0, weight_by="sequences", row_block=2))
     finally:
         restore_lr(eng, saved)
     trainer.sync_weights()

@@ -51,10 +51,7 @@ class Recipe:
         stats["expert_success"] = expert_success
         # The SFT-only policy, kept next to the checkpoints: RL's before/after can then be measured with
         # any evaluation (`agentrl eval --model RUN/warm_start`), not only the run's own.
-        try:
-            trainer.engine.export_weights(trainer.out_dir / "warm_start")
-        except NotImplementedError as e:  # LoRA under ZeRO-3 exports adapters only
-            print(f"warm start not exported: {e}", flush=True)
+        trainer.engine.export_weights(trainer.out_dir / "warm_start")
         return stats
 
     def starts(self, trainer: "Trainer") -> list[Start]:

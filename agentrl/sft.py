@@ -73,8 +73,8 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
             losses.append(eng.step(batch, loss)["loss"])
             b = i // batch_size + 1
             if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
-                print(f"sft pass {epoch + 1}/{epochs}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
-                      f"{time.perf_counter() - t0:.0f}s", flush=True)
+                trainer.echo(f"sft pass {epoch + 1}/{epochs}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
+                             f"{time.perf_counter() - t0:.0f}s")
     if saved is not None:
         restore_lr(eng, saved)
     trainer.sync_weights()

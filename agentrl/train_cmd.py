@@ -71,7 +71,8 @@ def run_train(args: argparse.Namespace) -> int:
         final = trainer.train()
     finally:
         trainer.close()
-    print(json.dumps({"run": str(cfg.out_dir), **final}, indent=1))
+    if trainer.is_main:
+        print(json.dumps({"run": str(cfg.out_dir), **final}, indent=1))
     return 0
 
 
@@ -85,7 +86,8 @@ def run_eval(args: argparse.Namespace) -> int:
         res = trainer.evaluate()  # pass@1, 2, 4, ... up to eval.samples (the ladder lives in Trainer.evaluate)
     finally:
         trainer.close()
-    print(json.dumps(res, indent=1))
+    if trainer.is_main:
+        print(json.dumps(res, indent=1))
     return 0
 
 

@@ -3,10 +3,18 @@
 The trainer owns the parts (learner engine, generator, env slots, rollout engine, metric sinks,
 checkpoints); the recipe decides what one step does (``Recipe.step``). Runs resume from their last
 checkpoint with the learner, the recipe's buffers and controllers, the task sampler and every RNG.
+
+Under a launcher with N ranks every rank runs the same loop and the same recipe code on the same
+RNG: ``rollout`` and ``generate`` roll out this rank's share (whole groups) and all-gather the results,
+so every decision a recipe takes (filters, dynamic-sampling rounds, buffers, controllers, skipping an
+update) is taken on the global episodes, identically on every rank, and every rank reaches the same
+collectives. The engine then trains each rank on its rows. Rank 0 alone prints, logs and writes the
+trainer's and recipe's state; checkpoints are collective.
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import time
@@ -16,13 +24,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentrl.config import RecipeCfg, dump
+from agentrl import dist
+from agentrl.config import ConfigError, RecipeCfg, dump
 from agentrl.learner.batch import Sample, collate
 from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
 from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, read_metrics
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
-from agentrl.types import Episode, SamplingParams
+from agentrl.seeds import mix_seed
+from agentrl.types import Completion, Episode, SamplingParams
+
+CHECKPOINT_LINK = "checkpoint"  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
 
 
 def seed_everything(seed: int) -> None:
@@ -37,19 +49,45 @@ class Trainer:
 
         self.cfg, self.recipe = cfg, recipe
         self.out_dir = cfg.out_dir
+        self.device = self._resolve_device()
+        self._check_launch()  # before any collective or model loading: one clear error on every rank
+        self.world = dist.init(self.device)
+        self.rank = dist.rank()
+        self.is_main = self.rank == 0
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        dump(cfg, self.out_dir / "config.yaml")
+        if self.is_main:
+            dump(cfg, self.out_dir / "config.yaml")
         seed_everything(cfg.trainer.seed)
-        self.rng = random.Random(cfg.trainer.seed)
+        self.rng = random.Random(cfg.trainer.seed)  # the same stream on every rank: same decisions
         self.step = 0
         self.model_dir = resolve_model(cfg.model.name)
         self.engine = self._make_engine()
         self.tokenizer = self.engine.tokenizer
         self.generator = self._make_generator()
         self.envs = self._make_envs()
-        self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict())
+        self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict()) \
+            if self.is_main else None
         self._tasks = None
         self._rollout_stats: dict[str, float] = {}
+
+    def _resolve_device(self) -> str:
+        try:
+            return dist.resolve_device(self.cfg.trainer.device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def _check_launch(self) -> None:
+        c, n = self.cfg, dist.launched_world()
+        if n <= 1:
+            return
+        if c.trainer.engine != "deepspeed":
+            raise ConfigError(f"{n} ranks were launched but trainer.engine={c.trainer.engine} trains in one process; "
+                              "add trainer.engine=deepspeed (ZeRO-3 over the ranks) or launch one process")
+        if c.rollout.groups < n:
+            raise ConfigError(f"rollout.groups={c.rollout.groups} is fewer than the {n} ranks: each rank rolls out "
+                              f"whole groups, so set rollout.groups >= {n} (or launch fewer ranks)")
+        if c.trainer.generator == "remote" and not c.trainer.generator_url:
+            raise ConfigError("trainer.generator=remote needs trainer.generator_url")
 
     # ----- parts -------------------------------------------------------------------------------
     def _make_engine(self) -> Any:
@@ -58,11 +96,14 @@ class Trainer:
                                               grad_clip=c.optim.grad_clip, warmup_steps=c.optim.warmup_steps),
                             lora=LoraSettings(r=c.model.lora_r, alpha=c.model.lora_alpha) if c.model.lora_r else None,
                             value_head=c.algo.estimator == "gae", token_budget=c.optim.token_budget,
-                            dtype=c.model.dtype, seed=c.trainer.seed)
+                            dtype=c.model.dtype, seed=c.trainer.seed, device=self.device)
         if c.trainer.engine == "deepspeed":
-            from agentrl.learner.deepspeed_engine import DeepSpeedEngine
+            from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, DeepSpeedEngine
 
-            return DeepSpeedEngine(self.model_dir, ecfg, c.trainer.deepspeed_config or None)
+            try:
+                return DeepSpeedEngine(self.model_dir, ecfg, c.trainer.deepspeed_config or None)
+            except (DeepSpeedConfigError, NotImplementedError) as e:
+                raise ConfigError(str(e)) from None
         return TorchEngine(self.model_dir, ecfg)
 
     def _make_generator(self) -> Any:
@@ -76,10 +117,10 @@ class Trainer:
         from agentrl.learner.models import stop_token_ids
 
         model = getattr(self.engine, "model", None)
-        if model is None:  # DeepSpeed: a separate copy, refreshed from exported weights
-            return EmbeddedGenerator.from_folder(self.model_dir)
+        if model is None:  # DeepSpeed: each rank's own copy, refreshed in memory after each update
+            return EmbeddedGenerator.from_folder(self.model_dir, self.cfg.model.dtype, self.device)
         # The torch engine's own module: rollouts always see the latest weights, no copy to sync.
-        return EmbeddedGenerator(model, self.tokenizer, stop_token_ids(self.tokenizer, model.config))
+        return EmbeddedGenerator(model, self.tokenizer, stop_token_ids(self.tokenizer, model.config), self.device)
 
     def _make_envs(self) -> Any:
         r = self.cfg.rollout
@@ -111,16 +152,49 @@ class Trainer:
         ids = self.task_ids(split or self.cfg.rollout.split)
         return [(self.rng.choice(ids), self.rng.randrange(2**31)) for _ in range(n)]
 
+    def echo(self, text: str) -> None:
+        """A line for the user (rank 0 only)."""
+        if self.is_main:
+            print(text, flush=True)
+
     def rollout(self, starts: list[Start], temperature: float | None = None, max_turns: int | None = None
                 ) -> list[Episode]:
-        engine = RolloutEngine(self.generator, self.tokenizer, self.envs, self.cfg.env,
-                               self.rollout_config(temperature, max_turns))
+        """Episodes for ``starts``, in order, on every rank. Each rank rolls out its share (whole groups,
+        ``dist.shard_groups``) and the shares are all-gathered. Each start samples from its own stream
+        (rollout seed, start index), so an episode's tokens do not depend on which rank ran it."""
+        cfg = self.rollout_config(temperature, max_turns)
+        streams = [mix_seed(cfg.sampling.seed, i) for i in range(len(starts))]
+        mine = dist.shard_groups([s.group_id or f"#{i}" for i, s in enumerate(starts)], self.world)[self.rank]
+        engine = RolloutEngine(self.generator, self.tokenizer, self.envs, self.cfg.env, cfg)
         if hasattr(self.generator, "model"):
             self.generator.model.eval()  # the learner leaves its module in train mode
-        eps = engine.run(starts)
-        for k, v in engine.stats.items():  # summed over the step's rollout calls (reset in ``train``)
-            self._rollout_stats[k] = self._rollout_stats.get(k, 0.0) + v
+        local = engine.run([starts[i] for i in mine], [streams[i] for i in mine])
+        eps: list[Any] = [None] * len(starts)
+        gathered = dist.all_gather_object((mine, local, engine.stats))
+        for idx, part, _ in gathered:
+            for i, ep in zip(idx, part):
+                eps[i] = ep
+        # summed over the step's rollout calls (reset in ``train``); counts summed over ranks, times (``*_s``)
+        # the slowest rank's, since the ranks wait for each other at the gather
+        for k in engine.stats:
+            vals = [stats[k] for _, _, stats in gathered]
+            self._rollout_stats[k] = self._rollout_stats.get(k, 0.0) + (max(vals) if k.endswith("_s") else sum(vals))
         return eps
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """Plain completions (LEAFE's reflections), sharded over the ranks like ``rollout``; row i samples
+        from stream (sampling.seed, i)."""
+        seed = sampling.seed if sampling.seed is not None else self.rng.randrange(2**31)
+        seeds = [mix_seed(seed, i) for i in range(len(prompts))]
+        mine = list(range(self.rank, len(prompts), self.world))
+        if hasattr(self.generator, "model"):
+            self.generator.model.eval()
+        local = self.generator.generate([prompts[i] for i in mine], sampling, seeds=[seeds[i] for i in mine])
+        out: list[Any] = [None] * len(prompts)
+        for idx, part in dist.all_gather_object((mine, local)):
+            for i, c in zip(idx, part):
+                out[i] = c
+        return out
 
     def update(self, samples: list[Sample], loss_fn: Any, need_values: bool = False) -> dict[str, float]:
         batch = collate(samples, self.engine.pad_id)
@@ -160,14 +234,22 @@ class Trainer:
         return [float(vals[i, s.loss_mask.index(1) - 1]) for i, s in enumerate(samples)]
 
     def sync_weights(self) -> None:
-        """After an update the generator must sample from the new policy."""
+        """After an update the generator must sample from the new policy: nothing to do when it shares the
+        learner's module; an embedded copy (DeepSpeed) is refreshed in memory on every rank; a server
+        loads the folder rank 0 exported (once, by rank 0)."""
         if self.generator is not None and getattr(self.generator, "model", None) is getattr(self.engine, "model", 1):
             return  # shared module
+        if hasattr(self.generator, "model"):
+            self.generator.load_weights(self.engine)  # collective under ZeRO-3
+            return
         folder = self.out_dir / "weights"
-        if folder.exists():
+        if self.is_main and folder.exists():
             shutil.rmtree(folder)
-        self.engine.export_weights(folder)
-        self.generator.load_weights(folder)
+        dist.barrier()
+        self.engine.export_weights(folder)  # collective; rank 0 writes
+        if self.is_main:
+            self.generator.load_weights(folder)
+        dist.barrier()
 
     def diagnostics(self, episodes: list[Episode], recipe: Any) -> dict[str, float]:
         d = episode_diagnostics(episodes, recipe.reward)
@@ -196,23 +278,49 @@ class Trainer:
 
     # ----- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        ckpt = self.out_dir / "checkpoint"
-        tmp = self.out_dir / "checkpoint.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        self.engine.save(tmp)
-        torch.save(dict(step=self.step, rng=self.rng.getstate(), recipe=self.recipe.state_dict()), tmp / "trainer.pt")
-        if ckpt.exists():
-            shutil.rmtree(ckpt)
-        tmp.rename(ckpt)  # a kill mid-save leaves the previous checkpoint intact
-        return ckpt
+        """Collective. Every rank writes its part (ZeRO shards, its RNG) into ``checkpoints/step-N``, rank 0
+        the trainer and recipe state; only then does rank 0 switch the ``checkpoint`` link to it (an atomic
+        rename) and drop older ones, so a kill at any point leaves the previous complete checkpoint."""
+        root = self.out_dir / "checkpoints"
+        folder = root / f"step-{self.step:06d}"
+        if self.is_main:
+            if folder.exists():  # a save of this step that was killed half-way
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+        dist.barrier()
+        self.engine.save(folder)
+        if self.is_main:
+            torch.save(dict(step=self.step, rng=self.rng.getstate(), recipe=self.recipe.state_dict(),
+                            world=self.world, engine=self.cfg.trainer.engine), folder / "trainer.pt")
+        dist.barrier()
+        if self.is_main:
+            link, tmp = self.out_dir / CHECKPOINT_LINK, self.out_dir / (CHECKPOINT_LINK + ".new")
+            if tmp.is_symlink() or tmp.exists():
+                tmp.unlink()
+            tmp.symlink_to(Path("checkpoints") / folder.name)
+            if link.is_dir() and not link.is_symlink():  # the single-folder layout of older runs
+                shutil.rmtree(link)
+            os.replace(tmp, link)
+            for old in root.iterdir():
+                if old.name != folder.name:
+                    shutil.rmtree(old, ignore_errors=True)
+            legacy = self.out_dir / "checkpoint.tmp"
+            if legacy.exists():
+                shutil.rmtree(legacy, ignore_errors=True)
+        dist.barrier()
+        return folder
 
     def load_checkpoint(self) -> bool:
-        ckpt = self.out_dir / "checkpoint"
+        ckpt = self.out_dir / CHECKPOINT_LINK
         if not (ckpt / "trainer.pt").exists():
             return False
-        self.engine.load(ckpt)
         state = torch.load(ckpt / "trainer.pt", weights_only=False)
+        saved_world, saved_engine = state.get("world", 1), state.get("engine", "torch")
+        if saved_world != self.world or saved_engine != self.cfg.trainer.engine:
+            raise ConfigError(f"{ckpt} was written by {saved_world} rank(s) with trainer.engine={saved_engine}; "
+                              f"this run has {self.world} with trainer.engine={self.cfg.trainer.engine}. Resume "
+                              "with the same launch, or start a new run (another trainer.out_dir)")
+        self.engine.load(ckpt)
         self.step = state["step"]
         self.rng.setstate(state["rng"])
         self.recipe.load_state_dict(state["recipe"])
@@ -223,15 +331,15 @@ class Trainer:
     def train(self) -> dict[str, float]:
         resumed = self.load_checkpoint()
         if resumed:
-            print(f"resumed from {self.out_dir / 'checkpoint'} at step {self.step}", flush=True)
+            self.echo(f"resumed from {self.out_dir / CHECKPOINT_LINK} at step {self.step}")
         if self.step == 0 and not resumed:
             pre = self.recipe.before_training(self) if hasattr(self.recipe, "before_training") else {}
             first = self.evaluate() if self.cfg.eval.tasks else {}
-            self.logger.log(0, {**pre, **first})
+            self._log(0, {**pre, **first})
             self._print(0, first)
             if pre:  # a warm start (minutes of SFT) is not redone when the run is killed before its first checkpoint
                 self.save_checkpoint()
-        progress = _Progress(self.cfg.trainer.steps, self.step, self.cfg.trainer.progress)
+        progress = _Progress(self.cfg.trainer.steps, self.step, self.cfg.trainer.progress and self.is_main)
         final: dict[str, float] = {}
         history = read_metrics(self.out_dir)  # read once; the echo-trap check looks back over it
         try:
@@ -250,20 +358,26 @@ class Trainer:
                 if self.cfg.eval.tasks and ((e.every and self.step % e.every == 0) or self.step == self.cfg.trainer.steps):
                     metrics.update(self.evaluate())
                     final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
-                self.logger.log(self.step, metrics)
+                self._log(self.step, metrics)
                 progress.update(self.step, metrics)
                 if self.step % self.cfg.trainer.checkpoint_every == 0 or self.step == self.cfg.trainer.steps:
                     self.save_checkpoint()
         finally:
             progress.close()
-            self.logger.close()
-        (self.out_dir / "final.json").write_text(json.dumps(final, indent=1))
+            if self.logger is not None:
+                self.logger.close()
+        if self.is_main:
+            (self.out_dir / "final.json").write_text(json.dumps(final, indent=1))
         return final
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics)
 
     def _print(self, step: int, m: dict[str, float]) -> None:
         if "eval/success" in m:
-            print(f"step {step}: eval success {m['eval/success']:.3f} on {self.cfg.eval.tasks} "
-                  f"{self.cfg.eval.split} tasks", flush=True)
+            self.echo(f"step {step}: eval success {m['eval/success']:.3f} on {self.cfg.eval.tasks} "
+                      f"{self.cfg.eval.split} tasks")
 
     def close(self) -> None:
         if hasattr(self.envs, "close"):

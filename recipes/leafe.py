@@ -180,7 +180,7 @@ class LEAFE(Recipe):
             steps = [(obs[j], " || ".join(path[j].actions) or "(no valid action)") for j in range(t)]
             prompts.append(chat_ids(trainer.tokenizer, [{"role": "user",
                                                          "content": reflection_prompt(ep.instruction, steps, failed)}]))
-        outs = trainer.generator.generate(prompts, SamplingParams(temperature=self.cfg.rollout.temperature,
+        outs = trainer.generate(prompts, SamplingParams(temperature=self.cfg.rollout.temperature,
                                                                   max_new_tokens=p.reflect_tokens,
                                                                   seed=rng.randrange(2**31)))
         for (i, b, ep, t, failed), out in zip(points, outs):

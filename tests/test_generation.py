@@ -49,7 +49,7 @@ class ScriptedGenerator:
     def __init__(self, tok, text):
         self.tok, self.text = tok, text
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, seeds=None):
         from agentrl.types import Completion
 
         ids = self.tok(self.text, add_special_tokens=False)["input_ids"]
@@ -170,27 +170,31 @@ def test_ineffective_turns_are_flagged_and_penalized(tiny_generator):
     assert not eng.run([Start(task.task_id)])[0].turns[0].info.get("ineffective")  # a real move
 
 
-def test_each_generate_call_gets_its_own_seed(tiny_generator):
-    """One rollout seed must not re-draw the same random numbers every turn: that locks each episode to
-    one quantile at its action token, turn after turn. Seeds differ per call and are reproducible."""
+def test_each_row_and_turn_gets_its_own_seed_and_batching_does_not_change_samples(tiny_generator):
+    """One rollout seed must not re-draw the same random numbers every turn (that locks an episode to one
+    quantile at its action token, turn after turn): every (episode, turn) gets its own seed. A row's
+    draws depend on its own stream only, so the same starts sample the same tokens whether they share
+    one batch or run one at a time (as on several ranks), and reruns are identical."""
     g = tiny_generator
 
     class Recording:  # records what the engine asks of the real generator
         def __init__(self):
             self.seeds, self.tokenizer, self.stop_ids = [], g.tokenizer, getattr(g, "stop_ids", ())
 
-        def generate(self, prompts, sampling):
-            self.seeds.append(sampling.seed)
-            return g.generate(prompts, sampling)
+        def generate(self, prompts, sampling, seeds=None):
+            self.seeds.append(list(seeds))
+            return g.generate(prompts, sampling, seeds=seeds)
 
+    starts = [Start(f"train/{i:05d}", 0, "g") for i in range(4)]
     runs = []
-    for _ in range(2):
+    for slots in (4, 4, 1):
         rec = Recording()
-        eps = _engine(rec, g.tokenizer).run([Start(f"train/{i:05d}", 0, "g") for i in range(4)])
-        runs.append((rec.seeds, [t.gen_ids for ep in eps for t in ep.turns]))
+        eps = _engine(rec, g.tokenizer, slots=slots).run(starts)
+        runs.append((sorted(s for call in rec.seeds for s in call), [[t.gen_ids for t in ep.turns] for ep in eps]))
     seeds = runs[0][0]
-    assert len(seeds) == 3 and len(set(seeds)) == 3 and SAMPLING.seed not in seeds  # one per turn, all different
-    assert runs[0] == runs[1]  # same rollout seed, same per-call seeds, same samples
+    assert len(seeds) == 12 and len(set(seeds)) == 12  # 4 episodes x 3 turns, all different
+    assert runs[0] == runs[1]  # same rollout seed, same samples
+    assert runs[2] == runs[0]  # one row per batch: the same seeds and the same tokens
 
 
 def test_vllm_requests_carry_no_shared_seed():

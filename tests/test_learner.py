@@ -224,7 +224,7 @@ def test_sft_linear_schedule_decays_the_lr_to_zero_by_the_last_step(tiny_model_d
     step = eng.step
     eng.step = lambda *a, **k: lrs.append(eng.optimizer.param_groups[0]["lr"]) or step(*a, **k)
     trainer = SimpleNamespace(engine=eng, cfg=SimpleNamespace(trainer=SimpleNamespace(seed=0)),
-                              sync_weights=lambda: None)
+                              sync_weights=lambda: None, echo=print)
     fit_sft(trainer, _samples(n=6), epochs=2, batch_size=2, lr=6e-3, schedule="linear")
     assert lrs == pytest.approx([6e-3 * (6 - k) / 6 for k in range(6)])
     del eng.step

@@ -7,8 +7,11 @@ from agentrl.types import Completion, SamplingParams
 
 
 class Generator(Protocol):
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        """One completion per prompt (token ids in, token ids + log-probs out)."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
+                 ) -> list[Completion]:
+        """One completion per prompt (token ids in, token ids + log-probs out). ``seeds``: one sampling
+        stream per prompt, so a row samples the same tokens whatever else is in its batch (the
+        embedded generator honours it exactly; servers use it where their API allows)."""
 
     def load_weights(self, source: Any) -> None:
         """New policy weights: a state dict (embedded) or an HF folder / LoRA adapter path (servers)."""

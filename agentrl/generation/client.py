@@ -74,11 +74,20 @@ class RemoteGenerator:
             body.update(include_stop_str_in_output=True, return_token_ids=True, skip_special_tokens=True)
         return body
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        chunks = [prompts[i:i + self.max_prompts] for i in range(0, len(prompts), self.max_prompts)]
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
+                 ) -> list[Completion]:
+        starts = list(range(0, len(prompts), self.max_prompts))
+        chunks = [prompts[i:i + self.max_prompts] for i in starts]
+
+        def body(i: int, chunk: list[list[int]]) -> dict[str, Any]:
+            b = self._body(chunk, sampling)
+            if seeds is not None and self.backend != "vllm":  # our server: one stream per row
+                b["seed"] = [int(x) for x in seeds[i:i + len(chunk)]]
+            return b
+
         with ThreadPoolExecutor(max_workers=max(1, min(self.parallel, len(chunks)))) as pool:
-            replies = list(pool.map(lambda c: self._request("POST", "/v1/completions", self._body(c, sampling)),
-                                    chunks))
+            replies = list(pool.map(lambda ic: self._request("POST", "/v1/completions", body(*ic)),
+                                    zip(starts, chunks)))
         out: list[Completion] = []
         for chunk, reply in zip(chunks, replies):
             choices = sorted(reply["choices"], key=lambda c: c["index"])

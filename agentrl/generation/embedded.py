@@ -15,9 +15,11 @@ from agentrl.prefix import shared_prefix_len
 from agentrl.types import Completion, SamplingParams
 
 
-def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (token ids, their log-probs under softmax(logits / T)); top-p only narrows the draw."""
+def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams,
+                       gen: torch.Generator | list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (token ids, their log-probs under softmax(logits / T)); top-p only narrows the draw.
+    ``gen``: one generator for the batch, or one per row (each row's draw then depends on its own
+    stream only, not on the other rows of the batch)."""
     logits = logits.float()
     if sampling.temperature <= 0:
         logp = torch.log_softmax(logits, dim=-1)
@@ -32,7 +34,11 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams, gen: torc
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     # Inverse-CDF draw: same distribution as torch.multinomial, several times faster on CPU.
     cdf = probs.cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), generator=gen, device=probs.device).clamp_min(1e-12) * cdf[:, -1:]
+    if isinstance(gen, list):
+        u = torch.cat([torch.rand((1, 1), generator=g) for g in gen]).to(probs.device)
+    else:
+        u = torch.rand((probs.shape[0], 1), generator=gen, device=probs.device)
+    u = u.clamp_min(1e-12) * cdf[:, -1:]
     tok = torch.searchsorted(cdf, u)[:, 0].clamp(max=probs.shape[-1] - 1)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
@@ -57,6 +63,11 @@ class EmbeddedGenerator:
         return cls(model, tok, stop_token_ids(tok, model.config), device)
 
     def load_weights(self, source: Any) -> None:
+        """An HF folder or a state dict; a learner engine that can hand its weights over in memory
+        (``copy_weights_to``) is used directly: under ZeRO-3 that gathers one parameter at a time."""
+        if hasattr(source, "copy_weights_to"):
+            source.copy_weights_to(self.model)
+            return
         if isinstance(source, (str, Path)):
             from agentrl.learner.models import load_model
 
@@ -108,11 +119,16 @@ class EmbeddedGenerator:
         return out.past_key_values, mask, pos, out.logits[:, -1]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
+                 ) -> list[Completion]:
         if not prompts:
             return []
-        gen = None
-        if sampling.seed is not None:
+        gen: torch.Generator | list[torch.Generator] | None = None
+        if seeds is not None:  # per-row streams (CPU generators: the same draws on every device)
+            if len(seeds) != len(prompts):
+                raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+            gen = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        elif sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         cache, mask, pos, logits = self._prefill(prompts, sampling.max_new_tokens)
         n = len(prompts)
@@ -139,6 +155,8 @@ class EmbeddedGenerator:
                 _select_rows(cache, sel)
                 tok, mask, next_pos = tok[sel], mask[sel], next_pos[sel]
                 rows = [rows[j] for j in keep]
+                if isinstance(gen, list):
+                    gen = [gen[j] for j in keep]
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                              past_key_values=cache, use_cache=True,

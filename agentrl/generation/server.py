@@ -1,7 +1,9 @@
 """`agentrl serve`: an HTTP generation server speaking the OpenAI completions protocol.
 
 The subset ``vllm serve`` also speaks, so one client drives both: ``POST /v1/completions`` with token-id
-prompts (a list of ints, or a list of lists), ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``,
+prompts (a list of ints, or a list of lists), ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``
+(one int for the request, or, our extension, a list with one per prompt: each row then samples from its
+own stream, the same tokens whatever it is batched with),
 ``stop``, ``logprobs`` and ``echo`` (prompt log-probs, for checking weights), returning token ids
 (``token_ids``, and ``logprobs.tokens`` as ``token_id:N`` like vLLM's ``return_tokens_as_token_ids``).
 Plus ``POST /load_weights {"path": HF folder}`` after a learner update, ``GET /v1/models``, ``GET /health``.
@@ -32,6 +34,7 @@ from agentrl.types import SamplingParams
 class _Job:
     prompts: list[list[int]]
     sampling: SamplingParams
+    seeds: list[int] | None = None  # one per prompt (then ``sampling.seed`` is None)
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: str = ""
@@ -75,13 +78,16 @@ class BatchingWorker:
                 job.done.set()
                 continue
             s = job.sampling
-            # Seeded requests run alone so their draws do not depend on what they were batched with.
-            key = (s.temperature, s.top_p, s.max_new_tokens, tuple(s.stop), s.seed, id(job) if s.seed is not None else 0)
+            # Requests with one seed run alone so their draws do not depend on what they were batched with;
+            # per-row seeds batch freely (each row draws from its own stream).
+            key = (s.temperature, s.top_p, s.max_new_tokens, tuple(s.stop), s.seed, job.seeds is not None,
+                   id(job) if s.seed is not None else 0)
             groups.setdefault(key, []).append(job)
         for group in groups.values():
             prompts = [p for j in group for p in j.prompts]
+            seeds = [x for j in group for x in j.seeds] if group[0].seeds is not None else None
             try:
-                outs = self.gen.generate(prompts, group[0].sampling)
+                outs = self.gen.generate(prompts, group[0].sampling, seeds=seeds)
             except Exception as e:
                 for j in group:
                     j.error = f"{type(e).__name__}: {e}"
@@ -134,11 +140,15 @@ class GenerationService:
                                     logprobs=dict(tokens=[f"token_id:{t}" for t in p], token_logprobs=[None] + lp,
                                                   top_logprobs=None, text_offset=[])))
             return self._response(choices, usage)
+        seed, seeds = body.get("seed"), None
+        if isinstance(seed, list):
+            if n != 1 or len(seed) != len(prompts) or not all(isinstance(x, int) for x in seed):
+                raise ValueError("seed as a list needs n=1 and one integer per prompt")
+            seed, seeds = None, [int(x) for x in seed]
         sampling = SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-                                  max_new_tokens=max_tokens, stop=stop,
-                                  seed=None if body.get("seed") is None else int(body["seed"]))
+                                  max_new_tokens=max_tokens, stop=stop, seed=None if seed is None else int(seed))
         expanded = [p for p in prompts for _ in range(n)]
-        outs = self.worker.submit(_Job(expanded, sampling))
+        outs = self.worker.submit(_Job(expanded, sampling, seeds))
         for i, c in enumerate(outs):
             usage["completion_tokens"] += len(c.ids)
             tokens = [f"token_id:{t}" for t in c.ids] if as_ids else [self.gen.tokenizer.decode([t]) for t in c.ids]

@@ -6,7 +6,7 @@ samples and shifts everything to target positions: row t of the (B, T-1) tensors
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import torch
@@ -82,6 +82,13 @@ class TokenBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device: str | torch.device) -> "TokenBatch":
+        """The same batch on ``device`` (itself when already there)."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return TokenBatch(*(mv(getattr(self, f.name)) for f in fields(self)))
+
     def select(self, idx: list[int]) -> "TokenBatch":
         i = torch.tensor(idx)
         width = int(self.attention_mask[i].sum(-1).max())  # trim the shared right padding
@@ -120,19 +127,30 @@ def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
                       torch.tensor([s.tag for s in samples]))
 
 
-def micro_batches(batch: TokenBatch, token_budget: int) -> list[list[int]]:
+def row_blocks(n_rows: int, block: int) -> list[list[int]]:
+    """Rows in consecutive blocks of ``block`` that a loss couples (DPO: chosen and rejected of a pair)."""
+    if block < 1 or n_rows % block:
+        raise ValueError(f"{n_rows} rows do not split into blocks of {block}")
+    return [list(range(i, i + block)) for i in range(0, n_rows, block)]
+
+
+def micro_batches(batch: TokenBatch, token_budget: int, block: int = 1) -> list[list[int]]:
     """Split row indices into micro-batches of at most ``token_budget`` padded tokens (rows sorted by
-    length so padding stays small); a row longer than the budget gets a micro-batch of its own."""
+    length so padding stays small); a row longer than the budget gets a micro-batch of its own.
+    ``block`` > 1 keeps each block of consecutive rows together, in order (see ``row_blocks``)."""
     lengths = batch.attention_mask.sum(-1).tolist()
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    blocks = row_blocks(len(lengths), block)
+    size = [max(lengths[i] for i in b) for b in blocks]
+    order = sorted(range(len(blocks)), key=lambda k: size[k])
     out: list[list[int]] = []
     cur: list[int] = []
-    for i in order:
-        width = max([lengths[j] for j in cur] + [lengths[i]])
-        if cur and width * (len(cur) + 1) > token_budget:
+    width = 0
+    for k in order:
+        if cur and max(width, size[k]) * (len(cur) + block) > token_budget:
             out.append(cur)
-            cur = []
-        cur.append(i)
+            cur, width = [], 0
+        cur += blocks[k]
+        width = max(width, size[k])
     if cur:
         out.append(cur)
     return out

@@ -1,23 +1,23 @@
-"""DeepSpeed ZeRO learner engine (stage 3 by default), same protocol as ``TorchEngine``.
+"""DeepSpeed ZeRO-3 learner engine, implementing ``agentrl.learner.protocol.LearnerEngine``.
 
-Launch with ``deepspeed`` or ``torchrun`` on GPU nodes; on CPU it runs for real with gloo
-(``DS_ACCELERATOR=cpu torchrun --nproc_per_node=2``), which is how the test suite covers it. Each rank
-trains on its share of the batch (rows rank, rank + world, ...); losses are weighted so the averaged
-gradient equals the token-mean gradient of the whole batch. A torch AdamW is handed to DeepSpeed (no
-cpu_adam build needed); ``export_weights`` gathers the sharded parameters and rank 0 writes an HF folder.
+Launch with ``deepspeed`` or ``torchrun`` on GPU nodes (NCCL); on CPU it runs for real with gloo
+(``DS_ACCELERATOR=cpu``), which is how the test suite covers it. Every rank is handed the same global
+batch and trains on its share (row blocks rank, rank + world, ...); losses are weighted so the averaged
+gradient equals that of the whole batch. A torch AdamW is handed to DeepSpeed (no cpu_adam build
+needed); ``export_weights`` gathers the sharded parameters and rank 0 writes an HF folder;
+``copy_weights_to`` gathers one parameter at a time into each rank's generator copy.
 """
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from agentrl.learner.batch import TokenBatch, micro_batches
-from agentrl.learner.engine import (EngineConfig, LossFn, ValueHead, batched_forward, forward_batch, rng_state,
-                                    set_rng_state)
+from agentrl.learner.batch import TokenBatch, micro_batches, row_blocks
+from agentrl.learner.engine import EngineConfig, ValueHead, batched_forward, forward_batch, rng_state, set_rng_state
+from agentrl.learner.protocol import LossFn
 
 ZERO3 = {
     "train_micro_batch_size_per_gpu": 1,
@@ -32,12 +32,49 @@ ZERO3 = {
 }
 
 
+class DeepSpeedConfigError(ValueError):
+    pass
+
+
 def load_ds_config(spec: str | Path | dict | None) -> dict[str, Any]:
-    if spec is None:
+    """The DeepSpeed JSON (default: ZeRO-3 on fp32), checked for what this engine supports; raises
+    ``DeepSpeedConfigError`` naming the file and the key otherwise."""
+    if spec is None or spec == "":
         return json.loads(json.dumps(ZERO3))
+    where = "deepspeed config"
     if isinstance(spec, dict):
-        return spec
-    return json.loads(Path(spec).read_text())
+        ds = json.loads(json.dumps(spec))
+    else:
+        where = str(spec)
+        path = Path(spec)
+        if not path.is_file():
+            raise DeepSpeedConfigError(f"trainer.deepspeed_config: {spec} is not a file (shipped: configs/deepspeed/"
+                                       "zero3.json, configs/deepspeed/zero3_offload.json)")
+        try:
+            ds = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise DeepSpeedConfigError(f"{spec}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(ds, dict):
+        raise DeepSpeedConfigError(f"{where}: must be a JSON object")
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise DeepSpeedConfigError(f"{where}: '{key}' is not supported: the engine builds its own AdamW from "
+                                       "optim.* (lr, weight_decay, grad_clip); remove the section")
+    if (ds.get("fp16") or {}).get("enabled"):
+        raise DeepSpeedConfigError(f"{where}: 'fp16.enabled' is not supported (no loss scaling in the RL losses); "
+                                   "use bf16 or fp32")
+    zero = ds.get("zero_optimization") or {}
+    if not isinstance(zero, dict) or zero.get("stage", 0) != 3:
+        raise DeepSpeedConfigError(f"{where}: 'zero_optimization.stage' must be 3 (the engine shards and gathers "
+                                   f"ZeRO-3 parameters), got {zero.get('stage') if isinstance(zero, dict) else zero!r}")
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if ds.get(key, 1) != 1:
+            raise DeepSpeedConfigError(f"{where}: '{key}' must be 1: micro-batching follows optim.token_budget and "
+                                       "one step() is one optimizer step")
+    if zero.get("offload_optimizer"):
+        ds.setdefault("zero_force_ds_cpu_optimizer", False)  # offload with the engine's torch AdamW
+    ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two keys above and the world size
+    return ds
 
 
 class DeepSpeedEngine:
@@ -49,22 +86,22 @@ class DeepSpeedEngine:
         from agentrl.learner.models import load_model, load_tokenizer
 
         self.cfg = config or EngineConfig()
+        self.device = self.cfg.device
+        ds = load_ds_config(ds_config)  # before any collective: a bad file is one error on every rank
+        if self.cfg.lora is not None:
+            raise NotImplementedError("LoRA under trainer.engine=deepspeed is not supported yet (the in-memory "
+                                      "weight sync merges full weights only); use trainer.engine=torch for LoRA")
         if not dist.is_initialized():
             backend = "gloo" if self.cfg.device == "cpu" else "nccl"
             deepspeed.init_distributed(dist_backend=backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(self.cfg.seed)
-        ds = load_ds_config(ds_config)
         if self.cfg.optim.grad_clip is not None:
             ds["gradient_clipping"] = self.cfg.optim.grad_clip
         else:
             ds.pop("gradient_clipping", None)
         self.tokenizer = load_tokenizer(model_dir)
-        model = load_model(model_dir, self.cfg.dtype, "cpu")
-        if self.cfg.lora is not None:
-            from agentrl.learner.engine import TorchEngine
-
-            model = TorchEngine._wrap_lora(model, self.cfg.lora)
+        model = load_model(model_dir, self.cfg.dtype, "cpu")  # DeepSpeed moves it to this rank's device
         self.value_head = ValueHead(model.config.hidden_size) if self.cfg.value_head else None
         module = _WithValueHead(model, self.value_head)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -78,8 +115,9 @@ class DeepSpeedEngine:
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
-    def local_rows(self, batch: TokenBatch) -> list[int]:
-        return list(range(self.rank, len(batch), self.world))
+    def local_rows(self, batch: TokenBatch, row_block: int = 1) -> list[int]:
+        """This rank's rows: blocks rank, rank + world, ... (a block is never split across ranks)."""
+        return [i for b in row_blocks(len(batch), row_block)[self.rank::self.world] for i in b]
 
     def partition_numel(self) -> int:
         """Parameter elements this rank holds (ZeRO-3 shards parameters across ranks)."""
@@ -93,44 +131,55 @@ class DeepSpeedEngine:
         return forward_batch(self.ds, self.ds.module.value_head, mb, temperature, need_entropy, need_values)
 
     @torch.no_grad()
-    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
-        """Every rank computes the whole batch (ZeRO-3 forward is collective: all ranks must take part)."""
+    def logprobs(self, batch: TokenBatch, temperature: float = 1.0, values: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Every rank computes the whole batch (a ZeRO-3 forward is collective: all ranks take part, and
+        all get the same numbers)."""
         self.ds.eval()
-        return batched_forward(self.forward, batch, self.cfg.token_budget, temperature)[0]
+        logp, vals = batched_forward(self.forward, batch, self.cfg.token_budget, temperature,
+                                     values and self.value_head is not None, self.device)
+        return (logp, vals) if values else logp
 
     def step(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
-             need_values: bool = False, weight_by: str = "tokens") -> dict[str, float]:
+             need_values: bool = False, weight_by: str = "tokens", row_block: int = 1) -> dict[str, float]:
         import torch.distributed as dist
 
         self.ds.train()
-        local = batch.select(self.local_rows(batch))
-        totals = torch.tensor([float(batch.num_targets if weight_by == "tokens" else len(batch))])
-        parts = micro_batches(local, self.cfg.token_budget)
-        # Ranks must run the same number of collective forward/backward passes.
-        n_parts = torch.tensor([len(parts)])
+        rows = self.local_rows(batch, row_block)
+        local = batch.select(rows) if rows else None
+        total = float(batch.num_targets if weight_by == "tokens" else len(batch)) or 1.0
+        parts = micro_batches(local, self.cfg.token_budget, row_block) if local is not None else []
+        # Ranks must run the same number of collective forward/backward passes: a rank with fewer
+        # micro-batches (or no rows at all) runs the missing ones on a stand-in row with weight 0.
+        n_parts = torch.tensor([len(parts)], device=self.device)
         dist.all_reduce(n_parts, op=dist.ReduceOp.MAX)
-        parts += [[]] * (int(n_parts) - len(parts))
+        stand_in = list(range(row_block))
         stats: dict[str, float] = {}
-        loss_sum = torch.zeros(1)
-        for k, idx in enumerate(parts):
-            last = k == len(parts) - 1
-            mb = local.select(idx) if idx else local.select([0])
+        loss_sum = 0.0
+        for k in range(int(n_parts)):
+            idx = parts[k] if k < len(parts) else []
+            mb = (local.select(idx) if idx else batch.select(stand_in)).to(self.device)
             share = (mb.num_targets if weight_by == "tokens" else len(idx)) if idx else 0
             # DeepSpeed averages gradients over ranks: scale by world so the sum over all ranks' shares is 1.
-            w = share * self.world / float(totals[0])
+            w = share * self.world / total
             out = self.forward(mb, temperature, need_entropy, need_values)
             loss, s = loss_fn(mb, out)
-            self.ds.set_gradient_accumulation_boundary(last)
+            self.ds.set_gradient_accumulation_boundary(k == int(n_parts) - 1)
             self.ds.backward(loss * w, scale_wrt_gas=False)
-            loss_sum += float(loss.detach()) * share / float(totals[0])
+            loss_sum += float(loss.detach()) * share / total
             for key, v in s.items():
-                stats[key] = stats.get(key, 0.0) + v * share / float(totals[0])
+                stats[key] = stats.get(key, 0.0) + float(v) * share / total
         self.ds.step()
-        dist.all_reduce(loss_sum)
+        # The whole batch's loss and stats: every rank holds its shares; the sum over ranks is the total.
+        keys = sorted(stats)
+        packed = torch.tensor([loss_sum] + [stats[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(packed)
         self.global_step += 1
-        stats.update(loss=float(loss_sum[0]), micro_batches=len(parts),
-                     grad_norm=float(self.ds.get_global_grad_norm() or 0.0))
-        return stats
+        out_stats = dict(zip(keys, packed[1:].tolist()))
+        out_stats.update(loss=float(packed[0]), micro_batches=int(n_parts),
+                         grad_norm=float(self.ds.get_global_grad_norm() or 0.0),
+                         lr=float(self.optimizer.param_groups[0]["lr"]))
+        return out_stats
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather the sharded parameters; rank 0 gets a full state dict, other ranks None."""
@@ -142,11 +191,21 @@ class DeepSpeedEngine:
                 return {k: v.detach().clone() for k, v in module.state_dict().items()}
         return None
 
+    @torch.no_grad()
+    def copy_weights_to(self, model: Any) -> None:
+        """Every rank: gather the policy's ZeRO-3 shards one parameter at a time (never the whole model
+        in one buffer) and copy each into ``model``, this rank's generator copy."""
+        import deepspeed
+
+        dst = dict(model.named_parameters())
+        for name, p in self.ds.module.policy.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                if name in dst:
+                    dst[name].copy_(p.data.to(dst[name].device, dst[name].dtype))
+
     def export_weights(self, folder: str | Path) -> Path:
         import torch.distributed as dist
 
-        if self.cfg.lora is not None:  # on every rank, before the collective gather (rank 0 alone would hang the rest)
-            raise NotImplementedError("export of LoRA under ZeRO-3: use export_adapter")
         folder = Path(folder)
         sd = self.full_state_dict()
         if self.rank == 0:
@@ -171,7 +230,6 @@ class DeepSpeedEngine:
         if rng.exists():
             set_rng_state(torch.load(rng, weights_only=False))
 
-
     def close(self) -> None:
         """Leave the process group in step with the other ranks. Without this, gloo's and DeepSpeed's
         comm threads are torn down by static destructors at exit, which can abort a rank
@@ -192,7 +250,3 @@ class _WithValueHead(torch.nn.Module):
 
     def forward(self, **kwargs: Any) -> Any:
         return self.policy(**kwargs)
-
-
-def launched_by_torchrun() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -1,10 +1,10 @@
-"""The torch learner engine: single process, CPU or one GPU.
+"""The torch learner engine: one process, CPU or one GPU.
 
-One protocol for every engine (this one and ``DeepSpeedEngine``): ``logprobs(batch)``, ``step(batch,
-loss_fn)`` (gradient accumulation over micro-batches bounded by a token budget, grad clipping, one
-optimizer step), ``export_weights(folder)`` (an HF folder the generator and vLLM load), ``save``/``load``
-(model, optimizer, scheduler, step and RNG states, so a resumed run continues identically).
-Optional LoRA (peft) and an optional value head on the policy's last hidden state (PPO).
+It implements ``agentrl.learner.protocol.LearnerEngine`` (as ``DeepSpeedEngine`` does): ``logprobs``,
+``step`` (gradient accumulation over micro-batches bounded by a token budget, grad clipping, one
+optimizer step), ``export_weights`` (an HF folder the generator and vLLM load), ``copy_weights_to``,
+``save``/``load`` (model, optimizer, scheduler, step and RNG states, so a resumed run continues
+identically). Optional LoRA (peft) and an optional value head on the policy's last hidden state (PPO).
 """
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ import numpy as np
 import torch
 
 from agentrl.learner.batch import TokenBatch, micro_batches
+from agentrl.learner.protocol import LossFn
 from agentrl.prefix import shared_prefix_len
-
-LossFn = Callable[[TokenBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass
@@ -124,7 +123,7 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
     projection plus its softmax over every prompt position was a third of the tiny model's step."""
     from agentrl.algos.losses import entropy_from_logits
 
-    pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)  # mb is on the model's device (the engines move it)
     parts = _decoder_and_head(model) if targets_only and mb.loss_mask is not None else None
     if parts is None:
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos,
@@ -156,16 +155,18 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
 
 
 def batched_forward(forward: Callable[..., dict[str, torch.Tensor]], batch: TokenBatch, token_budget: int,
-                    temperature: float = 1.0, values: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, values) of a whole batch, shaped like its target tensors, micro-batch by micro-batch."""
+                    temperature: float = 1.0, values: bool = False, device: str = "cpu"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, values) of a whole batch on the CPU, shaped like its target tensors, micro-batch by
+    micro-batch on ``device``."""
     logp = torch.zeros_like(batch.old_logprobs)
     vals = torch.zeros_like(batch.old_logprobs)
     for idx in micro_batches(batch, token_budget):
-        out = forward(batch.select(idx), temperature, need_values=values)
+        out = forward(batch.select(idx).to(device), temperature, need_values=values)
         w = out["logp"].shape[1]
-        logp[idx, :w] = out["logp"]
+        logp[idx, :w] = out["logp"].float().cpu()
         if "values" in out:
-            vals[idx, :w] = out["values"]
+            vals[idx, :w] = out["values"].float().cpu()
     return logp, vals
 
 
@@ -174,6 +175,7 @@ class TorchEngine:
         from agentrl.learner.models import load_model, load_tokenizer
 
         self.cfg = config or EngineConfig()
+        self.device = self.cfg.device
         torch.manual_seed(self.cfg.seed)
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
@@ -218,29 +220,30 @@ class TorchEngine:
         """Log-probs (and values) for the whole batch, computed micro-batch by micro-batch."""
         self.model.eval()
         logp, vals = batched_forward(self.forward, batch, self.cfg.token_budget, temperature,
-                                     values and self.value_head is not None)
+                                     values and self.value_head is not None, self.device)
         return (logp, vals) if values else logp
 
     def step(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
-             need_values: bool = False, weight_by: str = "tokens") -> dict[str, float]:
+             need_values: bool = False, weight_by: str = "tokens", row_block: int = 1) -> dict[str, float]:
         """One optimizer step on ``batch`` (see ``backward``), then clipping and the update."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self.backward(batch, loss_fn, temperature, need_entropy, need_values, weight_by)
+        stats = self.backward(batch, loss_fn, temperature, need_entropy, need_values, weight_by, row_block)
         stats.update(grad_norm=self._clip_and_step(), lr=self.scheduler.get_last_lr()[0])
         return stats
 
     def backward(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
-                 need_values: bool = False, weight_by: str = "tokens") -> dict[str, float]:
+                 need_values: bool = False, weight_by: str = "tokens", row_block: int = 1) -> dict[str, float]:
         """Accumulate gradients over micro-batches. Each micro-batch's loss is weighted by its share of
         the batch's target tokens (token-mean losses) or sequences (sequence-mean losses), so the
-        accumulated gradient equals that of one big batch."""
-        parts = micro_batches(batch, self.cfg.token_budget)
+        accumulated gradient equals that of one big batch. ``row_block``: consecutive rows a loss couples
+        stay in one micro-batch (DPO's pairs)."""
+        parts = micro_batches(batch, self.cfg.token_budget, row_block)
         total = batch.num_targets if weight_by == "tokens" else len(batch)
         stats: dict[str, float] = {}
         loss_sum = 0.0
         for idx in parts:
-            mb = batch.select(idx)
+            mb = batch.select(idx).to(self.device)
             w = (mb.num_targets if weight_by == "tokens" else len(idx)) / max(1, total)
             out = self.forward(mb, temperature, need_entropy, need_values)
             loss, s = loss_fn(mb, out)
@@ -286,6 +289,17 @@ class TorchEngine:
 
     def state_dict_for_generator(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.merged_model().state_dict().items()}
+
+    @torch.no_grad()
+    def copy_weights_to(self, model: Any) -> None:
+        """Copy the policy (LoRA merged) into ``model``, a plain module of the same architecture."""
+        src = self.merged_model().state_dict()
+        for name, p in model.state_dict().items():
+            if name in src:
+                p.copy_(src[name].to(p.device, p.dtype))
+
+    def close(self) -> None:
+        pass
 
     # ----- checkpoints -------------------------------------------------------------------------
     def save(self, folder: str | Path) -> Path:

@@ -12,8 +12,6 @@ generated spans are exactly what was sampled).
 """
 from __future__ import annotations
 
-import dataclasses
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 from agentrl.generation.base import Generator, chat_ids
 from agentrl.rollout.parsing import parse_turn
 from agentrl.rollout.prompts import followup_user, step_messages
+from agentrl.seeds import mix_seed
 from agentrl.types import Episode, SamplingParams, Turn
 from envs.base import PromptSpec
 from envs.replay import Trace
@@ -76,6 +75,7 @@ class _Slot:
     max_turns: int = 10**9
     note: str = ""
     plain_prompt: list[int] | None = None  # the first prompt without the note
+    stream: int = 0  # the episode's sampling stream (see RolloutEngine._row_seeds)
 
 
 def first_prompt_ids(tok: Any, cfg: RolloutConfig, spec: PromptSpec, instruction: str, obs: str,
@@ -94,30 +94,33 @@ class RolloutEngine:
         self.stats = dict(generate_s=0.0, env_s=0.0, prompt_s=0.0, generated_tokens=0, env_steps=0, turns=0,
                           generate_calls=0)
         self._suffix_cache: dict[str, str] = {}
-        self._seeds = random.Random(config.sampling.seed)  # per-call seeds (see _call_sampling)
         self._stop_ids = set(getattr(generator, "stop_ids", ())) | {tokenizer.eos_token_id}
 
-    def _call_sampling(self) -> SamplingParams:
-        """The sampling settings of the next generate call: with a seed, a fresh one per call, drawn from
-        the rollout's seed. One seed for every call re-draws the same random numbers each turn, so an
-        episode keeps the same quantile at its action token turn after turn (measured on Sokoban: the
-        same move repeated into walls, whole batches failing) and its turns are not independent samples."""
-        base = self.cfg.sampling
-        if base.seed is None:
-            return base
-        return dataclasses.replace(base, seed=self._seeds.randrange(2**31))
+    def _row_seeds(self, slots: list[_Slot], live: list[int]) -> list[int] | None:
+        """One sampling seed per (episode stream, turn). Each turn draws fresh random numbers (one seed
+        for every turn kept an episode at the same quantile of its action token, turn after turn: the
+        same move repeated into walls), and a row's draws never depend on which other rows share its
+        batch, so an episode samples the same tokens whatever the pool size or the number of ranks."""
+        if self.cfg.sampling.seed is None:
+            return None
+        return [mix_seed(slots[i].stream, len(slots[i].ep.turns)) for i in live]
 
     # ----- public ------------------------------------------------------------------------------
-    def run(self, starts: list[Start]) -> list[Episode]:
-        """Roll out every start (in waves of the pool's size); episodes come back in ``starts`` order."""
+    def run(self, starts: list[Start], streams: list[int] | None = None) -> list[Episode]:
+        """Roll out every start (in waves of the pool's size); episodes come back in ``starts`` order.
+        ``streams``: each start's sampling stream (default: derived from the sampling seed and the
+        start's index); the trainer passes global ones so a rank's share samples as one process would."""
+        if streams is None:
+            base = self.cfg.sampling.seed or 0
+            streams = [mix_seed(base, i) for i in range(len(starts))]
         episodes: list[Episode] = []
         n = len(self.envs)
         for i in range(0, len(starts), n):
-            episodes += self._wave(starts[i:i + n])
+            episodes += self._wave(starts[i:i + n], streams[i:i + n])
         return episodes
 
     # ----- one wave ----------------------------------------------------------------------------
-    def _wave(self, starts: list[Start]) -> list[Episode]:
+    def _wave(self, starts: list[Start], streams: list[int]) -> list[Episode]:
         t = time.perf_counter()
         fresh = {i: (s.task_id, s.seed) for i, s in enumerate(starts) if s.trace is None}
         restored = {i: (s.trace, s.t0, s.reseed) for i, s in enumerate(starts) if s.trace is not None}
@@ -132,7 +135,8 @@ class RolloutEngine:
                          list(s.trace.actions[:s.t0]) if s.trace else [], r.obs, r.info.get("fingerprint", ""))
             ep.dropped = r.dropped
             slot = _Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
-                         done=r.dropped, max_turns=s.max_turns or self.cfg.max_turns, note=s.note)
+                         done=r.dropped, max_turns=s.max_turns or self.cfg.max_turns, note=s.note,
+                         stream=streams[i])
             slots.append(slot)
         for _ in range(self.cfg.max_turns):
             live = [i for i, sl in enumerate(slots) if not sl.done and len(sl.ep.turns) < sl.max_turns]
@@ -181,7 +185,7 @@ class RolloutEngine:
         prompts = [self._prompt(slots[i]) for i in live]
         self.stats["prompt_s"] += time.perf_counter() - t
         t = time.perf_counter()
-        outs = self.gen.generate(prompts, self._call_sampling())
+        outs = self.gen.generate(prompts, self.cfg.sampling, seeds=self._row_seeds(slots, live))
         self.stats["generate_s"] += time.perf_counter() - t
         self.stats["generate_calls"] += 1
         turns: dict[int, Turn] = {}
