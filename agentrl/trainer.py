@@ -78,6 +78,16 @@ class Trainer:
 
     def _check_launch(self) -> None:
         c, n = self.cfg, dist.launched_world()
+        if c.trainer.engine == "deepspeed":
+            from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, load_ds_config
+
+            try:
+                load_ds_config(c.trainer.deepspeed_config or None)
+            except DeepSpeedConfigError as e:
+                raise ConfigError(str(e)) from None
+            if c.model.lora_r:
+                raise ConfigError("LoRA under trainer.engine=deepspeed is not supported yet (the in-memory weight sync "
+                                  "copies full weights); use trainer.engine=torch with model.lora_r")
         if n <= 1:
             return
         if c.trainer.engine != "deepspeed":

@@ -25,3 +25,26 @@ def tiny_generator(tiny_model_dir):
     from agentrl.generation.embedded import EmbeddedGenerator
 
     return EmbeddedGenerator.from_folder(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def sokoban_sft_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model after a short SFT on Sokoban demos (~15 s): it writes valid actions most of the
+    time, so rollouts have reward variance and RL steps have gradients (an untrained model's groups are
+    all alike and every update is skipped)."""
+    import recipes  # noqa: F401
+    from agentrl.config import load_config
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("sft-run")
+    cfg = load_config("grpo", env="sokoban", overrides=[
+        f"model.name={tiny_model_dir}", f"trainer.out_dir={out}", "trainer.steps=0", "trainer.progress=false",
+        "trainer.tensorboard=false", "sft.demos=48", "sft.epochs=3", "sft.lr=3e-3", "sft.batch_size=8", "eval.tasks=0",
+        "rollout.max_turns=3"])
+    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    try:
+        t.train()
+    finally:
+        t.close()
+    return out / "warm_start"

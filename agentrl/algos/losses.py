@@ -121,6 +121,7 @@ def dpo_loss(pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, ref_chosen: tor
     """DPO on sequence log-probs: -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), batch mean."""
     margin = beta * ((pi_chosen - ref_chosen) - (pi_rejected - ref_rejected))
     loss = -F.logsigmoid(margin).mean()
+    margin = margin.detach()
     return loss, dict(reward_margin=float(margin.mean()), accuracy=float((margin > 0).float().mean()))
 
 

@@ -1,0 +1,75 @@
+"""Run by tests/test_multirank.py under `torchrun --nproc_per_node=2` (DS_ACCELERATOR=cpu): every recipe
+for one step on trainer.engine=deepspeed in one process group, then DPO on fixed pairs. Each rank writes
+what it saw (rank{r}.json): per recipe, success or the error, and a fingerprint of the state that drives
+decisions (trainer RNG, recipe buffers) so the test can check every rank took the same ones."""
+import gc
+import hashlib
+import json
+import pickle
+import sys
+import traceback
+
+import torch
+
+import recipes  # noqa: F401
+from agentrl import dist
+from agentrl.config import load_config
+from agentrl.recipe import RECIPES
+from agentrl.trainer import Trainer
+from tests.test_trainer import small
+
+EXTRA = {"leafe": ["extra.tasks=2", "extra.budget=3", "extra.period=1", "extra.reflect_tokens=8", "eval.samples=2",
+                   "eval.temperature=1.0"],
+         "early_exp": ["extra.tasks=2", "extra.rollouts=2", "eval.samples=2", "eval.temperature=1.0"],
+         "rro": ["extra.tasks=2", "extra.mc_rollouts=2", "extra.max_candidates=2"],
+         "ipr": ["extra.tasks=2", "extra.mc_rollouts=2", "extra.max_candidates=2"],
+         "spear": ["extra.buffer_size=2"], "spear_gigpo": ["extra.buffer_size=2"],
+         "spear_dr_bot": ["extra.buffer_size=2"], "crps": ["extra.p_replay=1.0"]}
+
+
+def fingerprint(trainer):
+    blob = pickle.dumps((trainer.rng.getstate(), trainer.step, trainer.recipe.state_dict()))
+    return hashlib.sha256(blob).hexdigest()
+
+
+def dpo_pairs():
+    from agentrl.dpo import PreferencePair
+
+    g = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(3, 200, (n,), generator=g).tolist()  # noqa: E731
+    return [PreferencePair(ids(12 + k), ids(3 + k % 3), ids(4 + k % 2)) for k in range(6)]
+
+
+def main(model_dir, out_root, names):
+    from agentrl.dpo import fit_dpo
+
+    report = {}
+    # DPO through the engine protocol (pairs split over the ranks), from the untouched model so that the
+    # test can compare it with the torch engine in one process
+    cfg = load_config("rro", env="sokoban", overrides=small(f"{out_root}/dpo", model_dir, "trainer.engine=deepspeed",
+                                                            "sft.enabled=false"))
+    trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    report["dpo"] = fit_dpo(trainer, dpo_pairs(), epochs=2, batch_size=4, lr=1e-3, beta=0.1)
+    trainer.envs.close()
+    del trainer
+    for name in names:
+        out = f"{out_root}/{name}"
+        cfg = load_config(name, env="sokoban", overrides=small(out, model_dir, "trainer.steps=1",
+                                                                "trainer.engine=deepspeed", *EXTRA.get(name, [])))
+        trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        try:
+            final = trainer.train()
+            report[name] = dict(ok=True, final=final, state=fingerprint(trainer))
+        except Exception:  # recorded, so the test names the recipe; symmetric failures do not hang
+            report[name] = dict(ok=False, error=traceback.format_exc()[-3000:])
+        trainer.envs.close()
+        del trainer
+        gc.collect()
+    with open(f"{out_root}/rank{dist.rank()}.json", "w") as f:
+        json.dump(report, f)
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3].split(","))
