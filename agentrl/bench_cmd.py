@@ -1,4 +1,5 @@
-"""`agentrl bench` (`make bench`): rollout throughput against its two reference points, on the same prompts.
+"""`agentrl bench [rollout]` (`make bench`): rollout throughput against its two reference points, on the
+same prompts; `agentrl bench ranks`: the training loop at 1 rank vs N (see ``agentrl.bench_ranks``).
 
 1. the rollout engine: N slots, one batched generate per turn (tokens / wall time, all overheads in);
 2. raw batched generate: the very prompt batches the engine produced, generated again without envs;
@@ -14,18 +15,28 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="rollout engine vs raw batched generate vs a sequential loop",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from agentrl import bench_ranks
+
+    p = sub.add_parser("bench", help="rollout engine vs raw batched generate vs a sequential loop; "
+                       "'bench ranks': training at 1 rank vs N", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", nargs="?", choices=["rollout", "ranks"], default="rollout",
+                   help="rollout (default): the rollout engine; ranks: the training loop on 1 vs --ranks ranks")
     p.add_argument("--model", default="tiny", help="tiny | smollm2 | HF folder (default tiny)")
     p.add_argument("--env", default="sokoban")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--json", help="also write the figures here")
+    bench_ranks.add_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.what == "ranks":
+        from agentrl import bench_ranks
+
+        return bench_ranks.run(args)
     import torch
 
     from agentrl.generation.embedded import EmbeddedGenerator

@@ -23,7 +23,8 @@ EXTRA = {"leafe": ["extra.tasks=2", "extra.budget=3", "extra.period=1", "extra.r
          "early_exp": ["extra.tasks=2", "extra.rollouts=2", "eval.samples=2", "eval.temperature=1.0"],
          "rro": ["extra.tasks=2", "extra.mc_rollouts=2", "extra.max_candidates=2"],
          "ipr": ["extra.tasks=2", "extra.mc_rollouts=2", "extra.max_candidates=2"],
-         "spear": ["extra.buffer_size=2"], "spear_gigpo": ["extra.buffer_size=2"],
+         # two steps: the self-imitation buffer fills on the first, replays (an extra log-prob pass) on the second
+         "spear": ["extra.buffer_size=2", "trainer.steps=2"], "spear_gigpo": ["extra.buffer_size=2"],
          "spear_dr_bot": ["extra.buffer_size=2"], "crps": ["extra.p_replay=1.0"]}
 
 
@@ -54,7 +55,7 @@ def main(model_dir, out_root, names):
     del trainer
     for name in names:
         out = f"{out_root}/{name}"
-        cfg = load_config(name, env="sokoban", overrides=small(out, model_dir, "trainer.steps=1",
+        cfg = load_config(name, env="sokoban", overrides=small(out, model_dir, "trainer.steps=1", "rollout.max_turns=3",
                                                                 "trainer.engine=deepspeed", *EXTRA.get(name, [])))
         trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
         try:

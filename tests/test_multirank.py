@@ -4,9 +4,7 @@ errors a bad launch gets before any work."""
 import inspect
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +13,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 
 # The issue's command, small enough for CI, with dynamic sampling on (its extra rounds are decided on
 # gathered episodes), env rewards with a format penalty (reward variance from a barely trained model),
@@ -31,20 +28,10 @@ EXACT = ("success", "reward_mean", "in_group_reward_std", "env_steps", "generate
 CLOSE = ("loss", "entropy", "grad_norm", "clip_frac", "approx_kl")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def command(nproc: int, args: list[str], launcher: str = "torchrun", script: str | None = None) -> list[str]:
-    port = str(free_port())
-    target = [script] if script else ["-m" if launcher == "torchrun" else "--module", "agentrl.cli"]
-    if launcher == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_addr", "127.0.0.1", "--master_port", port,
-                *target, *args]
-    return [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}",
-            *target, *args]
+    from agentrl.launch import rank_command
+
+    return rank_command(nproc, args, launcher, script)
 
 
 def env() -> dict[str, str]:
@@ -135,9 +122,11 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
-def recipe_reports(tiny_model_dir, tmp_path_factory):
+def recipe_reports(sokoban_sft_model_dir, tmp_path_factory):
+    """Every recipe for a step on two ranks, from the model with some Sokoban skill (mixed groups: updates,
+    buffers and replays have something to do)."""
     root = tmp_path_factory.mktemp("recipes")
-    proc = launch(2, [str(tiny_model_dir), str(root), ",".join(RECIPES)],
+    proc = launch(2, [str(sokoban_sft_model_dir), str(root), ",".join(RECIPES)],
                   script=str(ROOT / "tests" / "ds_recipes_worker.py"), timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return root, [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -151,11 +140,15 @@ def test_recipe_runs_on_two_deepspeed_ranks(recipe, recipe_reports):
         assert r[recipe]["ok"], r[recipe].get("error")
     assert reports[0][recipe]["state"] == reports[1][recipe]["state"]  # same RNG and recipe state on both ranks
     assert (root / recipe / "checkpoint" / "trainer.pt").exists()
-    assert len([x for x in (root / recipe / "metrics.jsonl").read_text().splitlines() if x.strip()]) == 2
+    steps = 2 if recipe == "spear" else 1
+    assert len([x for x in (root / recipe / "metrics.jsonl").read_text().splitlines() if x.strip()]) == steps + 1
+    if recipe == "spear":
+        last = json.loads((root / recipe / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["sil_samples"] > 0  # the replay rows' log-probs were recomputed on both ranks
 
 
 @pytest.mark.timeout(900)
-def test_dpo_on_two_ranks_matches_the_torch_engine(recipe_reports, tiny_model_dir, tmp_path):
+def test_dpo_on_two_ranks_matches_the_torch_engine(recipe_reports, sokoban_sft_model_dir, tmp_path):
     """Pairs stay whole on one rank and in one micro-batch: the same losses as one process."""
     from types import SimpleNamespace
 
@@ -164,7 +157,7 @@ def test_dpo_on_two_ranks_matches_the_torch_engine(recipe_reports, tiny_model_di
     from tests.ds_recipes_worker import dpo_pairs
 
     _, reports = recipe_reports
-    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
+    eng = TorchEngine(sokoban_sft_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
     trainer = SimpleNamespace(engine=eng, cfg=SimpleNamespace(trainer=SimpleNamespace(seed=0)),
                               sync_weights=lambda: None)
     ref = fit_dpo(trainer, dpo_pairs(), epochs=2, batch_size=4, lr=1e-3, beta=0.1)

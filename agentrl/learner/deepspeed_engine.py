@@ -107,8 +107,13 @@ class DeepSpeedEngine:
         params = [p for p in module.parameters() if p.requires_grad]
         opt = self.cfg.optim
         optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
-        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds,
-                                                             model_parameters=params)
+        warm = max(0, opt.warmup_steps)
+        # The same warm-up as the torch engine, stepped by DeepSpeed with the optimizer; ``set_lr`` moves its
+        # base lrs (``agentrl.learner.lr``), and DeepSpeed checkpoints its state.
+        schedule = lambda o: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
+            o, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=ds, model_parameters=params, lr_scheduler=schedule)
         self.global_step = 0
 
     @property
