@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from agentrl.learner.batch import TokenBatch, micro_batches, row_blocks
-from agentrl.learner.engine import EngineConfig, ValueHead, batched_forward, forward_batch, rng_state, set_rng_state
+from agentrl.learner.engine import (EngineConfig, ValueHead, batch_prefix_len, batched_forward, forward_batch, rng_state,
+                                    set_rng_state)
 from agentrl.learner.protocol import LossFn
 
 ZERO3 = {
@@ -132,8 +133,11 @@ class DeepSpeedEngine:
         return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.ds.module.parameters())
 
     def forward(self, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
-                need_values: bool = False) -> dict[str, torch.Tensor]:
-        return forward_batch(self.ds, self.ds.module.value_head, mb, temperature, need_entropy, need_values)
+                need_values: bool = False, shared_prefix: bool = True) -> dict[str, torch.Tensor]:
+        """Collective under ZeRO-3. ``shared_prefix`` must be the same on every rank (in ``logprobs`` every
+        rank runs the same micro-batches, so it is; ``step`` agrees on it first)."""
+        return self.ds(mb, temperature=temperature, need_entropy=need_entropy, need_values=need_values,
+                       shared_prefix=shared_prefix)
 
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0, values: bool = False
@@ -159,15 +163,21 @@ class DeepSpeedEngine:
         n_parts = torch.tensor([len(parts)], device=self.device)
         dist.all_reduce(n_parts, op=dist.ReduceOp.MAX)
         stand_in = list(range(row_block))
+        mbs = [(local.select(parts[k]) if k < len(parts) else batch.select(stand_in)) for k in range(int(n_parts))]
+        # The shared-prefix pass calls the decoder twice; ZeRO-3 ranks must gather the same layers in step,
+        # so micro-batch k takes it only where every rank's k-th micro-batch has a shared prefix.
+        has_prefix = torch.tensor([int(batch_prefix_len(m.input_ids, m.attention_mask) > 0) for m in mbs],
+                                  device=self.device)
+        dist.all_reduce(has_prefix, op=dist.ReduceOp.MIN)
         stats: dict[str, float] = {}
         loss_sum = 0.0
         for k in range(int(n_parts)):
             idx = parts[k] if k < len(parts) else []
-            mb = (local.select(idx) if idx else batch.select(stand_in)).to(self.device)
+            mb = mbs[k].to(self.device)
             share = (mb.num_targets if weight_by == "tokens" else len(idx)) if idx else 0
             # DeepSpeed averages gradients over ranks: scale by world so the sum over all ranks' shares is 1.
             w = share * self.world / total
-            out = self.forward(mb, temperature, need_entropy, need_values)
+            out = self.forward(mb, temperature, need_entropy, need_values, bool(has_prefix[k]))
             loss, s = loss_fn(mb, out)
             self.ds.set_gradient_accumulation_boundary(k == int(n_parts) - 1)
             self.ds.backward(loss * w, scale_wrt_gas=False)
@@ -247,11 +257,16 @@ class DeepSpeedEngine:
 
 
 class _WithValueHead(torch.nn.Module):
-    """One module for DeepSpeed to wrap: the policy and its optional value head."""
+    """One module for DeepSpeed to wrap: the policy and its optional value head. Its forward is the torch
+    engine's (only target positions projected to the vocabulary), run inside DeepSpeed's forward so ZeRO-3
+    gathers and releases each layer's shards around it; the shared-prefix pass only where the caller says
+    every rank takes it."""
 
     def __init__(self, policy: Any, value_head: Any):
         super().__init__()
         self.policy, self.value_head = policy, value_head
 
-    def forward(self, **kwargs: Any) -> Any:
-        return self.policy(**kwargs)
+    def forward(self, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
+                need_values: bool = False, shared_prefix: bool = True) -> dict[str, torch.Tensor]:
+        return forward_batch(self.policy, self.value_head, mb, temperature, need_entropy, need_values,
+                             targets_only=True, shared_prefix=shared_prefix)

@@ -93,14 +93,14 @@ def batch_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> i
     return shared_prefix_len([row[:n] for row, n in zip(input_ids.tolist(), attention_mask.sum(-1).tolist())])
 
 
-def _decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor) -> torch.Tensor:
+def _decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor, shared_prefix: bool = True) -> torch.Tensor:
     """Last hidden states (B, T, H). Rows sharing a prefix (an agent's system prompt and task rules:
     ~180 of Sokoban's ~275 tokens) run it once: one pass over the prefix at batch 1, its keys and values
     repeated per row, then the rows' own tokens. Gradients flow back through the repeated cache into the
     one prefix pass, so results equal the full pass (test) at about a third of the work on Sokoban."""
     from transformers import DynamicCache
 
-    n = batch_prefix_len(mb.input_ids, mb.attention_mask)
+    n = batch_prefix_len(mb.input_ids, mb.attention_mask) if shared_prefix else 0
     if not n:
         return decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos).last_hidden_state
     B, T = mb.input_ids.shape
@@ -115,12 +115,15 @@ def _decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor) -> torch.Te
 
 
 def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
-                  need_values: bool = False, targets_only: bool = False) -> dict[str, torch.Tensor]:
+                  need_values: bool = False, targets_only: bool = False, shared_prefix: bool = True
+                  ) -> dict[str, torch.Tensor]:
     """Per-target log-probs (B, T-1), and optionally entropies and values at the same positions.
 
     ``targets_only``: project to the vocabulary only where ``loss_mask`` is set (other positions read 0).
     Agent turns are mostly prompt (~300 prompt tokens for ~8 generated on Sokoban), and the vocabulary
-    projection plus its softmax over every prompt position was a third of the tiny model's step."""
+    projection plus its softmax over every prompt position was a third of the tiny model's step.
+    ``shared_prefix``: allow the shared-prefix pass (``_decoder_hidden``); off under ZeRO-3, where every
+    rank must call the same modules the same number of times."""
     from agentrl.algos.losses import entropy_from_logits
 
     pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)  # mb is on the model's device (the engines move it)
@@ -139,7 +142,7 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
             res["values"] = value_head(out.hidden_states[-1][:, :-1])
         return res
     decoder, head = parts
-    hidden = _decoder_hidden(decoder, mb, pos)
+    hidden = _decoder_hidden(decoder, mb, pos, shared_prefix)
     sel = mb.loss_mask.bool()
     logits = head(hidden[:, :-1][sel]).float()
     if temperature > 0:
