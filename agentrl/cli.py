@@ -48,6 +48,7 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from agentrl import dist
     from agentrl.config import ConfigError
+    from agentrl.generation.client import GenerationServerError
     from agentrl.registry import RegistryError
     from envs.base import EnvError
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (EnvError, ConfigError, RegistryError) as e:
+    except (EnvError, ConfigError, RegistryError, GenerationServerError) as e:
         where = f"[rank {dist.rank()}] " if dist.launched_world() > 1 else ""
         print(f"{where}error: {e}", file=sys.stderr)
         return 2

@@ -127,8 +127,15 @@ class TrainerCfg:
     engine: Literal["torch", "deepspeed"] = "torch"  # deepspeed: ZeRO-3, one rank or many under a launcher
     deepspeed_config: str = ""  # a DeepSpeed JSON (configs/deepspeed/); empty: ZeRO-3 in fp32
     device: str = "auto"  # auto (this rank's CUDA device when present, else CPU) | cpu | cuda
-    generator: Literal["embedded", "remote"] = "embedded"
-    generator_url: str = ""
+    # embedded: in the learner's process; remote: `agentrl serve`; vllm: `vllm serve` processes, started
+    # here (vllm_servers of them) or attached to (generator_url: one URL or a list), synced in place
+    generator: Literal["embedded", "remote", "vllm"] = "embedded"
+    generator_url: str | list[str] = ""
+    vllm_servers: int = 1
+    vllm_port: int = 8100  # first port of the servers started here
+    vllm_sync: Literal["auto", "shm", "nccl"] = "auto"  # auto: nccl on CUDA, shared memory on CPU
+    check_sync: bool = True  # after each sync: server log-probs equal learner log-probs on a fixed sequence
+    sync_atol: float = 0.25  # tolerance of that check (vLLM on CPU runs bf16, the learner fp32)
     tensorboard: bool = True
     wandb: bool = False
     progress: bool = True

@@ -69,6 +69,7 @@ class Trainer:
             if self.is_main else None
         self._tasks = None
         self._rollout_stats: dict[str, float] = {}
+        self._sync_stats: dict[str, float] = {}  # the last server weight sync (time, check), logged per step
 
     def _resolve_device(self) -> str:
         try:
@@ -88,6 +89,10 @@ class Trainer:
             if c.model.lora_r:
                 raise ConfigError("LoRA under trainer.engine=deepspeed is not supported yet (the in-memory weight sync "
                                   "copies full weights); use trainer.engine=torch with model.lora_r")
+        if c.trainer.generator == "remote" and not c.trainer.generator_url:
+            raise ConfigError("trainer.generator=remote needs trainer.generator_url")
+        if c.trainer.generator == "vllm" and not c.trainer.generator_url and c.trainer.vllm_servers < 1:
+            raise ConfigError("trainer.generator=vllm needs trainer.generator_url or trainer.vllm_servers >= 1")
         if n <= 1:
             return
         if c.trainer.engine != "deepspeed":
@@ -96,8 +101,6 @@ class Trainer:
         if c.rollout.groups < n:
             raise ConfigError(f"rollout.groups={c.rollout.groups} is fewer than the {n} ranks: each rank rolls out "
                               f"whole groups, so set rollout.groups >= {n} (or launch fewer ranks)")
-        if c.trainer.generator == "remote" and not c.trainer.generator_url:
-            raise ConfigError("trainer.generator=remote needs trainer.generator_url")
 
     # ----- parts -------------------------------------------------------------------------------
     def _make_engine(self) -> Any:
@@ -117,6 +120,16 @@ class Trainer:
         return TorchEngine(self.model_dir, ecfg)
 
     def _make_generator(self) -> Any:
+        if self.cfg.trainer.generator == "vllm":
+            from agentrl.generation.vllm_fleet import VLLMFleet
+
+            fleet = VLLMFleet(self.cfg.trainer, self.model_dir, self.device, self.out_dir)
+            try:
+                self._push_and_check(fleet)  # before any work: a server of another model, or one that cannot
+            except Exception:             # take weights in place, is one error now
+                fleet.close()
+                raise
+            return fleet
         if self.cfg.trainer.generator == "remote":
             from agentrl.generation.client import RemoteGenerator
 
@@ -243,12 +256,30 @@ class Trainer:
         _, vals = self.engine.logprobs(batch, values=True)
         return [float(vals[i, s.loss_mask.index(1) - 1]) for i, s in enumerate(samples)]
 
+    def _push_and_check(self, fleet: Any) -> dict[str, float]:
+        t = time.perf_counter()
+        fleet.push(self.engine)
+        out = dict(time_sync_s=time.perf_counter() - t)
+        if self.cfg.trainer.check_sync:
+            from agentrl.generation.base import chat_ids
+
+            ids = chat_ids(self.tokenizer, [{"role": "user", "content": "Check: push the box onto the target."}]) + \
+                self.tokenizer("<answer>Up</answer>", add_special_tokens=False)["input_ids"]
+            n = len(ids)
+            ref = self.engine.logprobs(collate([Sample(ids, [0] + [1] * (n - 1), [0.0] * n, [0.0] * n)],
+                                               self.engine.pad_id))[0, :n - 1].tolist()
+            out["sync_logprob_diff"] = fleet.check(ids, ref, self.cfg.trainer.sync_atol)
+        return out
+
     def sync_weights(self) -> None:
         """After an update the generator must sample from the new policy: nothing to do when it shares the
-        learner's module; an embedded copy (DeepSpeed) is refreshed in memory on every rank; a server
-        loads the folder rank 0 exported (once, by rank 0)."""
+        learner's module; an embedded copy (DeepSpeed) is refreshed in memory on every rank; vLLM servers
+        are synced in place (and checked); our server loads the folder rank 0 exported (once, by rank 0)."""
         if self.generator is not None and getattr(self.generator, "model", None) is getattr(self.engine, "model", 1):
             return  # shared module
+        if hasattr(self.generator, "push"):
+            self._sync_stats = self._push_and_check(self.generator)
+            return
         if hasattr(self.generator, "model"):
             self.generator.load_weights(self.engine)  # collective under ZeRO-3
             return
@@ -355,11 +386,12 @@ class Trainer:
         try:
             while self.step < self.cfg.trainer.steps:
                 t = time.perf_counter()
-                self._rollout_stats = {}
+                self._rollout_stats, self._sync_stats = {}, {}
                 o = self.cfg.optim
                 if o.schedule != "constant":
                     set_lr(self.engine, o.lr * lr_factor(self.step, self.cfg.trainer.steps, o.schedule))
                 metrics = self.recipe.step(self)
+                metrics.update(self._sync_stats)
                 self.step += 1
                 metrics["time_step_s"] = time.perf_counter() - t
                 history.append(metrics)
@@ -390,6 +422,8 @@ class Trainer:
                       f"{self.cfg.eval.split} tasks")
 
     def close(self) -> None:
+        if hasattr(self.generator, "close"):
+            self.generator.close()
         if hasattr(self.envs, "close"):
             self.envs.close()
         if hasattr(self.engine, "close"):

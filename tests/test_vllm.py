@@ -35,3 +35,43 @@ def test_vllm_serves_rollouts(tiny_generator, tiny_model_dir, tmp_path):
 def test_command_shape(tiny_model_dir):
     cmd = vllm_command(tiny_model_dir, 9000, cpu=True)
     assert "--enforce-eager" in cmd and "bfloat16" in cmd and "127.0.0.1" in cmd
+
+
+@pytest.mark.timeout(1800)
+def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_sft_model_dir, tmp_path):
+    """The training loop with `trainer.generator=vllm`: two real vLLM servers started by the trainer,
+    weights pushed in place after every update and checked (server log-probs = learner log-probs on a
+    fixed sequence), one server killed after the first step: the run goes on on the other."""
+    import json
+
+    import recipes  # noqa: F401
+    from agentrl.config import load_config
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    over = [f"model.name={sokoban_sft_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=1",
+            "trainer.generator=vllm", "trainer.vllm_servers=2", "trainer.vllm_port=18641", "sft.enabled=false",
+            "trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=4", "rollout.group_size=2",
+            "rollout.slots=8", "rollout.fill_groups=0", "rollout.max_turns=3", "rollout.max_new_tokens=16",
+            "algo.reward=env_return", "rollout.format_penalty=-0.1", "algo.entropy_coef=0.001", "algo.filters=[dropped]",
+            "eval.tasks=4",
+            "eval.every=1", "trainer.checkpoint_every=1"]
+    cfg = load_config("grpo", env="sokoban", overrides=over)
+    trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    try:
+        trainer.train()
+        assert len(trainer.generator.pool.live) == 2
+        trainer.generator.servers[1].kill()  # a server (and its engine processes) dies between steps
+        trainer.cfg.trainer.steps = 3
+        trainer.train()  # resumes at step 1 from its checkpoint, in the same process, same servers
+        dead = trainer.generator.pool.dead
+        assert list(dead) == [trainer.generator.servers[1].url], dead
+    finally:
+        trainer.close()
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(rows) == [0, 1, 2, 3]
+    for s in (1, 2, 3):  # every step updated the policy, synced it in place and checked the sync
+        assert rows[s]["optim_steps"] >= 1 and rows[s]["time_sync_s"] > 0
+        assert rows[s]["sync_logprob_diff"] < 0.25
+        assert "eval/success" in rows[s]
+    assert all(s.proc is None for s in trainer.generator.servers)  # stopped with the run

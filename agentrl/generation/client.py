@@ -76,16 +76,21 @@ class RemoteGenerator:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
                  ) -> list[Completion]:
-        starts = list(range(0, len(prompts), self.max_prompts))
-        chunks = [prompts[i:i + self.max_prompts] for i in starts]
+        # vLLM seeds every prompt of a request alike: per-row seeds mean one request per prompt (vLLM
+        # batches concurrent requests itself); our server takes a list with one seed per prompt.
+        per_row = seeds is not None and self.backend == "vllm"
+        size = 1 if per_row else self.max_prompts
+        starts = list(range(0, len(prompts), size))
+        chunks = [prompts[i:i + size] for i in starts]
 
         def body(i: int, chunk: list[list[int]]) -> dict[str, Any]:
             b = self._body(chunk, sampling)
-            if seeds is not None and self.backend != "vllm":  # our server: one stream per row
-                b["seed"] = [int(x) for x in seeds[i:i + len(chunk)]]
+            if seeds is not None:
+                b["seed"] = int(seeds[i]) if per_row else [int(x) for x in seeds[i:i + len(chunk)]]
             return b
 
-        with ThreadPoolExecutor(max_workers=max(1, min(self.parallel, len(chunks)))) as pool:
+        workers = self.parallel * 16 if per_row else self.parallel
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(chunks)))) as pool:
             replies = list(pool.map(lambda ic: self._request("POST", "/v1/completions", body(*ic)),
                                     zip(starts, chunks)))
         out: list[Completion] = []
@@ -118,6 +123,14 @@ class RemoteGenerator:
                                                                return_tokens_as_token_ids=True))
         lps = reply["choices"][0]["logprobs"]["token_logprobs"]
         return [float(x) for x in lps[1:len(ids)]]
+
+    def collective_rpc(self, method: str, args: list[str]) -> Any:
+        """Call ``method`` on every worker of a vLLM server (needs VLLM_SERVER_DEV_MODE=1 there)."""
+        return self._request("POST", "/collective_rpc", {"method": method, "args": args})
+
+    def reset_prefix_cache(self) -> None:
+        if self.backend == "vllm":
+            self._request("POST", "/reset_prefix_cache")
 
     def load_weights(self, source: Any, lora: bool = False) -> None:
         if lora:

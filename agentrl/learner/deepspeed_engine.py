@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -217,6 +217,15 @@ class DeepSpeedEngine:
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
                 if name in dst:
                     dst[name].copy_(p.data.to(dst[name].device, dst[name].dtype))
+
+    @torch.no_grad()
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Every rank: gather one parameter at a time; rank 0 gets a copy of it, the others None."""
+        import deepspeed
+
+        for name, p in self.ds.module.policy.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                yield name, (p.data.detach().clone() if self.rank == 0 else None)
 
     def export_weights(self, folder: str | Path) -> Path:
         import torch.distributed as dist

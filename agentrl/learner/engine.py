@@ -12,7 +12,7 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -300,6 +300,11 @@ class TorchEngine:
         for name, p in model.state_dict().items():
             if name in src:
                 p.copy_(src[name].to(p.device, p.dtype))
+
+    @torch.no_grad()
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        for name, p in self.merged_model().named_parameters():
+            yield name, p.detach()
 
     def close(self) -> None:
         pass

@@ -7,7 +7,7 @@ is collective: every rank calls it with the same (global) batch, and the engine 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -43,6 +43,10 @@ class LearnerEngine(Protocol):
 
     def copy_weights_to(self, model: Any) -> None:
         """Copy the policy into ``model`` (an embedded generator's module) without going through disk."""
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The policy's full tensors under their HF names (LoRA merged), one at a time (ZeRO-3: each
+        gathered, collectively; rank 0 gets the tensor, other ranks None), for a generation server."""
 
     def save(self, folder: str | Path) -> Path:
         """Everything a resumed run needs: weights, optimizer, step, this rank's RNG."""

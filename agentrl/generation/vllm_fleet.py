@@ -1,0 +1,115 @@
+"""The vLLM side of a training run (``trainer.generator: vllm``): the servers, one ``ServerPool`` over them,
+and the in-place weight sync. It is the run's ``Generator``.
+
+Servers are attached to (``trainer.generator_url``: one URL or a list, started by hand with the flags
+``vllm_command`` prints) or started here by rank 0 (``trainer.vllm_servers`` of them from
+``trainer.vllm_port`` on, loopback only, logs in the run folder) and stopped at the end.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from agentrl import dist
+from agentrl.generation.client import GenerationServerError, RemoteGenerator
+from agentrl.generation.servers import ServerPool
+from agentrl.types import Completion, SamplingParams
+
+
+def sync_mode(spec: str, device: str) -> str:
+    if spec != "auto":
+        return spec
+    return "nccl" if device.startswith("cuda") else "shm"
+
+
+class VLLMFleet:
+    def __init__(self, tcfg: Any, model_dir: Path, device: str, out_dir: Path, timeout_s: float = 900.0):
+        self.mode = sync_mode(tcfg.vllm_sync, device)
+        self.servers: list[Any] = []
+        urls = tcfg.generator_url if isinstance(tcfg.generator_url, list) else \
+            [u for u in [tcfg.generator_url] if u]
+        error = ""
+        if not urls and dist.is_main():
+            from agentrl.generation.vllm import VLLMServer
+
+            try:
+                for k in range(tcfg.vllm_servers):
+                    srv = VLLMServer(model_dir, port=tcfg.vllm_port + k, log_file=str(out_dir / f"vllm-{k}.log"),
+                                     sync=self.mode)
+                    self.servers.append(srv)
+                    srv.start(timeout_s)
+                urls = [s.url for s in self.servers]
+            except (RuntimeError, TimeoutError) as e:
+                error = f"{e} (see {out_dir}/vllm-*.log)"
+        urls, error = dist.broadcast_object((urls, error))
+        if error:
+            self.close()
+            raise GenerationServerError(error)
+        clients = {}
+        for url in urls:
+            try:
+                clients[url] = RemoteGenerator(url, backend="vllm")
+            except GenerationServerError as e:
+                self.close()
+                raise GenerationServerError(f"generation server {url} does not answer: {e}") from None
+        self.pool = ServerPool(clients)
+        self.sync: Any = None
+
+    # ----- Generator --------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
+                 ) -> list[Completion]:
+        return self.pool.generate(prompts, sampling, seeds)
+
+    # ----- weights ----------------------------------------------------------------------------
+    def push(self, engine: Any) -> None:
+        """Collective: every rank walks the engine's weights (ZeRO-3 gathers them one at a time); rank 0
+        hands them to every live server (NCCL: every rank takes part in the broadcast)."""
+        if self.sync is None:
+            self.sync = self._make_sync(engine)
+        weights: Iterable[tuple[str, torch.Tensor | None]] = engine.iter_weights()
+        if dist.is_main() or self.mode == "nccl":
+            self.pool.push_weights(self.sync, weights)
+        else:
+            for _ in weights:  # this rank's part of each gather
+                pass
+        self.pool.mark(dist.broadcast_object(dict(self.pool.dead)))
+        if not self.pool.live:
+            raise GenerationServerError("no generation server took the weight sync: " +
+                                        "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
+
+    def _make_sync(self, engine: Any) -> Any:
+        from agentrl.generation import vllm_sync
+
+        if self.mode == "nccl":
+            return vllm_sync.NcclSync(engine, {n: n for n in self.pool.live})
+        return vllm_sync.SharedMemorySync()
+
+    def check(self, ids: list[int], reference: list[float], atol: float) -> float:
+        """Max |server - learner| log-prob over ``ids`` on every live server (rank 0 asks, all ranks get
+        the answer); raises naming the server when one is off by more than ``atol``."""
+        worst, error = 0.0, ""
+        if dist.is_main():
+            for name in self.pool.live:
+                try:
+                    got = self.pool.clients[name].score(ids)
+                except GenerationServerError as e:
+                    error = f"generation server {name} cannot score the check sequence ({e}): another model?"
+                    break
+                diff = max(abs(a - b) for a, b in zip(got, reference))
+                worst = max(worst, diff)
+                if diff > atol:
+                    error = (f"generation server {name} does not serve the learner's weights: log-probs differ by "
+                             f"{diff:.3f} (> trainer.sync_atol={atol}) on a fixed sequence; is it serving another "
+                             "model, or did a weight sync not reach it?")
+                    break
+        worst, error = dist.broadcast_object((worst, error))
+        if error:
+            raise GenerationServerError(error)
+        return worst
+
+    def close(self) -> None:
+        for srv in self.servers:
+            srv.stop()
+        self.servers = []
