@@ -135,7 +135,7 @@ class TrainerCfg:
     vllm_port: int = 8100  # first port of the servers started here
     vllm_sync: Literal["auto", "shm", "nccl"] = "auto"  # auto: nccl on CUDA, shared memory on CPU
     check_sync: bool = True  # after each sync: server log-probs equal learner log-probs on a fixed sequence
-    sync_atol: float = 0.25  # tolerance of that check (vLLM on CPU runs bf16, the learner fp32)
+    sync_atol: float = 0.1  # that check's tolerance on the mean |log-prob difference| (bf16 servers: ~0.01)
     tensorboard: bool = True
     wandb: bool = False
     progress: bool = True

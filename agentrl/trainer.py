@@ -124,9 +124,11 @@ class Trainer:
             from agentrl.generation.vllm_fleet import VLLMFleet
 
             fleet = VLLMFleet(self.cfg.trainer, self.model_dir, self.device, self.out_dir)
-            try:
-                self._push_and_check(fleet)  # before any work: a server of another model, or one that cannot
-            except Exception:             # take weights in place, is one error now
+            try:  # before any work: a server of another model, or one that cannot take weights in place
+                if self.cfg.trainer.check_sync:
+                    self._check_servers(fleet)  # serves what the learner starts from
+                self._push_and_check(fleet)  # takes weights in place
+            except Exception:
                 fleet.close()
                 raise
             return fleet
@@ -261,15 +263,19 @@ class Trainer:
         fleet.push(self.engine)
         out = dict(time_sync_s=time.perf_counter() - t)
         if self.cfg.trainer.check_sync:
-            from agentrl.generation.base import chat_ids
-
-            ids = chat_ids(self.tokenizer, [{"role": "user", "content": "Check: push the box onto the target."}]) + \
-                self.tokenizer("<answer>Up</answer>", add_special_tokens=False)["input_ids"]
-            n = len(ids)
-            ref = self.engine.logprobs(collate([Sample(ids, [0] + [1] * (n - 1), [0.0] * n, [0.0] * n)],
-                                               self.engine.pad_id))[0, :n - 1].tolist()
-            out["sync_logprob_diff"] = fleet.check(ids, ref, self.cfg.trainer.sync_atol)
+            out.update(self._check_servers(fleet))
         return out
+
+    def _check_servers(self, fleet: Any) -> dict[str, float]:
+        """Servers' log-probs against the learner's on a fixed sequence (collective: the learner's pass)."""
+        from agentrl.generation.base import chat_ids
+
+        ids = chat_ids(self.tokenizer, [{"role": "user", "content": "Check: push the box onto the target."}]) + \
+            self.tokenizer("<answer>Up</answer>", add_special_tokens=False)["input_ids"]
+        n = len(ids)
+        ref = self.engine.logprobs(collate([Sample(ids, [0] + [1] * (n - 1), [0.0] * n, [0.0] * n)],
+                                           self.engine.pad_id))[0, :n - 1].tolist()
+        return fleet.check(ids, ref, self.cfg.trainer.sync_atol)
 
     def sync_weights(self) -> None:
         """After an update the generator must sample from the new policy: nothing to do when it shares the

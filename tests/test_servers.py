@@ -92,3 +92,32 @@ def test_shared_memory_weights_round_trip_into_the_worker_extension(tiny_model_d
     bad["path"] = str(outside)
     with pytest.raises(ValueError, match="refusing to load weights"):
         worker.agentrl_load_shm(json.dumps(bad))
+
+
+def _trainer(tmp_path, model_dir, *extra):
+    import recipes  # noqa: F401
+    from agentrl.config import load_config
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    cfg = load_config("grpo", env="sokoban", overrides=[f"model.name={model_dir}", f"trainer.out_dir={tmp_path}",
+                                                         "sft.enabled=false", "trainer.tensorboard=false",
+                                                         "trainer.generator=vllm", *extra])
+    return Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+
+
+def test_vllm_generator_bad_servers_fail_before_any_work(tiny_generator, tiny_model_dir, tmp_path):
+    from agentrl.launch import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(GenerationServerError, match=f"generation server {dead} does not answer"):
+        _trainer(tmp_path, tiny_model_dir, f"trainer.generator_url={dead}")
+    # a server without the in-place weight routes (our own server stands in for a vLLM that lacks them)
+    srv = start_server(tiny_generator, "tiny-test", port=0)
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        with pytest.raises(GenerationServerError, match="no generation server took the weight sync .*HTTP 404"):
+            _trainer(tmp_path, tiny_model_dir, f"trainer.generator_url=[{url}]")
+    finally:
+        _kill(srv)
+    assert not (tmp_path / "metrics.jsonl").exists()
