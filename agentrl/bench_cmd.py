@@ -36,6 +36,22 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def engine_vs_raw(engine: Any, gen: Any, starts: list[Any], sampling: Any) -> tuple[int, float, int, float]:
+    """(tokens, seconds) of ``engine`` rolling out ``starts``, then of the same prompts, turn by turn, as
+    plain batched ``gen.generate`` calls."""
+    t = time.perf_counter()
+    episodes = engine.run(starts)
+    engine_s = time.perf_counter() - t
+    by_turn: dict[int, list[list[int]]] = {}
+    for ep in episodes:
+        for k, turn in enumerate(ep.turns):
+            by_turn.setdefault(k, []).append(turn.prompt_ids)
+    raw_tokens, t = 0, time.perf_counter()
+    for k in sorted(by_turn):
+        raw_tokens += sum(len(c.ids) for c in gen.generate(by_turn[k], sampling))
+    return int(engine.stats["generated_tokens"]), engine_s, raw_tokens, time.perf_counter() - t
+
+
 def run(args: argparse.Namespace) -> int:
     if args.what == "ranks":
         from agentrl import bench_ranks
@@ -60,22 +76,8 @@ def run(args: argparse.Namespace) -> int:
     starts = [Start(t.task_id, 0) for t in make(args.env).tasks("train")[:args.slots]]
     gen.generate([[gen.tokenizer.eos_token_id] * 8], SamplingParams(max_new_tokens=4))  # warm-up
 
-    envs = InProcessEnvs(args.env, args.slots)
-    engine = RolloutEngine(gen, gen.tokenizer, envs, args.env, cfg)
-    t = time.perf_counter()
-    episodes = engine.run(starts)
-    engine_s = time.perf_counter() - t
-    engine_tokens = engine.stats["generated_tokens"]
-
-    # The same prompts, turn by turn, as raw batched generate calls.
-    by_turn: dict[int, list[list[int]]] = {}
-    for ep in episodes:
-        for k, turn in enumerate(ep.turns):
-            by_turn.setdefault(k, []).append(turn.prompt_ids)
-    raw_tokens, t = 0, time.perf_counter()
-    for k in sorted(by_turn):
-        raw_tokens += sum(len(c.ids) for c in gen.generate(by_turn[k], sampling))
-    raw_s = time.perf_counter() - t
+    engine = RolloutEngine(gen, gen.tokenizer, InProcessEnvs(args.env, args.slots), args.env, cfg)
+    engine_tokens, engine_s, raw_tokens, raw_s = engine_vs_raw(engine, gen, starts, sampling)
 
     one = RolloutEngine(gen, gen.tokenizer, InProcessEnvs(args.env, 1), args.env, cfg)
     t = time.perf_counter()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 
 def run(args: argparse.Namespace) -> int:
+    from agentrl.bench_cmd import engine_vs_raw
     from agentrl.generation.vllm import VLLMServer
     from agentrl.generation.vllm_sync import SharedMemorySync
     from agentrl.learner.engine import TorchEngine
@@ -47,18 +48,8 @@ def run(args: argparse.Namespace) -> int:
             starts = [Start(x.task_id, 0, f"g{i // 4}") for i, x in enumerate(make(args.env).tasks("train")[:args.slots])]
             engine = RolloutEngine(client, tok, InProcessEnvs(args.env, args.slots), args.env,
                                    RolloutConfig(max_turns=args.turns, sampling=sampling))
-            t = time.perf_counter()
-            episodes = engine.run(starts)
-            loop_s = time.perf_counter() - t
-            by_turn: dict[int, list[list[int]]] = {}
-            for ep in episodes:
-                for k, turn in enumerate(ep.turns):
-                    by_turn.setdefault(k, []).append(turn.prompt_ids)
-            raw_tokens, t = 0, time.perf_counter()
-            for k in sorted(by_turn):
-                raw_tokens += sum(len(c.ids) for c in client.generate(by_turn[k], sampling))
-            raw_s = time.perf_counter() - t
-            fig.update(loop_tok_s=engine.stats["generated_tokens"] / loop_s, vllm_tok_s=raw_tokens / raw_s)
+            loop_tokens, loop_s, raw_tokens, raw_s = engine_vs_raw(engine, client, starts, sampling)
+            fig.update(loop_tok_s=loop_tokens / loop_s, vllm_tok_s=raw_tokens / raw_s)
             fig["loop_vs_vllm"] = float(fig["loop_tok_s"]) / float(fig["vllm_tok_s"])
 
             # export + restart: what a server without an in-place route needs after every update

@@ -16,9 +16,10 @@ from agentrl.types import Completion, SamplingParams
 
 
 def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams,
-                       gen: torch.Generator | list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       gen: torch.Generator | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (token ids, their log-probs under softmax(logits / T)); top-p only narrows the draw.
-    ``gen``: one generator for the batch, or one per row (each row's draw then depends on its own
+    ``gen``: one generator for the batch, or a (rows,) tensor of uniform draws, one per row (each row's
+    draw then depends on its own
     stream only, not on the other rows of the batch)."""
     logits = logits.float()
     if sampling.temperature <= 0:
@@ -34,8 +35,8 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams,
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     # Inverse-CDF draw: same distribution as torch.multinomial, several times faster on CPU.
     cdf = probs.cumsum(-1)
-    if isinstance(gen, list):
-        u = torch.cat([torch.rand((1, 1), generator=g) for g in gen]).to(probs.device)
+    if isinstance(gen, torch.Tensor):
+        u = gen.to(probs.device)[:, None]
     else:
         u = torch.rand((probs.shape[0], 1), generator=gen, device=probs.device)
     u = u.clamp_min(1e-12) * cdf[:, -1:]
@@ -123,11 +124,13 @@ class EmbeddedGenerator:
                  ) -> list[Completion]:
         if not prompts:
             return []
-        gen: torch.Generator | list[torch.Generator] | None = None
+        gen: torch.Generator | None = None
+        draws: torch.Tensor | None = None  # (rows, max_new_tokens) uniforms, one stream per row
         if seeds is not None:  # per-row streams (CPU generators: the same draws on every device)
             if len(seeds) != len(prompts):
                 raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-            gen = [torch.Generator().manual_seed(int(s)) for s in seeds]
+            draws = torch.stack([torch.rand(sampling.max_new_tokens, generator=torch.Generator().manual_seed(int(s)))
+                                 for s in seeds])
         elif sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         cache, mask, pos, logits = self._prefill(prompts, sampling.max_new_tokens)
@@ -138,7 +141,7 @@ class EmbeddedGenerator:
         gen_lp: list[list[float]] = [[] for _ in range(n)]
         finish = ["length"] * n
         for step in range(sampling.max_new_tokens):
-            tok, lp = sample_from_logits(logits, sampling, gen)
+            tok, lp = sample_from_logits(logits, sampling, draws[rows, step] if draws is not None else gen)
             keep = []
             for j, r in enumerate(rows):
                 t = int(tok[j])
@@ -155,8 +158,6 @@ class EmbeddedGenerator:
                 _select_rows(cache, sel)
                 tok, mask, next_pos = tok[sel], mask[sel], next_pos[sel]
                 rows = [rows[j] for j in keep]
-                if isinstance(gen, list):
-                    gen = [gen[j] for j in keep]
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                              past_key_values=cache, use_cache=True,
