@@ -123,7 +123,8 @@ class Trainer:
         if self.cfg.trainer.generator == "vllm":
             from agentrl.generation.vllm_fleet import VLLMFleet
 
-            fleet = VLLMFleet(self.cfg.trainer, self.model_dir, self.device, self.out_dir)
+            fleet = VLLMFleet(self.cfg.trainer, self.model_dir, self.device, self.out_dir,
+                              lora=bool(self.cfg.model.lora_r))
             try:  # before any work: a server of another model, or one that cannot take weights in place
                 if self.cfg.trainer.check_sync:
                     self._check_servers(fleet)  # serves what the learner starts from

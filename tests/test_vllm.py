@@ -96,3 +96,32 @@ def test_attaching_to_a_vllm_server_of_another_model_fails_before_training(tiny_
             Trainer(cfg, RECIPES.get(cfg.method)(cfg))
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(1200)
+def test_lora_policy_syncs_as_adapters(sokoban_sft_model_dir, tmp_path):
+    """A LoRA policy: each update loads the adapter (not the full weights) into the server, checked."""
+    import json
+
+    import recipes  # noqa: F401
+    from agentrl.config import load_config
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    cfg = load_config("grpo", env="sokoban", overrides=[
+        f"model.name={sokoban_sft_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=2", "model.lora_r=8",
+        "optim.lr=1e-3", "trainer.generator=vllm", "trainer.vllm_port=18661", "sft.enabled=false",
+        "trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=2", "rollout.group_size=2",
+        "rollout.slots=4", "rollout.fill_groups=0", "rollout.max_turns=2", "rollout.max_new_tokens=16",
+        "algo.entropy_coef=0.001", "algo.filters=[dropped]", "eval.tasks=0"])
+    trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    try:
+        trainer.train()
+        names = {c.lora_name for c in trainer.generator.pool.clients.values()}
+    finally:
+        trainer.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(n and n.startswith("policy-") for n in names)
+    for r in rows[1:]:
+        assert r["optim_steps"] >= 1 and r["sync_logprob_diff"] < 0.1
+    assert len(list((tmp_path / "adapters").iterdir())) == 1  # only the adapter being served is kept

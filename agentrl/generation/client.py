@@ -44,7 +44,12 @@ class RemoteGenerator:
             raise GenerationServerError(f"{method} {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}")
         except urllib.error.URLError as e:
             raise GenerationServerError(f"{method} {path}: cannot reach {self.base_url} ({e.reason})") from None
-        return json.loads(raw) if raw.strip() else {}
+        if not raw.strip():
+            return {}
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:  # some vLLM routes answer plain text ("Success: LoRA adapter ... added")
+            return {"text": raw.decode(errors="replace")}
 
     def models(self) -> list[str]:
         return [m["id"] for m in self._request("GET", "/v1/models")["data"]]

@@ -25,8 +25,10 @@ def sync_mode(spec: str, device: str) -> str:
 
 
 class VLLMFleet:
-    def __init__(self, tcfg: Any, model_dir: Path, device: str, out_dir: Path, timeout_s: float = 900.0):
+    def __init__(self, tcfg: Any, model_dir: Path, device: str, out_dir: Path, timeout_s: float = 900.0,
+                 lora: bool = False):
         self.mode = sync_mode(tcfg.vllm_sync, device)
+        self.lora, self.out_dir, self.version = lora, out_dir, 0
         self.servers: list[Any] = []
         urls = tcfg.generator_url if isinstance(tcfg.generator_url, list) else \
             [u for u in [tcfg.generator_url] if u]
@@ -37,7 +39,7 @@ class VLLMFleet:
             try:
                 for k in range(tcfg.vllm_servers):
                     srv = VLLMServer(model_dir, port=tcfg.vllm_port + k, log_file=str(out_dir / f"vllm-{k}.log"),
-                                     sync=self.mode)
+                                     sync=self.mode, lora=lora)
                     self.servers.append(srv)
                     srv.start(timeout_s)
                 urls = [s.url for s in self.servers]
@@ -66,6 +68,8 @@ class VLLMFleet:
     def push(self, engine: Any) -> None:
         """Collective: every rank walks the engine's weights (ZeRO-3 gathers them one at a time); rank 0
         hands them to every live server (NCCL: every rank takes part in the broadcast)."""
+        if self.lora:
+            return self._push_adapter(engine)
         if self.sync is None:
             self.sync = self._make_sync(engine)
         weights: Iterable[tuple[str, torch.Tensor | None]] = engine.iter_weights()
@@ -80,6 +84,35 @@ class VLLMFleet:
                 "no generation server took the weight sync (in-place sync needs a vLLM with the RL/dev routes, "
                 "started with VLLM_SERVER_DEV_MODE=1 and the flags of agentrl.generation.vllm.vllm_command(sync="
                 f"'{self.mode}')): " + "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
+
+    def _push_adapter(self, engine: Any) -> None:
+        """LoRA: the adapter alone (megabytes) through vLLM's runtime adapter route, under a new name per
+        version; requests then name it. The base weights on the servers never change."""
+        self.version += 1
+        folder = self.out_dir / "adapters" / f"v{self.version:06d}"
+        failed: dict[str, str] = {}
+        if dist.is_main():
+            engine.export_adapter(folder)
+            for name in self.pool.live:
+                try:
+                    self.pool.clients[name].load_weights(folder, lora=True)
+                except GenerationServerError as e:
+                    failed[name] = f"missed a weight sync ({e})"
+            old = self.out_dir / "adapters" / f"v{self.version - 1:06d}"
+            if old.exists():
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+        self.pool.mark(dist.broadcast_object(failed))
+        if dist.is_main():
+            for name in self.pool.live:
+                self.pool.clients[name].reset_prefix_cache()
+        names = dist.broadcast_object({n: self.pool.clients[n].lora_name for n in self.pool.live})
+        for n, lora_name in names.items():  # every rank's clients ask for the new adapter
+            self.pool.clients[n].lora_name = lora_name
+        if not self.pool.live:
+            raise GenerationServerError("no generation server took the LoRA adapter: " +
+                                        "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
 
     def _make_sync(self, engine: Any) -> Any:
         from agentrl.generation import vllm_sync
