@@ -363,7 +363,8 @@ class Trainer:
         if not (ckpt / "trainer.pt").exists():
             return False
         state = torch.load(ckpt / "trainer.pt", weights_only=False)
-        saved_world, saved_engine = state.get("world", 1), state.get("engine", "torch")
+        saved_world = state.get("world", 1)
+        saved_engine = state.get("engine") or ("deepspeed" if (ckpt / "deepspeed").exists() else "torch")
         if saved_world != self.world or saved_engine != self.cfg.trainer.engine:
             raise ConfigError(f"{ckpt} was written by {saved_world} rank(s) with trainer.engine={saved_engine}; "
                               f"this run has {self.world} with trainer.engine={self.cfg.trainer.engine}. Resume "

@@ -10,6 +10,7 @@ needed); ``export_weights`` gathers the sharded parameters and rank 0 writes an 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -93,6 +94,11 @@ class DeepSpeedEngine:
             raise NotImplementedError("LoRA under trainer.engine=deepspeed is not supported yet (the in-memory "
                                       "weight sync merges full weights only); use trainer.engine=torch for LoRA")
         if not dist.is_initialized():
+            if "RANK" not in os.environ:  # one process without a launcher: a group of one on loopback
+                from agentrl.launch import free_port
+
+                os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
             backend = "gloo" if self.cfg.device == "cpu" else "nccl"
             deepspeed.init_distributed(dist_backend=backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
