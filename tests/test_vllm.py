@@ -125,3 +125,24 @@ def test_lora_policy_syncs_as_adapters(sokoban_sft_model_dir, tmp_path):
     for r in rows[1:]:
         assert r["optim_steps"] >= 1 and r["sync_logprob_diff"] < 0.1
     assert len(list((tmp_path / "adapters").iterdir())) == 1  # only the adapter being served is kept
+
+
+@pytest.mark.timeout(1200)
+def test_two_deepspeed_ranks_with_a_vllm_server(sokoban_sft_model_dir, tmp_path):
+    """torchrun, 2 ZeRO-3 ranks, one vLLM server started by rank 0: both ranks sample from it, rank 0
+    pushes the parameters the ranks gather together, and every sync is checked."""
+    import json
+
+    from tests.test_multirank import launch
+
+    proc = launch(2, ["train", "grpo", "--env", "sokoban", "trainer.engine=deepspeed", "sft.enabled=false",
+                      "trainer.steps=2", "eval.tasks=4", "rollout.groups=4", "rollout.group_size=2", "rollout.slots=8",
+                      "rollout.fill_groups=0", "rollout.max_turns=3", "rollout.max_new_tokens=16",
+                      "algo.entropy_coef=0.001", "algo.filters=[dropped]", "trainer.generator=vllm",
+                      "trainer.vllm_port=18671", f"model.name={sokoban_sft_model_dir}", "trainer.tensorboard=false",
+                      f"trainer.out_dir={tmp_path}"], timeout=1100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        assert r["optim_steps"] >= 1 and r["sync_logprob_diff"] < 0.1
