@@ -121,3 +121,20 @@ def test_vllm_generator_bad_servers_fail_before_any_work(tiny_generator, tiny_mo
     finally:
         _kill(srv)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_request_the_server_rejects_is_raised_not_routed_around():
+    """HTTP 4xx means the request is bad, not the server: no retry, no server marked dead."""
+    class Rejecting:  # a stand-in client: the server answered 400
+        def __init__(self):
+            self.calls = 0
+
+        def generate(self, prompts, sampling, seeds=None):
+            self.calls += 1
+            raise GenerationServerError("POST /v1/completions: HTTP 400: prompt too long", 400)
+
+    a, b = Rejecting(), Rejecting()
+    pool = ServerPool({"a": a, "b": b}, retries=3, backoff_s=0.01)
+    with pytest.raises(GenerationServerError, match="refused the request: .*HTTP 400"):
+        pool.generate([[1, 2], [3, 4]], SAMPLING)
+    assert pool.live == ["a", "b"] and a.calls == 1 and b.calls == 1

@@ -20,7 +20,14 @@ from agentrl.types import Completion, SamplingParams
 
 
 class GenerationServerError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status when the server answered; None when it could not be reached
+
+    @property
+    def refused(self) -> bool:
+        """The server is up and rejected the request itself (4xx): retrying or another server will not help."""
+        return self.status is not None and 400 <= self.status < 500
 
 
 class RemoteGenerator:
@@ -41,7 +48,8 @@ class RemoteGenerator:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
-            raise GenerationServerError(f"{method} {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}")
+            raise GenerationServerError(f"{method} {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}",
+                                        e.code) from None
         except urllib.error.URLError as e:
             raise GenerationServerError(f"{method} {path}: cannot reach {self.base_url} ({e.reason})") from None
         if not raw.strip():

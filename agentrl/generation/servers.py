@@ -4,7 +4,8 @@ Requests: a call's prompts are cut into units of identical prompts (a group's G 
 prompt: kept on one server, so its prefix cache serves all of them) and each unit goes to the live
 server with the fewest prompts in flight. A transient error (connection refused, reset, HTTP 5xx) is
 retried with exponential backoff; a server that still fails is reported by name, marked dead, and its
-prompts are sent to the others, so the step continues (it fails cleanly, naming every server, only
+prompts are sent to the others (a request the server itself rejects, HTTP 4xx, is raised at once: no
+server would take it), so the step continues (it fails cleanly, naming every server, only
 when none is left). Weights: every sync goes to every live server; a server whose sync failed holds
 a mix of old and new weights and is never sampled from again in this run.
 """
@@ -49,7 +50,9 @@ class ServerPool:
         for _ in range(self.retries):
             try:
                 return self.clients[name].generate(prompts, sampling, seeds=seeds)
-            except GenerationServerError:
+            except GenerationServerError as e:
+                if e.refused:
+                    raise
                 time.sleep(delay)  # transient: a restart, a full queue, a dropped connection
                 delay *= 2
         return self.clients[name].generate(prompts, sampling, seeds=seeds)
@@ -89,13 +92,17 @@ class ServerPool:
 
             jobs = [(n, idx) for n, idx in plan.items() if idx]
             with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-                for name, idx, res in pool.map(lambda j: run(*j), jobs):
-                    if isinstance(res, Exception):
-                        self._mark_dead(name, f"died mid-step ({res})")
-                        todo.append(idx)  # its prompts go to the servers left
-                    else:
-                        for i, c in zip(idx, res):
-                            out[i] = c
+                results = list(pool.map(lambda j: run(*j), jobs))
+            for name, idx, res in results:
+                if isinstance(res, GenerationServerError) and res.refused:
+                    raise GenerationServerError(f"generation server {name} refused the request: {res}", res.status)
+            for name, idx, res in results:
+                if isinstance(res, Exception):
+                    self._mark_dead(name, f"died mid-step ({res})")
+                    todo.append(idx)  # its prompts go to the servers left
+                else:
+                    for i, c in zip(idx, res):
+                        out[i] = c
         return out  # type: ignore[return-value]
 
     def push_weights(self, sync: Any, weights: Iterable[tuple[str, torch.Tensor | None]]) -> None:
