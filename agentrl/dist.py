@@ -94,6 +94,19 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def all_gather_ordered(n: int, mine: Sequence[int], local: Sequence[Any], extra: Any = None
+                       ) -> tuple[list[Any], list[Any]]:
+    """Each rank holds ``local[k]`` for the global index ``mine[k]`` of ``n``: every rank gets all ``n`` items
+    in order, and every rank's ``extra`` in rank order (one collective)."""
+    items: list[Any] = [None] * n
+    extras = []
+    for idx, part, ex in all_gather_object((list(mine), list(local), extra)):
+        for i, x in zip(idx, part):
+            items[i] = x
+        extras.append(ex)
+    return items, extras
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` as rank ``src`` has it, on every rank."""
     if not _pg():
@@ -103,14 +116,6 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def all_agree(value: Any, what: str) -> None:
-    """Raise on every rank (never hang) when ranks hold different ``value``s of something that decides
-    a collective; the message names it."""
-    values = all_gather_object(value)
-    if any(v != values[0] for v in values):
-        raise RuntimeError(f"ranks disagree on {what}: {values}")
 
 
 def shard_groups(group_ids: Sequence[str], n_ranks: int) -> list[list[int]]:

@@ -195,15 +195,11 @@ class Trainer:
         if hasattr(self.generator, "model"):
             self.generator.model.eval()  # the learner leaves its module in train mode
         local = engine.run([starts[i] for i in mine], [streams[i] for i in mine])
-        eps: list[Any] = [None] * len(starts)
-        gathered = dist.all_gather_object((mine, local, engine.stats))
-        for idx, part, _ in gathered:
-            for i, ep in zip(idx, part):
-                eps[i] = ep
+        eps, stats = dist.all_gather_ordered(len(starts), mine, local, engine.stats)
         # summed over the step's rollout calls (reset in ``train``); counts summed over ranks, times (``*_s``)
         # the slowest rank's, since the ranks wait for each other at the gather
         for k in engine.stats:
-            vals = [stats[k] for _, _, stats in gathered]
+            vals = [st[k] for st in stats]
             self._rollout_stats[k] = self._rollout_stats.get(k, 0.0) + (max(vals) if k.endswith("_s") else sum(vals))
         return eps
 
@@ -216,11 +212,7 @@ class Trainer:
         if hasattr(self.generator, "model"):
             self.generator.model.eval()
         local = self.generator.generate([prompts[i] for i in mine], sampling, seeds=[seeds[i] for i in mine])
-        out: list[Any] = [None] * len(prompts)
-        for idx, part in dist.all_gather_object((mine, local)):
-            for i, c in zip(idx, part):
-                out[i] = c
-        return out
+        return dist.all_gather_ordered(len(prompts), mine, local)[0]
 
     def update(self, samples: list[Sample], loss_fn: Any, need_values: bool = False) -> dict[str, float]:
         batch = collate(samples, self.engine.pad_id)

@@ -30,7 +30,6 @@ class ServerPool:
         self.clients, self.retries, self.backoff_s = dict(clients), retries, backoff_s
         self.dead: dict[str, str] = {}  # name -> why (died, or missed a weight sync)
         self.in_flight = {n: 0 for n in clients}
-        self.events: list[str] = []  # what happened to servers, for the step's metrics and the log
         self._lock = threading.Lock()
 
     @property
@@ -41,7 +40,6 @@ class ServerPool:
         with self._lock:
             if name not in self.dead:
                 self.dead[name] = why
-                self.events.append(f"server {name} removed: {why}")
                 print(f"warning: generation server {name} removed: {why}", file=sys.stderr, flush=True)
 
     def _call(self, name: str, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None

@@ -78,41 +78,39 @@ class VLLMFleet:
         else:
             for _ in weights:  # this rank's part of each gather
                 pass
+        self._agree_on_servers(
+            "the weight sync (in-place sync needs a vLLM with the RL/dev routes, started with VLLM_SERVER_DEV_MODE=1 "
+            f"and the flags of agentrl.generation.vllm.vllm_command(sync='{self.mode}'))")
+
+    def _agree_on_servers(self, what: str) -> None:
+        """Every rank takes rank 0's view of the servers that missed the push; none left is an error."""
         self.pool.mark(dist.broadcast_object(dict(self.pool.dead)))
         if not self.pool.live:
-            raise GenerationServerError(
-                "no generation server took the weight sync (in-place sync needs a vLLM with the RL/dev routes, "
-                "started with VLLM_SERVER_DEV_MODE=1 and the flags of agentrl.generation.vllm.vllm_command(sync="
-                f"'{self.mode}')): " + "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
+            raise GenerationServerError(f"no generation server took {what}: " +
+                                        "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
 
     def _push_adapter(self, engine: Any) -> None:
         """LoRA: the adapter alone (megabytes) through vLLM's runtime adapter route, under a new name per
         version; requests then name it. The base weights on the servers never change."""
         self.version += 1
         folder = self.out_dir / "adapters" / f"v{self.version:06d}"
-        failed: dict[str, str] = {}
         if dist.is_main():
             engine.export_adapter(folder)
             for name in self.pool.live:
                 try:
                     self.pool.clients[name].load_weights(folder, lora=True)
+                    self.pool.clients[name].reset_prefix_cache()
                 except GenerationServerError as e:
-                    failed[name] = f"missed a weight sync ({e})"
+                    self.pool.mark({name: f"missed a weight sync ({e})"})
             old = self.out_dir / "adapters" / f"v{self.version - 1:06d}"
             if old.exists():
                 import shutil
 
                 shutil.rmtree(old, ignore_errors=True)
-        self.pool.mark(dist.broadcast_object(failed))
-        if dist.is_main():
-            for name in self.pool.live:
-                self.pool.clients[name].reset_prefix_cache()
+        self._agree_on_servers("the LoRA adapter")
         names = dist.broadcast_object({n: self.pool.clients[n].lora_name for n in self.pool.live})
         for n, lora_name in names.items():  # every rank's clients ask for the new adapter
             self.pool.clients[n].lora_name = lora_name
-        if not self.pool.live:
-            raise GenerationServerError("no generation server took the LoRA adapter: " +
-                                        "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
 
     def _make_sync(self, engine: Any) -> Any:
         from agentrl.generation import vllm_sync

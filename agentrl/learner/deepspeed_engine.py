@@ -212,26 +212,28 @@ class DeepSpeedEngine:
                 return {k: v.detach().clone() for k, v in module.state_dict().items()}
         return None
 
-    @torch.no_grad()
-    def copy_weights_to(self, model: Any) -> None:
-        """Every rank: gather the policy's ZeRO-3 shards one parameter at a time (never the whole model
-        in one buffer) and copy each into ``model``, this rank's generator copy."""
+    def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank: the policy's parameters, each gathered from its ZeRO-3 shards while it is yielded
+        (one at a time: never the whole model in one buffer)."""
         import deepspeed
 
-        dst = dict(model.named_parameters())
         for name, p in self.ds.module.policy.named_parameters():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                if name in dst:
-                    dst[name].copy_(p.data.to(dst[name].device, dst[name].dtype))
+                yield name, p.data
+
+    @torch.no_grad()
+    def copy_weights_to(self, model: Any) -> None:
+        """Every rank: copy the gathered parameters into ``model``, this rank's generator copy."""
+        dst = dict(model.named_parameters())
+        for name, t in self._gathered():
+            if name in dst:
+                dst[name].copy_(t.to(dst[name].device, dst[name].dtype))
 
     @torch.no_grad()
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Every rank: gather one parameter at a time; rank 0 gets a copy of it, the others None."""
-        import deepspeed
-
-        for name, p in self.ds.module.policy.named_parameters():
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                yield name, (p.data.detach().clone() if self.rank == 0 else None)
+        """Every rank walks the gathers; rank 0 gets a copy of each parameter, the others None."""
+        for name, t in self._gathered():
+            yield name, (t.detach().clone() if self.rank == 0 else None)
 
     def export_weights(self, folder: str | Path) -> Path:
         import torch.distributed as dist

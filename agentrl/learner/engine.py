@@ -290,9 +290,6 @@ class TorchEngine:
         self.model.save_pretrained(folder)
         return Path(folder)
 
-    def state_dict_for_generator(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.merged_model().state_dict().items()}
-
     @torch.no_grad()
     def copy_weights_to(self, model: Any) -> None:
         """Copy the policy (LoRA merged) into ``model``, a plain module of the same architecture."""
