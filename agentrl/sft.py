@@ -11,7 +11,7 @@ from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.learner.lr import lr_factor, restore_lr, set_lr
 from agentrl.rollout.engine import first_prompt_ids
 from envs import make
-from envs.replay import expert_episode
+from envs.replay import play
 
 if TYPE_CHECKING:
     from agentrl.trainer import Trainer
@@ -21,30 +21,84 @@ def answer_text(spec: Any, action: str) -> str:
     return f"<{spec.answer_tag}>{action}</{spec.answer_tag}>"
 
 
+_DEMO_ENV: Any = None
+
+
+def noisy_expert_episode(env: Any, task_id: str, seed: int, noise: float = 0.0
+                         ) -> tuple[Any, list[str], list[dict[str, Any]], list[str]]:
+    """The expert's episode, where each step with probability ``noise`` executes a random admissible
+    action instead (DART); returns trace (the executed actions), observations, infos and the expert's
+    action at every visited state, which is each turn's training target. Off-path states then teach
+    the policy to recover from its own mistakes, which pure expert paths never show."""
+    rng = random.Random(seed)
+    labels: list[str] = []
+
+    def act(k: int) -> str | None:
+        a = env.expert_action() if k < env.max_steps else None
+        if a is None:
+            return None
+        labels.append(a)
+        admissible = env.last_info.get("admissible_actions") or []
+        if noise > 0 and admissible and rng.random() < noise:
+            return rng.choice(admissible)
+        return a
+
+    trace, observations, infos = play(env, task_id, seed, act)
+    return trace, observations, infos, labels
+
+
+def _play_demo(job: tuple[str, dict, str, int, float]) -> tuple[Any, list[str], list[dict[str, Any]], list[str], Any, str]:
+    """One expert episode in a worker process (its env is made once per process)."""
+    global _DEMO_ENV
+    name, kwargs, task_id, seed, noise = job
+    if _DEMO_ENV is None:
+        _DEMO_ENV = make(name, **kwargs)
+    trace, observations, infos, labels = noisy_expert_episode(_DEMO_ENV, task_id, seed, noise)
+    return trace, observations, infos, labels, _DEMO_ENV.prompt_spec(), _DEMO_ENV.instruction()
+
+
+def expert_demos(env_name: str, env_kwargs: dict, jobs: list[tuple[str, int]], workers: int = 1,
+                 noise: float = 0.0) -> list[Any]:
+    """(trace, observations, infos, targets, prompt spec, instruction) per (task, seed), in order. With
+    workers > 1 they are played in that many processes: a fresh clone's ALFWorld demos are mostly game
+    generation (~0.5 s a game), which halves on two cores. The episodes are the same either way."""
+    todo = [(env_name, env_kwargs, t, seed, noise) for t, seed in jobs]
+    if workers <= 1 or len(todo) < 2 * workers:
+        global _DEMO_ENV
+        _DEMO_ENV = None
+        try:
+            return [_play_demo(j) for j in todo]
+        finally:
+            if _DEMO_ENV is not None:
+                _DEMO_ENV.close()
+            _DEMO_ENV = None
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers) as pool:
+        return list(pool.imap(_play_demo, todo, chunksize=4))
+
+
 def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") -> tuple[list[Sample], float]:
     """Turn samples from the env's expert on ``n_episodes`` tasks; returns samples and expert success.
     Full-history runs are trained turn by turn on windowed prompts (a documented simplification)."""
     cfg = trainer.rollout_config()
-    env = make(trainer.cfg.env, **trainer.cfg.env_kwargs)
     tok = trainer.tokenizer
     eos = [tok.eos_token_id]
     ids = trainer.task_ids(split)
     rng = random.Random(trainer.cfg.trainer.seed + 17)
+    jobs = [(task_id, rng.randrange(2**31)) for task_id in rng.sample(ids, min(n_episodes, len(ids)))]
     samples, wins = [], 0
-    try:
-        for task_id in rng.sample(ids, min(n_episodes, len(ids))):
-            trace, observations, infos = expert_episode(env, task_id, seed=rng.randrange(2**31))
-            wins += bool(infos[-1].get("won"))
-            spec, instruction = env.prompt_spec(), env.instruction()
-            history: list[tuple[str, str]] = []
-            for k, action in enumerate(trace.actions):
-                admissible = infos[k].get("admissible_actions") if cfg.show_admissible else None
-                prompt = first_prompt_ids(tok, cfg, spec, instruction, observations[k], history, k, admissible)
-                target = tok(answer_text(spec, action), add_special_tokens=False)["input_ids"] + eos
-                samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}))
-                history.append((observations[k], action))
-    finally:
-        env.close()
+    s = trainer.cfg.sft
+    for (task_id, _), (trace, observations, infos, labels, spec, instruction) in zip(
+            jobs, expert_demos(trainer.cfg.env, trainer.cfg.env_kwargs, jobs, s.workers, s.noise)):
+        wins += bool(infos[-1].get("won"))
+        history: list[tuple[str, str]] = []
+        for k, (label, executed) in enumerate(zip(labels, trace.actions)):
+            admissible = infos[k].get("admissible_actions") if cfg.show_admissible else None
+            prompt = first_prompt_ids(tok, cfg, spec, instruction, observations[k], history, k, admissible)
+            target = tok(answer_text(spec, label), add_special_tokens=False)["input_ids"] + eos
+            samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}))
+            history.append((observations[k], executed))
     return samples, wins / max(1, n_episodes)
 
 

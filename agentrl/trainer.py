@@ -165,7 +165,7 @@ class Trainer:
         return RolloutConfig(max_turns=max_turns or r.max_turns, history_len=r.history_len, chat_mode=r.chat_mode,
                              require_think=r.require_think, format_penalty=r.format_penalty,
                              ineffective_penalty=r.ineffective_penalty,
-                             show_admissible=r.show_admissible,
+                             show_admissible=r.show_admissible, prompt=r.prompt,
                              sampling=SamplingParams(temperature=r.temperature if temperature is None else temperature,
                                                      top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=stops,
                                                      seed=self.rng.randrange(2**31)))
@@ -314,6 +314,14 @@ class Trainer:
         for k in sorted({1, *ks}):
             if k <= samples:
                 out[f"eval/pass@{k}"] = sum(pass_at_k(len(w), sum(w), k) for w in by_task.values()) / len(by_task)
+        # per task category (ALFWorld's task types, TextWorld's difficulties), where the env has them
+        category = {t.task_id: t.category for t in self.envs.call(0, "tasks", split)}
+        by_cat: dict[str, list[bool]] = {}
+        for ep in eps:
+            if category.get(ep.task_id):
+                by_cat.setdefault(category[ep.task_id], []).append(ep.won)
+        if len(by_cat) > 1:
+            out.update({f"eval/success/{c}": sum(w) / len(w) for c, w in sorted(by_cat.items())})
         return out
 
     # ----- checkpoints -------------------------------------------------------------------------

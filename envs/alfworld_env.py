@@ -6,9 +6,12 @@ valid_unseen}``, the files ``alfworld-download`` fetches) or, when that is absen
 follow ALFWorld: ``train``; ``valid`` = valid_seen (rooms seen in training); ``test`` = valid_unseen
 (held-out rooms), the split papers report as out-of-distribution. Categories are the six task types.
 
-The expert is the PDDL planner (Fast Downward) that ALFWorld's ``AlfredExpert(expert_type="planner")``
-uses (``PddlState.replan``), asked only when an expert action is wanted and the agent has left the
-game's recorded walkthrough (planning on every step would cost ~50 ms a step).
+Two experts (``expert=``): ``search`` (default) looks for objects from what the agent sees
+(``envs.alfworld_search``), so a policy can imitate it; ``planner`` is the PDDL planner (Fast Downward)
+that ALFWorld's ``AlfredExpert(expert_type="planner")`` uses (``PddlState.replan``), which knows where
+every hidden object is. The planner is asked only when its action is wanted and the agent has left the
+game's recorded walkthrough (planning on every step would cost ~50 ms a step); the search expert falls
+back to it when it has nothing left to try.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.alfworld_gen import CATEGORY, TASK_TYPES, write_game
+from envs.alfworld_search import SearchGoal, search_action
 from envs.base import EnvError, PromptSpec, Task, TextEnv
 from envs.cache import cache_dir
 
@@ -137,8 +141,12 @@ class AlfWorldEnv(TextEnv):
     default_max_steps = 50
 
     def __init__(self, data_dir: str | None = None, num_train: int = 3000, num_valid: int = 140,
-                 num_test: int = 134, unseen_layout_offset: int = 100_000, n_layouts: int = 400, **kwargs: Any):
+                 num_test: int = 134, unseen_layout_offset: int = 100_000, n_layouts: int = 400,
+                 expert: str = "search", **kwargs: Any):
         super().__init__(**kwargs)
+        if expert not in ("search", "planner"):
+            raise EnvError(f"alfworld: expert must be 'search' or 'planner', got {expert!r}")
+        self.expert = expert
         explicit = data_dir or os.environ.get("ALFWORLD_DATA")
         self.real_root = Path(explicit) if explicit and (Path(explicit) / "json_2.1.1").is_dir() else None
         # Importing alfworld sets ALFWORLD_DATA to its (empty) cache folder when unset: not a user choice.
@@ -159,6 +167,9 @@ class AlfWorldEnv(TextEnv):
         self.goal_text = ""
         self._plan: list[str] = []
         self._history: list[str] = []
+        self._feedback: list[str] = []
+        self._first_obs = ""
+        self._goal: SearchGoal | None = None
 
     # ----- tasks and game files -----------------------------------------------------------------
     def tasks(self, split: str) -> list[Task]:
@@ -207,17 +218,20 @@ class AlfWorldEnv(TextEnv):
             self.tw.load(path)
             self._loaded = path
             self._plan = list(json.loads(Path(path).read_text()).get("walkthrough") or [])
+            traj = json.loads((Path(path).parent / "traj_data.json").read_text())
+            self._goal = SearchGoal.from_pddl_params(traj["task_type"], traj.get("pddl_params", {}))
         self.gs = self.tw.reset()
         text = self.gs.feedback.replace("-= Welcome to TextWorld, ALFRED! =-", "").strip()
         obs, _, goal = text.partition("Your task is to: ")
         self.goal_text = goal.strip().rstrip(".")
-        self._history = []
+        self._history, self._feedback, self._first_obs = [], [], obs.strip()
         return obs.strip(), self._info()
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         valid = action in self.gs["admissible_commands"]
         self.gs, _, _ = self.tw.step(action)
         self._history.append(action)
+        self._feedback.append(self.gs.feedback.strip())
         info = self._info(valid)
         # Sparse, success-based reward as in ALFWorld.
         return self.gs.feedback.strip(), float(info["won"]), info["won"], info
@@ -225,6 +239,14 @@ class AlfWorldEnv(TextEnv):
     def expert_action(self) -> str | None:
         if self.gs is None:
             return None
+        if self.expert == "search" and self._goal is not None:
+            action = search_action(self._goal, self._first_obs, list(zip(self._history, self._feedback)),
+                                   list(self.gs["admissible_commands"]))
+            if action is not None:
+                return action
+        return self._planner_action()
+
+    def _planner_action(self) -> str | None:
         if self._history == self._plan[:len(self._history)] and len(self._history) < len(self._plan):
             return self._plan[len(self._history)]
         inner = _innermost(self.tw)

@@ -97,3 +97,58 @@ def test_game_file_format(env):
     traj = json.loads((env.game_file(env.tasks("train")[3]).parent / "traj_data.json").read_text())
     assert traj["task_type"] in TASK_TYPES and CATEGORY[traj["task_type"]] == "Heat"
     assert traj["pddl_params"]["object_target"] and traj["pddl_params"]["parent_target"]
+
+
+# ----- the searching expert -------------------------------------------------------------------------
+
+ROOM = ("You are in the middle of a room. Looking quickly around you, you see a cabinet 2, a cabinet 1, "
+        "a countertop 1, a fridge 1, a sinkbasin 1, a toilet 1, and a microwave 1.")
+
+
+def test_search_expert_looks_only_where_the_object_can_be():
+    from envs.alfworld_search import SearchGoal, receptacles, search_action
+
+    goal = SearchGoal("pick_clean_then_place_in_recep", "mug", "countertop")
+    assert receptacles(ROOM) == ["cabinet 1", "cabinet 2", "countertop 1", "fridge 1", "microwave 1",
+                                 "sinkbasin 1", "toilet 1"]
+    go = ["go to cabinet 1", "go to cabinet 2", "go to countertop 1", "go to toilet 1"]
+    assert search_action(goal, ROOM, [], go) == "go to cabinet 1"  # by name, then number; never the toilet
+    steps = [("go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is closed.")]
+    assert search_action(goal, ROOM, steps, go + ["open cabinet 1"]) == "open cabinet 1"
+    steps.append(("open cabinet 1", "You open the cabinet 1. The cabinet 1 is open. In it, you see a plate 1."))
+    assert search_action(goal, ROOM, steps, go) == "go to cabinet 2"  # the next one after the last visited
+    steps.append(("go to cabinet 2", "You arrive at cabinet 2. The cabinet 2 is open. In it, you see a mug 3."))
+    assert search_action(goal, ROOM, steps, go + ["take mug 3 from cabinet 2"]) == "take mug 3 from cabinet 2"
+    steps.append(("take mug 3 from cabinet 2", "You pick up the mug 3 from the cabinet 2."))
+    assert search_action(goal, ROOM, steps, go) == "go to sinkbasin 1"
+    steps.append(("go to sinkbasin 1", "You arrive at sinkbasin 1. On the sinkbasin 1, you see nothing."))
+    assert search_action(goal, ROOM, steps, go) == "clean mug 3 with sinkbasin 1"
+    steps.append(("clean mug 3 with sinkbasin 1", "You clean the mug 3 using the sinkbasin 1."))
+    assert search_action(goal, ROOM, steps, go) == "go to countertop 1"
+    steps.append(("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a apple 1."))
+    assert search_action(goal, ROOM, steps, go) == "move mug 3 to countertop 1"
+
+
+def test_search_expert_pick_two_returns_to_an_object_it_saw():
+    from envs.alfworld_search import SearchGoal, search_action
+
+    goal = SearchGoal("pick_two_obj_and_place", "mug", "countertop")
+    steps = [("go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is open. In it, you see a mug 1, and a mug 2."),
+             ("take mug 1 from cabinet 1", "You pick up the mug 1 from the cabinet 1."),
+             ("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see nothing."),
+             ("move mug 1 to countertop 1", "You move the mug 1 to the countertop 1.")]
+    assert search_action(goal, ROOM, steps, ["take mug 1 from countertop 1"]) == "go to cabinet 1"
+
+
+@pytest.mark.timeout(300)
+def test_search_expert_wins_without_the_planner():
+    """The default expert solves every task type from what the agent sees; the planner is never asked."""
+    env = make("alfworld")
+    asked = []
+    env._planner_action = lambda: asked.append(1)  # type: ignore[method-assign]
+    for task in env.tasks("train")[12:18]:
+        trace, _, info = run_expert(env, task.task_id)
+        assert info["won"], (task.task_id, trace.actions)
+    assert not asked
+    with pytest.raises(EnvError, match="expert must be"):
+        make("alfworld", expert="oracle")

@@ -66,3 +66,15 @@ def test_ragen_prompt_has_legend_board_and_budget():
     assert msgs[0]["role"] == "system" and "<answer>" in msgs[0]["content"]
     user = msgs[1]["content"]
     assert "Sokoban" in user and "#: wall" in user and obs in user and "up to 5 actions" in user and "||" in user
+
+
+def test_compact_prompt_keeps_the_content_and_drops_the_boilerplate():
+    env = make("textworld")
+    spec = env.prompt_spec()
+    args = (spec, "put the mug in the box", "You see a mug.", [("o1", "a1"), ("o2", "a2"), ("o3", "a3")], 3,
+            ["take mug", "look"])
+    paper = step_messages(*args, history_len=2)[-1]["content"]
+    text = step_messages(*args, history_len=2, compact=True)[-1]["content"]
+    assert text.splitlines() == ["Task: put the mug in the box", "Step 4.", "o2", "> a2", "o3", "> a3",
+                                 "You see a mug.", "Actions: take mug | look", "Answer with <action>one action</action>."]
+    assert len(text) < len(paper) / 2

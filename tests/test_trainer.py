@@ -224,3 +224,31 @@ def test_rl_lr_schedule_decays_per_step_and_resumes(tiny_model_dir, tmp_path):
     run_until(kill_at=2)
     run_until(kill_at=None)
     assert seen == pytest.approx([1e-4, 7.5e-5, 5e-5, 2.5e-5])
+
+
+def test_expert_demos_are_the_same_from_two_worker_processes():
+    from agentrl.sft import expert_demos
+
+    jobs = [("train/00003", 5), ("train/00010", 6), ("train/00042", 7), ("train/00007", 8)]
+    one = expert_demos("sokoban", {}, jobs, workers=1)
+    two = expert_demos("sokoban", {}, jobs, workers=2)
+    assert [(d[0].actions, d[1]) for d in one] == [(d[0].actions, d[1]) for d in two]
+    assert all(d[2][-1]["won"] for d in one)
+
+
+def test_noisy_demos_label_every_state_with_the_expert_action():
+    """DART demos: some executed actions are random, every target is the expert's action at that state."""
+    from agentrl.sft import noisy_expert_episode
+    from envs import make
+
+    env = make("sokoban")
+    trace, observations, infos, labels = noisy_expert_episode(env, "train/00003", 11, noise=0.5)
+    assert len(labels) == len(trace.actions) == len(observations) - 1
+    assert any(a != b for a, b in zip(labels, trace.actions))  # some steps left the expert's path
+    for k, label in enumerate(labels):  # replaying the executed prefix, the expert says the same
+        env.reset("train/00003", 11)
+        for a in trace.actions[:k]:
+            env.step(a)
+        assert env.expert_action() == label
+    clean = noisy_expert_episode(env, "train/00003", 11, noise=0.0)
+    assert clean[0].actions == clean[3] and clean[2][-1]["won"]

@@ -32,6 +32,20 @@ def react_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple
     return "\n\n".join(lines)
 
 
+def compact_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
+                 admissible: list[str] | None, history_len: int = 2) -> str:
+    """The ``react`` template's content in ~60% of its tokens (``rollout.prompt: compact``): the same task,
+    history window, observation and admissible actions, without the boilerplate sentences."""
+    window = history[-history_len:] if history_len > 0 else []
+    lines = [f"Task: {instruction}", f"Step {step + 1}."]
+    lines += [f"{o}\n> {a}" for o, a in window]
+    lines.append(obs)
+    if admissible:
+        lines.append("Actions: " + " | ".join(admissible))
+    lines.append(f"Answer with <{spec.answer_tag}>one action</{spec.answer_tag}>.")
+    return "\n".join(lines)
+
+
 def ragen_user(spec: PromptSpec, obs: str, admissible: list[str] | None) -> str:
     parts = [spec.instruction]
     if spec.symbols:
@@ -44,13 +58,17 @@ def ragen_user(spec: PromptSpec, obs: str, admissible: list[str] | None) -> str:
 
 
 def step_messages(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
-                  admissible: list[str] | None, history_len: int = 2, note: str = "") -> list[dict[str, str]]:
+                  admissible: list[str] | None, history_len: int = 2, note: str = "", compact: bool = False
+                  ) -> list[dict[str, str]]:
     """Messages for one decision in the windowed-history mode; ``note`` (LEAFE's experience) ends the
-    user message."""
+    user message. ``compact`` renders the react template without its boilerplate."""
     tail = f"\n\n{note}" if note else ""
     if spec.style == "ragen":
         return [{"role": "system", "content": spec.system},
                 {"role": "user", "content": ragen_user(spec, obs, admissible) + tail}]
+    if compact:
+        return [{"role": "user", "content": compact_user(spec, instruction, obs, history, step, admissible,
+                                                         history_len) + tail}]
     return [{"role": "user", "content": react_user(spec, instruction, obs, history, step, admissible, history_len)
              + tail}]
 
