@@ -29,6 +29,9 @@ class ModelCfg:
     dtype: str = "float32"
     lora_r: int = 0  # > 0 turns LoRA on
     lora_alpha: int = 16
+    # "bf16": the torch engine trains under bf16 autocast (fp32 weights and rollouts; ~2x faster updates
+    # on CPUs with AVX512-BF16). "": plain dtype
+    autocast: Literal["", "bf16"] = ""
 
 
 @dataclass
@@ -114,6 +117,7 @@ class SFTCfg:
     # DART: each demo step executes a random admissible action with this probability; every state keeps
     # the expert's action as its target, so the policy also learns to get back on track
     noise: float = 0.0
+    group_by_length: bool = False  # batches of similar prompt lengths (less padding; another shuffle)
 
 
 @dataclass

@@ -10,6 +10,10 @@ PANELS = [("eval/success", "held-out success"), ("success", "rollout success"),
           ("group_entropy_bits", "group reward entropy (bits)"), ("entropy", "token entropy"),
           ("grad_norm", "gradient norm"), ("response_tokens", "response tokens / turn")]
 
+# CRPS's mechanism (recipes/crps.py logs these): a third row when a run has a success buffer
+CRPS_PANELS = [("buffer_size", "success buffer entries"), ("replay_groups", "replay groups / step"),
+               ("k_mean", "suffix k of the step's replays (mean)"), ("replay/success", "replay-group success")]
+
 
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
     import matplotlib
@@ -17,15 +21,19 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
-    for run in run_dirs:
-        rows = read_metrics(run)
-        for ax, (key, title) in zip(axes.flat, PANELS):
+    runs = {run: read_metrics(run) for run in run_dirs}
+    crps = any("buffer_size" in r for rows in runs.values() for r in rows)
+    panels = PANELS + (CRPS_PANELS if crps else [])
+    fig, axes = plt.subplots(len(panels) // 4, 4, figsize=(16, 3.5 * (len(panels) // 4)))
+    for run, rows in runs.items():
+        for ax, (key, title) in zip(axes.flat, panels):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:
                 ax.plot(*zip(*pts), marker="o" if key.startswith("eval/") else None, label=run.name)
             ax.set_title(title)
             ax.set_xlabel("step")
+            if key == "replay/success":  # the band CRPS's k controller steers replay success into
+                ax.axhspan(0.2, 0.8, color="green", alpha=0.08)
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

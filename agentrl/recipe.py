@@ -47,7 +47,7 @@ class Recipe:
 
         s = self.cfg.sft
         samples, expert_success = expert_samples(trainer, s.demos)
-        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule)
+        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule, s.group_by_length)
         stats["expert_success"] = expert_success
         # The SFT-only policy, kept next to the checkpoints: RL's before/after can then be measured with
         # any evaluation (`agentrl eval --model RUN/warm_start`), not only the run's own.

@@ -26,12 +26,14 @@ _DEMO_ENV: Any = None
 
 def noisy_expert_episode(env: Any, task_id: str, seed: int, noise: float = 0.0
                          ) -> tuple[Any, list[str], list[dict[str, Any]], list[str]]:
-    """The expert's episode, where each step with probability ``noise`` executes a random admissible
-    action instead (DART); returns trace (the executed actions), observations, infos and the expert's
-    action at every visited state, which is each turn's training target. Off-path states then teach
-    the policy to recover from its own mistakes, which pure expert paths never show."""
+    """The expert's episode, where each step with probability ``noise`` executes another action instead
+    (DART): half the time a random admissible one, half the time the previous action again (a small
+    policy's usual failure: ALFWorld answers "Nothing happens."). Returns trace (the executed actions),
+    observations, infos and the expert's action at every visited state, which is each turn's training
+    target. Off-path states then teach the policy to recover, which pure expert paths never show."""
     rng = random.Random(seed)
     labels: list[str] = []
+    executed: list[str] = []
 
     def act(k: int) -> str | None:
         a = env.expert_action() if k < env.max_steps else None
@@ -40,7 +42,8 @@ def noisy_expert_episode(env: Any, task_id: str, seed: int, noise: float = 0.0
         labels.append(a)
         admissible = env.last_info.get("admissible_actions") or []
         if noise > 0 and admissible and rng.random() < noise:
-            return rng.choice(admissible)
+            a = executed[-1] if executed and rng.random() < 0.5 else rng.choice(admissible)
+        executed.append(a)
         return a
 
     trace, observations, infos = play(env, task_id, seed, act)
@@ -102,8 +105,25 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     return samples, wins / max(1, n_episodes)
 
 
+def sft_batches(samples: list[Sample], batch_size: int, rng: random.Random, by_length: bool = False) -> list[list[int]]:
+    """One pass's mini-batches (sample indices), shuffled. ``by_length``: each run of 16 batches is sorted
+    by length before it is cut, so a batch pads to less (prompts of one env can vary 2x in length), and
+    the batches are shuffled again so the lengths do not follow a trend through the pass."""
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    if not by_length:
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    run = 16 * batch_size
+    batches = []
+    for i in range(0, len(order), run):
+        chunk = sorted(order[i:i + run], key=lambda j: len(samples[j].ids))
+        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
 def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None,
-            schedule: str = "constant") -> dict[str, float]:
+            schedule: str = "constant", by_length: bool = False) -> dict[str, float]:
     """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes, lr per ``schedule``."""
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
@@ -118,14 +138,11 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     n_batches = (len(samples) + batch_size - 1) // batch_size
     t0 = time.perf_counter()
     for epoch in range(epochs):
-        order = list(range(len(samples)))
-        rng.shuffle(order)
-        for i in range(0, len(order), batch_size):
+        for b, rows in enumerate(sft_batches(samples, batch_size, rng, by_length), start=1):
             if schedule != "constant":
-                set_lr(eng, base_lr * lr_factor(epoch * n_batches + i // batch_size, epochs * n_batches, schedule))
-            batch = collate([samples[j] for j in order[i:i + batch_size]], eng.pad_id)
+                set_lr(eng, base_lr * lr_factor(epoch * n_batches + b - 1, epochs * n_batches, schedule))
+            batch = collate([samples[j] for j in rows], eng.pad_id)
             losses.append(eng.step(batch, loss)["loss"])
-            b = i // batch_size + 1
             if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
                 trainer.echo(f"sft pass {epoch + 1}/{epochs}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
                              f"{time.perf_counter() - t0:.0f}s")

@@ -109,7 +109,7 @@ class Trainer:
                                               grad_clip=c.optim.grad_clip, warmup_steps=c.optim.warmup_steps),
                             lora=LoraSettings(r=c.model.lora_r, alpha=c.model.lora_alpha) if c.model.lora_r else None,
                             value_head=c.algo.estimator == "gae", token_budget=c.optim.token_budget,
-                            dtype=c.model.dtype, seed=c.trainer.seed, device=self.device)
+                            dtype=c.model.dtype, seed=c.trainer.seed, device=self.device, autocast=c.model.autocast)
         if c.trainer.engine == "deepspeed":
             from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, DeepSpeedEngine
 
@@ -299,14 +299,14 @@ class Trainer:
 
     # ----- evaluation --------------------------------------------------------------------------
     def evaluate(self, n_tasks: int | None = None, samples: int | None = None, split: str | None = None,
-                 ks: tuple[int, ...] | None = None) -> dict[str, float]:
+                 ks: tuple[int, ...] | None = None, temperature: float | None = None) -> dict[str, float]:
         e = self.cfg.eval
         split, n_tasks, samples = split or e.split, n_tasks or e.tasks, samples or e.samples
         if ks is None:  # pass@1, 2, 4, ... up to the samples drawn per task
             ks = tuple(2 ** i for i in range(samples.bit_length()) if 2 ** i <= samples) + (samples,)
         ids = self.task_ids(split)[:n_tasks]
         starts = [Start(t, 1000 + i, f"eval:{t}") for i, t in enumerate(ids) for _ in range(samples)]
-        eps = self.rollout(starts, temperature=e.temperature)
+        eps = self.rollout(starts, temperature=e.temperature if temperature is None else temperature)
         out = episode_diagnostics(eps, lambda ep: float(ep.won), prefix="eval/")
         by_task: dict[str, list[bool]] = {}
         for ep in eps:

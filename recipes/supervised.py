@@ -19,7 +19,7 @@ class SFT(Recipe):
     def step(self, trainer: Any) -> dict[str, float]:
         s = self.cfg.sft
         samples, expert_success = expert_samples(trainer, s.demos)
-        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule)
+        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule, s.group_by_length)
         stats["expert_success"] = expert_success
         return stats
 

@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=4)
     ap.add_argument("--eval-tasks", type=int, default=0, help="held-out tasks per evaluation (0: eval.tasks)")
     ap.add_argument("--show", type=int, default=0, help="print the actions of this many held-out episodes per pass")
+    ap.add_argument("--sampled", action="store_true", help="also evaluate at the rollout temperature")
     ap.add_argument("--save", default="", help="folder for the model after the last pass")
     ap.add_argument("-o", "--overrides", nargs="*", default=[])
     a = ap.parse_args()
@@ -45,7 +46,7 @@ def main() -> None:
                               demo_s=round(time.perf_counter() - t0, 1))), flush=True)
         for p in range(1, a.passes + 1):
             t0 = time.perf_counter()
-            stats = fit_sft(trainer, samples, 1, cfg.sft.batch_size, cfg.sft.lr)
+            stats = fit_sft(trainer, samples, 1, cfg.sft.batch_size, cfg.sft.lr, by_length=cfg.sft.group_by_length)
             t_sft = time.perf_counter() - t0
             res = trainer.evaluate(n_tasks=a.eval_tasks or None)
             if a.show:  # what the policy does on the first held-out tasks
@@ -56,6 +57,9 @@ def main() -> None:
                         trainer.task_ids(split)[:a.show])], temperature=0.0):
                     print(f"  {ep.task_id} won={ep.won}: {ep.instruction} :: " + " ; ".join(
                         x for t in ep.turns for x in (t.actions or ["<invalid>"])), flush=True)
+            if a.sampled:  # the rollouts RL starts from sample at the rollout temperature
+                smp = trainer.evaluate(n_tasks=a.eval_tasks or None, temperature=cfg.rollout.temperature)
+                res["eval/sampled_success"] = smp["eval/success"]
             print(json.dumps(dict(sft_pass=p, sft_s=round(t_sft, 1), eval_s=round(time.perf_counter() - t0 - t_sft, 1),
                                   loss=round(stats["sft_loss_last"], 3),
                                   **{k: round(v, 3) for k, v in res.items() if k.startswith("eval/success") or k in (

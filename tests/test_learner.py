@@ -248,3 +248,37 @@ def test_shared_prefix_len_counts_only_real_tokens():
     right = torch.ones_like(ids)
     right[1, 17:] = 0
     assert batch_prefix_len(ids, right) == 16  # the shorter row keeps one real token of its own
+
+
+def test_sft_batches_by_length_cover_every_sample_once_with_less_padding():
+    import random
+
+    from agentrl.learner.batch import turn_sample
+    from agentrl.sft import sft_batches
+
+    rng = random.Random(0)
+    samples = [turn_sample([1] * rng.randint(50, 400), [2], [0.0], 1.0, {}) for _ in range(1000)]
+    plain = sft_batches(samples, 32, random.Random(1))
+    grouped = sft_batches(samples, 32, random.Random(1), by_length=True)
+    assert sorted(i for b in grouped for i in b) == list(range(1000)) and len(grouped) == len(plain)
+
+    def padded(batches):
+        return sum(len(b) * max(len(samples[i].ids) for i in b) for b in batches)
+    assert padded(grouped) < 0.7 * padded(plain)
+
+
+def test_bf16_autocast_trains_close_to_fp32(tiny_model_dir):
+    """model.autocast=bf16: the same first loss within bf16 rounding, and the updates still lower it."""
+    from agentrl.learner.batch import collate
+
+    b = collate(_samples(n=4, seed=3), pad_id=0)
+
+    def nll(mb, out):
+        return -(out["logp"] * mb.loss_mask).sum() / mb.loss_mask.sum(), {}
+
+    losses = {}
+    for mode in ("", "bf16"):
+        eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=3e-3), autocast=mode))
+        losses[mode] = [eng.step(b, nll)["loss"] for _ in range(4)]
+    assert losses["bf16"][0] == pytest.approx(losses[""][0], rel=0.02)
+    assert losses["bf16"][-1] < losses["bf16"][0] - 0.1

@@ -75,6 +75,6 @@ def test_compact_prompt_keeps_the_content_and_drops_the_boilerplate():
             ["take mug", "look"])
     paper = step_messages(*args, history_len=2)[-1]["content"]
     text = step_messages(*args, history_len=2, compact=True)[-1]["content"]
-    assert text.splitlines() == ["Task: put the mug in the box", "Step 4.", "o2", "> a2", "o3", "> a3",
+    assert text.splitlines() == ["Task: put the mug in the box", "Step 4.", "Earlier actions: a1", "o2", "> a2", "o3", "> a3",
                                  "You see a mug.", "Actions: take mug | look", "Answer with <action>one action</action>."]
     assert len(text) < len(paper) / 2

@@ -252,3 +252,15 @@ def test_noisy_demos_label_every_state_with_the_expert_action():
         assert env.expert_action() == label
     clean = noisy_expert_episode(env, "train/00003", 11, noise=0.0)
     assert clean[0].actions == clean[3] and clean[2][-1]["won"]
+
+
+def test_plot_adds_crps_mechanism_panels_when_a_run_has_a_buffer(tmp_path):
+    import json
+
+    from agentrl.plot import plot_runs
+
+    rows = [dict(step=s, success=0.1 * s, buffer_size=s, replay_groups=1, k_mean=3 - s, **{"replay/success": 0.5})
+            for s in range(1, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    plot_runs([tmp_path], tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

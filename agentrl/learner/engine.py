@@ -49,6 +49,9 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    # "bf16": training forward/backward under bf16 autocast (weights, optimizer and rollouts stay in
+    # dtype); ~2x the learner's speed on CPUs with AVX512-BF16
+    autocast: str = ""
 
 
 def rng_state() -> dict[str, Any]:
@@ -248,7 +251,9 @@ class TorchEngine:
         for idx in parts:
             mb = batch.select(idx).to(self.device)
             w = (mb.num_targets if weight_by == "tokens" else len(idx)) / max(1, total)
-            out = self.forward(mb, temperature, need_entropy, need_values)
+            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16,
+                                enabled=self.cfg.autocast == "bf16"):
+                out = self.forward(mb, temperature, need_entropy, need_values)
             loss, s = loss_fn(mb, out)
             self._backward(loss * w)
             loss_sum += float(loss.detach()) * w

@@ -34,10 +34,14 @@ def react_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple
 
 def compact_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
                  admissible: list[str] | None, history_len: int = 2) -> str:
-    """The ``react`` template's content in ~60% of its tokens (``rollout.prompt: compact``): the same task,
-    history window, observation and admissible actions, without the boilerplate sentences."""
+    """The ``react`` template's content in fewer tokens (``rollout.prompt: compact``): the task, the actions
+    taken before the history window (a few tokens each: where the agent has been), the window's
+    observations and actions, the observation and the admissible actions, without boilerplate."""
     window = history[-history_len:] if history_len > 0 else []
+    earlier = history[:len(history) - len(window)]
     lines = [f"Task: {instruction}", f"Step {step + 1}."]
+    if earlier:
+        lines.append("Earlier actions: " + " | ".join(a for _, a in earlier))
     lines += [f"{o}\n> {a}" for o, a in window]
     lines.append(obs)
     if admissible:
