@@ -62,7 +62,7 @@ def main() -> None:
                 res["eval/sampled_success"] = smp["eval/success"]
             print(json.dumps(dict(sft_pass=p, sft_s=round(t_sft, 1), eval_s=round(time.perf_counter() - t0 - t_sft, 1),
                                   loss=round(stats["sft_loss_last"], 3),
-                                  **{k: round(v, 3) for k, v in res.items() if k.startswith("eval/success") or k in (
+                                  **{k: round(v, 3) for k, v in res.items() if k.startswith(("eval/success", "eval/sampled")) or k in (
                                       "eval/turns_per_episode", "eval/valid_format")})), flush=True)
         if a.save:
             trainer.engine.export_weights(a.save)

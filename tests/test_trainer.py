@@ -104,7 +104,7 @@ def test_malformed_yaml_and_inheritance(tmp_path):
     # trainer.steps 10; leafe is a one-step staged run)
     assert load_config("grpo", env="alfworld").trainer.steps == 10
     assert load_config("leafe", env="alfworld").trainer.steps == 1
-    assert load_config("leafe", env="alfworld").rollout.max_turns == 15  # not set by leafe: overlay applies
+    assert load_config("leafe", env="alfworld").rollout.max_turns == 30  # not set by leafe: overlay applies
     loop = tmp_path / "loop.yaml"
     loop.write_text(f"base: {loop}\n")
     with pytest.raises(ConfigError, match="inheritance loop"):
