@@ -5,8 +5,9 @@
 
 Plays the recipe's expert demonstrations once, then alternates one SFT pass with a greedy evaluation
 (``eval.split``, ``eval.tasks``), printing one JSON line per pass; ``--save DIR`` keeps the last model.
-Each pass reshuffles with the same seed, so N one-pass calls equal neither bit for bit nor in spirit
-anything but N passes at a constant lr.
+``--sampled`` also evaluates at the rollout temperature (what RL's groups start from). Each pass is one
+``fit_sft`` call that shuffles with the run's seed, so P passes here are P constant-lr passes, not bit for
+bit the same as one run with ``sft.epochs=P``.
 """
 from __future__ import annotations
 
