@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
+
+from envs.alfworld_gen import LAMP_HOLDERS as _LAMP_TYPES
 
 TRANSFORM = {"pick_clean_then_place_in_recep": ("clean", "sinkbasin"),
              "pick_heat_then_place_in_recep": ("heat", "microwave"),
              "pick_cool_then_place_in_recep": ("cool", "fridge")}
-LAMP_HOLDERS = ("desk", "sidetable", "dresser")
+LAMP_HOLDERS = {t.lower() for t in _LAMP_TYPES}  # where the generator puts desk lamps
 _SEEN = re.compile(r"\ban? ([a-z]+ \d+)")
 
 
@@ -36,13 +39,11 @@ class SearchGoal:
                    str(params.get("parent_target", "")).lower(), str(params.get("toggle_target", "")).lower())
 
 
+@lru_cache(maxsize=1)
 def _holders() -> dict[str, set[str]]:
     import alfworld.gen.constants as constants
 
     return {r.lower(): {o.lower() for o in objs} for r, objs in constants.VAL_RECEPTACLE_OBJECTS.items()}
-
-
-_HOLDERS: dict[str, set[str]] = {}
 
 
 def _rtype(name: str) -> str:
@@ -60,12 +61,10 @@ def receptacles(first_obs: str) -> list[str]:
 
 
 def _candidates(rooms: list[str], thing: str) -> list[str]:
-    if not _HOLDERS:
-        _HOLDERS.update(_holders())
     if thing == "desklamp":
         found = [r for r in rooms if _rtype(r) in LAMP_HOLDERS]
     else:
-        found = [r for r in rooms if thing in _HOLDERS.get(_rtype(r), ())]
+        found = [r for r in rooms if thing in _holders().get(_rtype(r), ())]
     return found or rooms  # unknown types (real data): look everywhere
 
 
@@ -95,7 +94,7 @@ def search_action(goal: SearchGoal, first_obs: str, steps: list[tuple[str, str]]
             placed.append((inst, dest))
             holding = ""
         elif feedback.startswith(("You clean the", "You heat the", "You cool the")):
-            done_with.add(action.split(" ")[1] + " " + action.split(" ")[2])
+            done_with.add(" ".join(action.split(" ")[1:3]))  # "clean mug 3 with ..." -> "mug 3"
         if at and ("you see" in feedback) and (feedback.startswith(("You arrive", "You open"))):
             if at not in visited:
                 visited.append(at)
