@@ -68,14 +68,22 @@ class Recipe:
     def after_rollout(self, trainer: "Trainer", episodes: list[Episode]) -> None:
         pass
 
-    def reward(self, ep: Episode) -> float:
+    def turn_rewards(self, ep: Episode) -> list[float]:
+        """Each turn's share of the episode's reward (GAE's per-step rewards; they sum to ``reward``).
+        A turn's ``reward`` already holds the env's reward plus the rollout's format and ineffective-action
+        penalties, so ``env_return`` takes it as is; ``success``/``score`` keep the penalties and put the
+        outcome on the last turn."""
         kind = self.cfg.algo.reward
-        base = float(ep.won) if kind == "success" else ep.score if kind == "score" else \
-            sum(t.info.get("env_reward", t.reward) for t in ep.turns)
+        if kind == "env_return":
+            return [t.reward for t in ep.turns]
         r = self.cfg.rollout
-        penalty = sum(r.format_penalty for t in ep.turns if not t.format_ok) + \
-            sum(r.ineffective_penalty for t in ep.turns if t.info.get("ineffective"))
-        return base + penalty
+        out = [(r.format_penalty if not t.format_ok else 0.0) + (r.ineffective_penalty if t.info.get("ineffective")
+                                                                  else 0.0) for t in ep.turns] or [0.0]
+        out[-1] += float(ep.won) if kind == "success" else ep.score
+        return out
+
+    def reward(self, ep: Episode) -> float:
+        return sum(self.turn_rewards(ep))
 
     def filter(self, episodes: list[Episode]) -> tuple[list[Episode], dict[str, int]]:
         dropped: dict[str, int] = {}
@@ -109,7 +117,7 @@ class Recipe:
             turn_adv = [[float(a)] * len(e.turns) for a, e in zip(traj, kept)]
         samples = []
         for n, (e, advs, r) in enumerate(zip(kept, turn_adv, rewards.tolist())):
-            meta = dict(episode=n, group=e.group_id, reward=r, turn_rewards=[t.reward for t in e.turns])
+            meta = dict(episode=n, group=e.group_id, reward=r, turn_rewards=self.turn_rewards(e))
             if algo.level == "trajectory":
                 samples.append(episode_sample(e, advs, meta))
             else:
@@ -203,8 +211,12 @@ class Recipe:
             by_episode[s.meta["episode"]].append(i)
         for idx in by_episode.values():
             idx.sort(key=lambda i: samples[i].meta.get("turn", 0))
-            rewards = torch.tensor([samples[i].meta["turn_rewards"][samples[i].meta.get("turn", 0)] for i in idx])
-            rewards[-1] += samples[idx[-1]].meta["reward"]
+            meta = samples[idx[-1]].meta
+            rewards = torch.tensor([samples[i].meta["turn_rewards"][samples[i].meta.get("turn", 0)] for i in idx],
+                                   dtype=torch.float64)
+            # a recipe whose ``reward`` is not the sum of the turns' (SPEAR's intrinsic one) settles at the end
+            rewards[-1] += meta["reward"] - sum(meta["turn_rewards"])
+            rewards = rewards.float()
             v = torch.tensor([values[i] for i in idx])
             adv, ret = gae(rewards[None], v[None], self.cfg.algo.gamma, self.cfg.algo.lam)
             for j, i in enumerate(idx):

@@ -153,3 +153,62 @@ def test_zero_variance_filter_drops_groups_with_equal_rewards():
     eps = [Episode("e", "t", 0, g, won=w) for g, w in [("a", 0), ("a", 0), ("b", 1), ("b", 0), ("c", 1), ("c", 1)]]
     kept, dropped = zero_variance_filter(eps, lambda e: float(e.won))
     assert [e.group_id for e in kept] == ["b", "b"] and dropped == 4
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_a_group_of_equal_rewards_float32_cannot_represent_gets_zero_advantage(name):
+    # 0.1 is not exact in float32: mean - r is ~1e-9 and grpo's division by (std + eps) blew it up to ~-0.007
+    r = torch.full((8,), 0.1)
+    r = torch.cat([r, torch.tensor([1.0, 0.0])])
+    adv = ESTIMATORS.get(name)(r, ["a"] * 8 + ["b", "b"])
+    if name == "reinforce_pp":  # one batch-level baseline: only an all-equal batch is exactly zero
+        adv = ESTIMATORS.get(name)(torch.full((8,), 0.1), ["a"] * 8)
+        assert adv.tolist() == [0.0] * 8
+    else:
+        assert adv[:8].tolist() == [0.0] * 8
+        assert adv[8] > 0 > adv[9]
+
+
+def test_policy_loss_survives_a_stale_sample_and_nan_at_masked_positions():
+    logp = torch.tensor([[-0.1, -0.2, float("nan")]], requires_grad=True)
+    old = torch.tensor([[-200.0, -0.2, 0.0]])  # a ratio of e^199.9 overflows float32 without a clamp
+    adv = torch.tensor([[1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, stats = policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in stats.values())
+    # token 0 is clipped at 1.2 (no gradient), token 1 has ratio 1: loss = -(1.2 + 1) / 2
+    assert loss.item() == pytest.approx(-1.1)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 2] == 0
+    assert aggregate(torch.tensor([[1.0, float("nan")]]), torch.tensor([[1, 0]])).item() == 1.0
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        assert math.isfinite(aggregate(torch.tensor([[1.0, float("inf")]]), torch.tensor([[1, 0]]), mode).item())
+
+
+def _shaped_episode(won):
+    # as the rollout engine leaves it: turn 0 unparsable (reward = the format penalty), turn 1 the env's 0.5
+    bad = Turn([1], [2], [0.0], "??", [], False, "o1", -0.1, False)
+    good = Turn([1, 2, 3], [4], [0.0], "<action>a</action>", ["a"], True, "o2", 0.5, True)
+    return Episode("sokoban", "t", 0, group_id="g", turns=[bad, good], won=won)
+
+
+@pytest.mark.parametrize("kind,expected", [("env_return", 0.4), ("success", 0.9)])
+def test_penalties_in_the_turn_rewards_are_counted_once(kind, expected):
+    from agentrl.config import load_config
+    from agentrl.recipe import Recipe
+
+    cfg = load_config("grpo", env="sokoban", overrides=[f"algo.reward={kind}", "rollout.format_penalty=-0.1",
+                                                        "algo.estimator=gae", "algo.filters=[]", "algo.gamma=1.0",
+                                                        "algo.lam=1.0"])
+    recipe = Recipe(cfg)
+    ep = _shaped_episode(won=True)
+    assert recipe.reward(ep) == pytest.approx(expected)
+    samples, _ = recipe.make_batch(None, [ep])
+
+    class ZeroCritic:  # values 0 with gamma = lam = 1: the first turn's advantage is the whole return
+        def values(self, s):
+            return [0.0] * len(s)
+
+    samples = recipe.critic_advantages(ZeroCritic(), samples)
+    first = samples[0].advantages[samples[0].loss_mask.index(1)]
+    assert first == pytest.approx(expected)

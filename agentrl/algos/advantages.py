@@ -30,13 +30,24 @@ def _std(x: torch.Tensor) -> torch.Tensor:
     return x.std(unbiased=False) if x.numel() > 1 else torch.zeros((), dtype=x.dtype)
 
 
+def _normalized(r: torch.Tensor, by_std: bool, eps: float) -> torch.Tensor:
+    """(r - mean) [/ (std + eps)] in float64, and exactly 0 for equal rewards: a float32 mean of eight
+    0.1s is off by an ulp, which the division by (0 + eps) used to turn into an advantage of ~-0.007."""
+    if r.numel() == 0 or bool((r == r[0]).all()):
+        return torch.zeros_like(r)
+    x = r.double()
+    out = x - x.mean()
+    if by_std:
+        out = out / (_std(x) + eps)
+    return out.to(r.dtype)
+
+
 @ESTIMATORS.register("grpo")
 def grpo(rewards: torch.Tensor, group_ids: Sequence[str], eps: float = EPS, **_: object) -> torch.Tensor:
     """(r - mean_group) / (std_group + eps)."""
     adv = torch.zeros_like(rewards)
     for idx in _groups(group_ids).values():
-        r = rewards[idx]
-        adv[idx] = (r - r.mean()) / (_std(r) + eps)
+        adv[idx] = _normalized(rewards[idx], True, eps)
     return adv
 
 
@@ -45,18 +56,18 @@ def dr_grpo(rewards: torch.Tensor, group_ids: Sequence[str], **_: object) -> tor
     """Dr. GRPO: r - mean_group, no std division (no difficulty bias)."""
     adv = torch.zeros_like(rewards)
     for idx in _groups(group_ids).values():
-        adv[idx] = rewards[idx] - rewards[idx].mean()
+        adv[idx] = _normalized(rewards[idx], False, 0.0)
     return adv
 
 
 @ESTIMATORS.register("rloo")
 def rloo(rewards: torch.Tensor, group_ids: Sequence[str], **_: object) -> torch.Tensor:
-    """REINFORCE leave-one-out: r_i - mean of the other G-1 rewards of the group."""
+    """REINFORCE leave-one-out: r_i - mean of the other G-1 rewards of the group, i.e. G/(G-1) times
+    r_i - mean_group."""
     adv = torch.zeros_like(rewards)
     for idx in _groups(group_ids).values():
-        r = rewards[idx]
         if len(idx) > 1:
-            adv[idx] = r - (r.sum() - r) / (len(idx) - 1)
+            adv[idx] = _normalized(rewards[idx], False, 0.0) * (len(idx) / (len(idx) - 1))
     return adv
 
 
@@ -64,7 +75,7 @@ def rloo(rewards: torch.Tensor, group_ids: Sequence[str], **_: object) -> torch.
 def reinforce_pp(rewards: torch.Tensor, group_ids: Sequence[str] | None = None, eps: float = EPS,
                  **_: object) -> torch.Tensor:
     """REINFORCE++: returns normalized over the whole batch (no per-prompt baseline)."""
-    return (rewards - rewards.mean()) / (_std(rewards) + eps)
+    return _normalized(rewards, True, eps)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, lam: float = 1.0,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from agentrl.registry import Registry
 
 LOSSES = Registry("loss")
+LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| beyond this is clipped anyway (e^20 ~ 5e8)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -26,6 +27,7 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", nor
     seq-mean-token-sum-norm: sum per sequence / a constant (``norm_len``, default T), mean over sequences
     (Dr. GRPO: no length normalization bias)."""
     mask = mask.to(x.dtype)
+    x = torch.where(mask > 0, x, torch.zeros_like(x))  # a NaN or inf at a masked position must not leak
     if mode == "token-mean":
         return (x * mask).sum() / mask.sum().clamp(min=1)
     per_seq = (x * mask).sum(-1)
@@ -66,7 +68,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
                 agg: str = "token-mean", norm_len: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), with dual clip
     max(., C A)-bounded loss for A < 0 when ``dual_clip`` (C > 1) is set."""
-    ratio = torch.exp(logp - old_logp)
+    # clamped before exp: a stale sample's log-ratio of +-100 would give inf (and inf * 0 = NaN)
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
     loss = -torch.min(surr1, surr2)
@@ -77,9 +81,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
     m = mask.to(logp.dtype)
     with torch.no_grad():
         clipped = ((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
-        stats = dict(clip_frac=float((clipped.to(m.dtype) * m).sum() / m.sum().clamp(min=1)),
-                     approx_kl=float((((ratio - 1) - (logp - old_logp)) * m).sum() / m.sum().clamp(min=1)),
-                     ratio_mean=float((ratio * m).sum() / m.sum().clamp(min=1)))
+        stats = dict(clip_frac=float(aggregate(clipped.to(m.dtype), m)),
+                     approx_kl=float(aggregate((ratio - 1) - log_ratio, m)),
+                     ratio_mean=float(aggregate(ratio, m)))
     return aggregate(loss, mask, agg, norm_len), stats
 
 

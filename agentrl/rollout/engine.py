@@ -39,14 +39,15 @@ class RolloutConfig:
     ineffective_penalty: float = 0.0
     max_actions_per_turn: int | None = None  # default: the env's PromptSpec
     show_admissible: bool = True
-    prompt: str = "paper"  # "paper": the env's template as its paper writes it | "compact": the same content, fewer tokens
+    prompt: str = "paper"  # "paper": the env's template as its paper writes it | "compact": the same content,
+    # fewer tokens | "compact_tried": compact, with the actions tried so far listed apart
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0, max_new_tokens=64))
 
     def __post_init__(self) -> None:
         if self.chat_mode not in ("window", "full"):
             raise ValueError(f"rollout.chat_mode must be 'window' or 'full', got {self.chat_mode!r}")
-        if self.prompt not in ("paper", "compact"):
-            raise ValueError(f"rollout.prompt must be 'paper' or 'compact', got {self.prompt!r}")
+        if self.prompt not in ("paper", "compact", "compact_tried"):
+            raise ValueError(f"rollout.prompt must be 'paper', 'compact' or 'compact_tried', got {self.prompt!r}")
 
 
 @dataclass
@@ -87,7 +88,7 @@ def first_prompt_ids(tok: Any, cfg: RolloutConfig, spec: PromptSpec, instruction
     """The prompt of a turn in window mode (and of the first turn in full mode): shared with SFT data
     building, so demonstrations are trained on exactly the prompts the policy will see."""
     msgs = step_messages(spec, instruction, obs, history, env_steps, admissible,
-                         cfg.history_len if cfg.chat_mode == "window" else 0, note, cfg.prompt == "compact")
+                         cfg.history_len if cfg.chat_mode == "window" else 0, note, cfg.prompt)
     return chat_ids(tok, msgs)
 
 

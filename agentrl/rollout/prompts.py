@@ -33,18 +33,27 @@ def react_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple
 
 
 def compact_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
-                 admissible: list[str] | None, history_len: int = 2) -> str:
+                 admissible: list[str] | None, history_len: int = 2, split_tried: bool = False) -> str:
     """The ``react`` template's content in fewer tokens (``rollout.prompt: compact``): the task, the actions
     taken before the history window (a few tokens each: where the agent has been), the window's
-    observations and actions, the observation and the admissible actions, without boilerplate."""
+    observations and actions, the observation and the admissible actions, without boilerplate.
+
+    ``split_tried`` (``rollout.prompt: compact_tried``): instead of the earlier actions, every action taken
+    so far once, in first-taken order ("Tried:"), and only the admissible actions not among them
+    ("Actions:"): "where have I not been yet" is read off a list rather than inferred from the history."""
     window = history[-history_len:] if history_len > 0 else []
     earlier = history[:len(history) - len(window)]
     lines = [f"Task: {instruction}", f"Step {step + 1}."]
-    if earlier:
+    tried = list(dict.fromkeys(a for _, a in history))
+    if split_tried and tried:
+        lines.append("Tried: " + " | ".join(tried))
+    elif earlier:
         lines.append("Earlier actions: " + " | ".join(a for _, a in earlier))
     lines += [f"{o}\n> {a}" for o, a in window]
     lines.append(obs)
     if admissible:
+        if split_tried:  # a tried action stays selectable: it is on the "Tried:" line
+            admissible = [a for a in admissible if a not in set(tried)]
         lines.append("Actions: " + " | ".join(admissible))
     lines.append(f"Answer with <{spec.answer_tag}>one action</{spec.answer_tag}>.")
     return "\n".join(lines)
@@ -62,17 +71,18 @@ def ragen_user(spec: PromptSpec, obs: str, admissible: list[str] | None) -> str:
 
 
 def step_messages(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
-                  admissible: list[str] | None, history_len: int = 2, note: str = "", compact: bool = False
+                  admissible: list[str] | None, history_len: int = 2, note: str = "", prompt: str = "paper"
                   ) -> list[dict[str, str]]:
     """Messages for one decision in the windowed-history mode; ``note`` (LEAFE's experience) ends the
-    user message. ``compact`` renders the react template without its boilerplate."""
+    user message. ``prompt``: "paper" | "compact" (the react template without its boilerplate) |
+    "compact_tried" (compact, with the actions already tried listed apart)."""
     tail = f"\n\n{note}" if note else ""
     if spec.style == "ragen":
         return [{"role": "system", "content": spec.system},
                 {"role": "user", "content": ragen_user(spec, obs, admissible) + tail}]
-    if compact:
+    if prompt != "paper":
         return [{"role": "user", "content": compact_user(spec, instruction, obs, history, step, admissible,
-                                                         history_len) + tail}]
+                                                         history_len, prompt == "compact_tried") + tail}]
     return [{"role": "user", "content": react_user(spec, instruction, obs, history, step, admissible, history_len)
              + tail}]
 
