@@ -6,12 +6,14 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.agentrl-setup
 PYTEST_ARGS ?=
 
-.PHONY: help setup test train envs check-envs play bench serve vllm-setup test-vllm clean
+.PHONY: help setup test test-fast lint train envs check-envs play bench serve vllm-setup test-vllm clean
 
 help:
 	@echo "make train [RECIPE=grpo] [ENV=sokoban] [MODEL=tiny] [SEED=0] [OVERRIDES=\"a.b=c ...\"]   train (CPU default)"
 	@echo "make envs         set up, list the envs and self-check the fast ones (expert + restore)"
-	@echo "make test         set up and run the test suite"
+	@echo "make test         set up and run the test suite (what CI runs: lint first)"
+	@echo "make test-fast    the tests not marked slow (no multi-rank, DeepSpeed or end-to-end runs)"
+	@echo "make lint         ruff check (ruff.toml)"
 	@echo "make check-envs   full self-check of every env (50 expert tasks, 20 restore checks each)"
 	@echo "make play ENV=sokoban [TASK=train/00003]   play a task by hand"
 	@echo "make bench        rollout engine vs raw batched generate vs a sequential loop (tiny model);"
@@ -36,8 +38,14 @@ $(STAMP): setup.py constraints.txt scripts/ensure_java.sh
 
 setup: $(STAMP)
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 RECIPE ?= grpo
 ENV ?= sokoban

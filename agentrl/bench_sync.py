@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
             # the rollout loop through vLLM vs the same prompt batches as plain requests
             tok = load_tokenizer(model_dir)
             sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
-            starts = [Start(x.task_id, 0, f"g{i // 4}") for i, x in enumerate(make(args.env).tasks("train")[:args.slots])]
+            starts = [Start(x.task_id, 0, f"g{i // 4}")
+                      for i, x in enumerate(make(args.env).tasks("train")[:args.slots])]
             engine = RolloutEngine(client, tok, InProcessEnvs(args.env, args.slots), args.env,
                                    RolloutConfig(max_turns=args.turns, sampling=sampling))
             loop_tokens, loop_s, raw_tokens, raw_s = engine_vs_raw(engine, client, starts, sampling)

@@ -73,6 +73,7 @@ class AlgoCfg:
     reward: Literal["score", "success", "env_return"] = "success"
     gamma: float = 1.0
     lam: float = 1.0
+    whiten: bool = False  # advantages normalized to mean 0, std 1 over the batch (verl's PPO does this to GAE)
     gigpo_step_weight: float = 1.0
     eps_low: float = 0.2
     eps_high: float = 0.2
@@ -346,12 +347,16 @@ def _check_names(cfg: RecipeCfg) -> None:
     cls = RECIPES.get(cfg.method)
     params = getattr(cls, "Params", None)
     if params is None and cfg.extra:
-        raise ConfigError(f"unknown key 'extra.{next(iter(cfg.extra))}': recipe method '{cfg.method}' takes no extra keys")
+        raise ConfigError(f"unknown key 'extra.{next(iter(cfg.extra))}': recipe method '{cfg.method}' "
+                          "takes no extra keys")
     if params is not None:
         build(params, cfg.extra, "extra.")
     if cfg.algo.estimator not in ESTIMATORS:
         raise ConfigError(f"bad value for 'algo.estimator': {cfg.algo.estimator!r}; allowed: "
                           f"{', '.join(ESTIMATORS.names())}")
+    if ESTIMATORS.get(cfg.algo.estimator).needs_values and cfg.algo.level == "trajectory":
+        raise ConfigError(f"'algo.estimator: {cfg.algo.estimator}' trains a critic on turns: it needs "
+                          "'algo.level: turn' (a critic over whole full-chat episodes is not built)")
     for f in cfg.algo.filters:
         if f not in FILTERS:
             raise ConfigError(f"bad value in 'algo.filters': {f!r}; allowed: {', '.join(FILTERS.names())}")

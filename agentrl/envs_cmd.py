@@ -165,7 +165,8 @@ def cmd_play(args: argparse.Namespace) -> int:
             trace.fingerprints.append(info["fingerprint"])
             total += reward
             flag = "" if info.get("action_is_valid", True) else "  (not an admissible action)"
-            print(f"{obs}\n   reward {reward:+.2f}{flag}{'  [terminated]' if term else ''}{'  [truncated]' if trunc else ''}")
+            print(f"{obs}\n   reward {reward:+.2f}{flag}{'  [terminated]' if term else ''}"
+                  f"{'  [truncated]' if trunc else ''}")
     finally:
         env.close()
     return 0

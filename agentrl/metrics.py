@@ -32,7 +32,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prod
 
 
-def episode_diagnostics(episodes: list[Episode], reward: Callable[[Episode], float], prefix: str = "") -> dict[str, float]:
+def episode_diagnostics(episodes: list[Episode], reward: Callable[[Episode], float],
+                        prefix: str = "") -> dict[str, float]:
     if not episodes:
         return {}
     groups: dict[str, list[Episode]] = defaultdict(list)
@@ -123,7 +124,8 @@ def echo_trap_flags(history: list[dict[str, Any]], window: int = 5) -> dict[str,
     old, new = rows[:window], rows[window:]
     mean = lambda rs, k: sum(r.get(k, 0.0) for r in rs) / len(rs)  # noqa: E731
     flags = {}
-    if mean(old, "in_group_reward_std") > 0 and mean(new, "in_group_reward_std") < 0.3 * mean(old, "in_group_reward_std"):
+    if (mean(old, "in_group_reward_std") > 0
+            and mean(new, "in_group_reward_std") < 0.3 * mean(old, "in_group_reward_std")):
         flags["warn_reward_std_collapse"] = 1.0
     if mean(old, "entropy") > 0 and mean(new, "entropy") < 0.3 * mean(old, "entropy"):
         flags["warn_entropy_collapse"] = 1.0

@@ -7,13 +7,12 @@ buffers, controllers) -> ``make_batch`` (rewards, filters, advantages, training 
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentrl.algos.advantages import ESTIMATORS, gae
-from agentrl.algos.filters import FILTERS, informative_groups, variance_filter, zero_variance_filter
+from agentrl.algos.advantages import ESTIMATORS, AdvantageInput, Estimator
+from agentrl.algos.filters import FILTERS, FilterContext, informative_groups
 from agentrl.algos.losses import ppo_objective, value_loss
 from agentrl.learner.batch import Sample, episode_sample, turn_sample
 from agentrl.registry import Registry
@@ -87,46 +86,59 @@ class Recipe:
 
     def filter(self, episodes: list[Episode]) -> tuple[list[Episode], dict[str, int]]:
         dropped: dict[str, int] = {}
+        ctx = FilterContext(self.reward, self.cfg.algo.variance_keep)
         for name in self.cfg.algo.filters:
-            if name == "variance":
-                episodes, n = variance_filter(episodes, self.cfg.algo.variance_keep, self.reward)
-            elif name == "zero_variance":
-                episodes, n = zero_variance_filter(episodes, self.reward)
-            else:
-                episodes, n = FILTERS.get(name)(episodes)
-            dropped[f"filtered_{name}"] = n
+            episodes, dropped[f"filtered_{name}"] = FILTERS.get(name)(episodes, ctx)
         return episodes, dropped
 
+    def estimator(self) -> Estimator:
+        return ESTIMATORS.get(self.cfg.algo.estimator)
+
     def make_batch(self, trainer: "Trainer", episodes: list[Episode]) -> tuple[list[Sample], dict[str, float]]:
+        """Filters, then the estimator's per-turn advantages (after the critic's values when it needs
+        them), then training samples: one per generated turn, or one per episode at trajectory level."""
         kept, stats = self.filter(episodes)
         if not kept:
             return [], dict(stats)
         algo = self.cfg.algo
+        est = self.estimator()
         rewards = torch.tensor([self.reward(e) for e in kept])
-        groups = [e.group_id for e in kept]
-        if algo.estimator == "gigpo":
-            anchors = [[e.initial_fingerprint] + [t.fingerprints[-1] if t.fingerprints else "" for t in e.turns[:-1]]
-                       for e in kept]
-            per_turn = ESTIMATORS.get("gigpo")(rewards, groups, [[t.reward for t in e.turns] for e in kept], anchors,
-                                               gamma=algo.gamma, step_weight=algo.gigpo_step_weight)
-            turn_adv = [a.tolist() for a in per_turn]
-        elif algo.estimator == "gae":
-            turn_adv = [[0.0] * len(e.turns) for e in kept]  # filled after the critic's values (update)
-        else:
-            traj = ESTIMATORS.get(algo.estimator)(rewards, groups)
-            turn_adv = [[float(a)] * len(e.turns) for a, e in zip(traj, kept)]
-        samples = []
-        for n, (e, advs, r) in enumerate(zip(kept, turn_adv, rewards.tolist())):
-            meta = dict(episode=n, group=e.group_id, reward=r, turn_rewards=self.turn_rewards(e))
+        x = AdvantageInput(rewards, [e.group_id for e in kept], [self.turn_rewards(e) for e in kept],
+                           [[t.reward for t in e.turns] for e in kept], gamma=algo.gamma, lam=algo.lam,
+                           step_weight=algo.gigpo_step_weight, whiten=algo.whiten)
+        if est.needs_anchors:  # the state each turn started from
+            x.anchors = [[e.initial_fingerprint] + [t.fingerprints[-1] if t.fingerprints else "" for t in e.turns[:-1]]
+                         for e in kept]
+        samples, where = [], []  # where[i]: (episode, turn) of samples[i]; turn -1 for a whole episode
+        for n, (e, r) in enumerate(zip(kept, rewards.tolist())):
+            meta = dict(episode=n, group=e.group_id, reward=r)
             if algo.level == "trajectory":
-                samples.append(episode_sample(e, advs, meta))
+                samples.append(episode_sample(e, [0.0] * len(e.turns), meta))
+                where.append((n, -1))
             else:
-                if algo.turn_weight == "episode":
-                    n_turns = max(1, sum(1 for t in e.turns if t.gen_ids))
-                    advs = [a / n_turns for a in advs]
-                for k, (t, a) in enumerate(zip(e.turns, advs)):
+                for k, t in enumerate(e.turns):
                     if t.gen_ids:
-                        samples.append(turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, a, dict(meta, turn=k)))
+                        samples.append(turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, 0.0, dict(meta, turn=k)))
+                        where.append((n, k))
+        if est.needs_values:
+            # a turn without generated tokens has no value estimate; it keeps 0 (it is not trained on)
+            x.values = [[0.0] * len(e.turns) for e in kept]
+            for (n, k), v in zip(where, trainer.values(samples)):
+                x.values[n][k] = v
+        out = est(x)
+        for i, (s, (n, k)) in enumerate(zip(samples, where)):
+            if k < 0:
+                samples[i] = episode_sample(kept[n], out.per_turn[n], s.meta)
+                continue
+            a = out.per_turn[n][k]
+            if algo.turn_weight == "episode":  # every trajectory weighs the same, however many turns it took
+                a /= max(1, sum(1 for t in kept[n].turns if t.gen_ids))
+            s.advantages = [a if m else 0.0 for m in s.loss_mask]
+            if out.returns is not None:
+                # the value target sits at the last prompt token, which predicts the first generated one
+                first = s.loss_mask.index(1)
+                s.returns, s.old_values, s.value_mask = [0.0] * len(s.ids), [0.0] * len(s.ids), [0] * len(s.ids)
+                s.returns[first], s.old_values[first], s.value_mask[first] = out.returns[n][k], x.values[n][k], 1
         stats["samples"] = len(samples)
         return samples, stats
 
@@ -189,11 +201,9 @@ class Recipe:
         metrics = dict(stats, **collected)
         metrics.update(trainer.diagnostics(episodes, self))
         extra = self.extra_samples(trainer, episodes, samples, metrics)
-        if samples and self.cfg.algo.estimator == "gae":
-            samples = self.critic_advantages(trainer, samples)
         if samples or extra:
             metrics.update(trainer.update(samples + extra, self.loss_fn(trainer),
-                                          need_values=self.cfg.algo.estimator == "gae"))
+                                          need_values=self.estimator().needs_values))
         self.after_update(trainer, metrics)
         return metrics
 
@@ -203,33 +213,9 @@ class Recipe:
         replay); recipes may also add to ``metrics`` here."""
         return []
 
-    def critic_advantages(self, trainer: "Trainer", samples: list[Sample]) -> list[Sample]:
-        """PPO: turn-level GAE from the value head's estimate at the last prompt token of each turn."""
-        values = trainer.values(samples)
-        by_episode: dict[int, list[int]] = defaultdict(list)
-        for i, s in enumerate(samples):
-            by_episode[s.meta["episode"]].append(i)
-        for idx in by_episode.values():
-            idx.sort(key=lambda i: samples[i].meta.get("turn", 0))
-            meta = samples[idx[-1]].meta
-            rewards = torch.tensor([samples[i].meta["turn_rewards"][samples[i].meta.get("turn", 0)] for i in idx],
-                                   dtype=torch.float64)
-            # a recipe whose ``reward`` is not the sum of the turns' (SPEAR's intrinsic one) settles at the end
-            rewards[-1] += meta["reward"] - sum(meta["turn_rewards"])
-            rewards = rewards.float()
-            v = torch.tensor([values[i] for i in idx])
-            adv, ret = gae(rewards[None], v[None], self.cfg.algo.gamma, self.cfg.algo.lam)
-            for j, i in enumerate(idx):
-                s = samples[i]
-                first = s.loss_mask.index(1)
-                s.advantages = [float(adv[0, j]) if m else 0.0 for m in s.loss_mask]
-                # the value target sits at the last prompt token, which predicts the first generated one
-                s.returns, s.old_values, s.value_mask = [0.0] * len(s.ids), [0.0] * len(s.ids), [0] * len(s.ids)
-                s.returns[first], s.old_values[first], s.value_mask[first] = float(ret[0, j]), float(v[j]), 1
-        return samples
-
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+

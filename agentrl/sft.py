@@ -50,7 +50,8 @@ def noisy_expert_episode(env: Any, task_id: str, seed: int, noise: float = 0.0
     return trace, observations, infos, labels
 
 
-def _play_demo(job: tuple[str, dict, str, int, float]) -> tuple[Any, list[str], list[dict[str, Any]], list[str], Any, str]:
+def _play_demo(job: tuple[str, dict, str, int, float]
+               ) -> tuple[Any, list[str], list[dict[str, Any]], list[str], Any, str]:
     """One expert episode in a worker process (its env is made once per process)."""
     global _DEMO_ENV
     name, kwargs, task_id, seed, noise = job

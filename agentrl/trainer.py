@@ -108,7 +108,7 @@ class Trainer:
         ecfg = EngineConfig(optim=OptimConfig(lr=c.optim.lr, weight_decay=c.optim.weight_decay,
                                               grad_clip=c.optim.grad_clip, warmup_steps=c.optim.warmup_steps),
                             lora=LoraSettings(r=c.model.lora_r, alpha=c.model.lora_alpha) if c.model.lora_r else None,
-                            value_head=c.algo.estimator == "gae", token_budget=c.optim.token_budget,
+                            value_head=self.recipe.estimator().needs_values, token_budget=c.optim.token_budget,
                             dtype=c.model.dtype, seed=c.trainer.seed, device=self.device, autocast=c.model.autocast)
         if c.trainer.engine == "deepspeed":
             from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, DeepSpeedEngine
@@ -405,7 +405,8 @@ class Trainer:
                 history.append(metrics)
                 metrics.update(echo_trap_flags(history))
                 e = self.cfg.eval
-                if self.cfg.eval.tasks and ((e.every and self.step % e.every == 0) or self.step == self.cfg.trainer.steps):
+                if self.cfg.eval.tasks and ((e.every and self.step % e.every == 0)
+                                            or self.step == self.cfg.trainer.steps):
                     metrics.update(self.evaluate())
                     final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
                 self._log(self.step, metrics)

@@ -115,7 +115,8 @@ def search_action(goal: SearchGoal, first_obs: str, steps: list[tuple[str, str]]
                     return lamp
             else:
                 take = sorted((a for a in admissible if a.startswith(f"take {thing} ") and a.endswith(f" from {at}")
-                               and a[5:].partition(" from ")[0] not in taken), key=lambda a: _order(a[5:].split(" from ")[0]))
+                               and a[5:].partition(" from ")[0] not in taken),
+                              key=lambda a: _order(a[5:].split(" from ")[0]))
                 if take:
                     return take[0]
             if at in closed_seen and at not in opened:

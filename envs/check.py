@@ -46,9 +46,10 @@ class CheckReport:
         lines = [f"{self.env}: expert success {self.expert_wins}/{self.expert_tasks} = {self.success_rate:.1%}, "
                  f"mean score {self.expert_score:.3f}, mean steps {self.expert_steps:.1f}"]
         if len(self.per_category) > 1:
-            lines.append("  per category: " + ", ".join(f"{c} {w}/{n}" for c, (w, n) in sorted(self.per_category.items())))
-        lines.append(f"  replay-prefix restore exact at random cut points: {self.replay_checked - len(self.replay_failures)}"
-                     f"/{self.replay_checked}")
+            lines.append("  per category: " + ", ".join(f"{c} {w}/{n}"
+                                                        for c, (w, n) in sorted(self.per_category.items())))
+        lines.append("  replay-prefix restore exact at random cut points: "
+                     f"{self.replay_checked - len(self.replay_failures)}/{self.replay_checked}")
         lines.append(f"  altered prefix raised DivergenceError: {self.tamper_checked - len(self.tamper_missed)}"
                      f"/{self.tamper_checked}")
         if self.replay_skipped:
@@ -130,7 +131,8 @@ def _check_tamper(env: TextEnv, trace: Trace, rng: random.Random, rep: CheckRepo
         replay(env, bad, len(bad.actions))
     except DivergenceError as e:
         if e.step < j + 1:
-            rep.tamper_missed.append(f"{trace.task_id}: divergence reported at step {e.step}, before the edit at {j + 1}")
+            rep.tamper_missed.append(f"{trace.task_id}: divergence reported at step {e.step}, "
+                                     f"before the edit at {j + 1}")
         return
     rep.tamper_missed.append(f"{trace.task_id}: altered action {j} replayed without a divergence error")
 

@@ -1,8 +1,9 @@
 """FrozenLake as in RAGEN: gymnasium's FrozenLake-v1 (slippery) on random maps, text boards.
 
 The dynamics, map generator and RNG are gymnasium's own. The board is rendered in RAGEN's symbols
-(drawn from the map, not from gymnasium's ``ansi`` render, whose colour codes would leak into prompts). The RNG state is part of the
-fingerprint, so a replay that draws different slips is caught, and it is included in snapshots.
+(drawn from the map, not from gymnasium's ``ansi`` render, whose colour codes would leak into prompts).
+The RNG state is part of the fingerprint, so a replay that draws different slips is caught, and it is
+included in snapshots.
 """
 from __future__ import annotations
 

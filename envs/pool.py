@@ -95,7 +95,7 @@ def _handle(env: Any, cmd: str, args: Any) -> Any:
 
 def _replay_journal(env: Any, journal: list[tuple]) -> tuple[str, dict[str, Any]]:
     obs, info = "", {}
-    for i, op in enumerate(journal):
+    for _i, op in enumerate(journal):
         if op[0] == "reset":
             obs, info = env.reset(op[1], op[2])
         elif op[0] == "step":

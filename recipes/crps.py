@@ -54,7 +54,8 @@ class CRPS(Recipe):
         super().__init__(cfg)
         p = self.p
         if len(p.band) != 2 or not 0.0 <= p.band[0] < p.band[1] <= 1.0:
-            raise ConfigError(f"bad value for 'extra.band': {p.band!r}; allowed: [rho_l, rho_u] with 0 <= rho_l < rho_u <= 1")
+            raise ConfigError(f"bad value for 'extra.band': {p.band!r}; "
+                              "allowed: [rho_l, rho_u] with 0 <= rho_l < rho_u <= 1")
         if not 0.0 <= p.p_replay <= 1.0:
             raise ConfigError(f"bad value for 'extra.p_replay': {p.p_replay!r}; allowed: a number in [0, 1]")
         if not 0.0 < p.ema <= 1.0:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import re
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agentrl.config import ConfigError
@@ -162,7 +162,7 @@ class LEAFE(Recipe):
                                  [0.0] * len(t.gen_ids), p.rehearsal_beta)
                      for _, path in keep for t in path if t.gen_ids]
         counterfactual = []
-        for i, items in cf.items():
+        for _i, items in cf.items():
             items = sorted(items, key=lambda x: not x[1])  # branches that then succeeded first
             counterfactual += [s for s, _ in items[:p.cf_per_task]]
         stats = {f"leafe_{k}": float(v) for k, v in n.items()}
@@ -174,7 +174,7 @@ class LEAFE(Recipe):
     def _reflect(self, trainer: "Trainer", points: list, queues: dict, n: dict, rng: random.Random) -> None:
         p = self.p
         prompts = []
-        for i, b, ep, t, failed in points:
+        for _i, b, ep, t, failed in points:
             path = (b.prefix + ep.turns)[:t]
             obs = b.observations[:len(b.prefix)] + [ep.initial_observation] + [x.observation for x in ep.turns]
             steps = [(obs[j], " || ".join(path[j].actions) or "(no valid action)") for j in range(t)]
@@ -183,7 +183,7 @@ class LEAFE(Recipe):
         outs = trainer.generate(prompts, SamplingParams(temperature=self.cfg.rollout.temperature,
                                                                   max_new_tokens=p.reflect_tokens,
                                                                   seed=rng.randrange(2**31)))
-        for (i, b, ep, t, failed), out in zip(points, outs):
+        for (i, b, ep, t, _failed), out in zip(points, outs):
             n["reflections"] += 1
             parsed = parse_reflection(out.text, t)
             if parsed is None:
@@ -256,8 +256,8 @@ class EarlyExp(Recipe):
                     history.append((obs, " || ".join(turn.actions)))
                 obs = turn.observation
             for hist, o, a, nxt in rng.sample(steps, min(p.pairs_per_task, len(steps))):
-                prompt = chat_ids(tok, [{"role": "user", "content": world_model_prompt(best.instruction, hist[-5:], o, a,
-                                                                                        len(hist))}])
+                prompt = chat_ids(tok, [{"role": "user",
+                                         "content": world_model_prompt(best.instruction, hist[-5:], o, a, len(hist))}])
                 target = tok(nxt, add_special_tokens=False)["input_ids"] + eos
                 samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, dict(task=best.task_id)))
         stats = dict(iwm_samples=float(len(samples)), iwm_rollout_success=sum(e.won for e in eps) / max(1, len(eps)))

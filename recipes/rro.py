@@ -11,7 +11,7 @@ Fit: DPO on the pairs, the policy before the fit being the reference.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agentrl.dpo import PreferencePair, fit_dpo
 from agentrl.recipe import RECIPES, Recipe
@@ -121,7 +121,8 @@ class RRO(Recipe):
                         mc_of[i] = len(mc_starts)
                         mc_starts.append(Start(w.task_id, w.seed, f"mc:{t}:{i}",
                                                trace=w.trace(env, turn.actions, turn.fingerprints),
-                                               t0=len(w.actions) + len(turn.actions), reseed=trainer.rng.randrange(2**31),
+                                               t0=len(w.actions) + len(turn.actions),
+                                               reseed=trainer.rng.randrange(2**31),
                                                history=list(w.history) + ([(w.obs, " || ".join(turn.actions))]
                                                                           if turn.actions else []),
                                                max_turns=max_turns - t - 1))

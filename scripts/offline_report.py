@@ -35,7 +35,8 @@ for label, c in curves.items():
     d = dict(c)
     print(f"| {label} | " + " | ".join(f"{d[k]:.3f}" if k in d else "-" for k in ks) + " |")
 print()
-print("| method | candidates sampled per step | preference pairs | held-out success (greedy, 96), before -> after DPO |")
+print("| method | candidates sampled per step | preference pairs | "
+      "held-out success (greedy, 96), before -> after DPO |")
 print("| --- | --- | --- | --- |")
 for r in ("rro", "ipr"):
     try:

@@ -18,7 +18,7 @@ for recipe in sys.argv[2:]:
         ev = [r for r in rows if "eval/success" in r]
         steps = [r for r in rows if "all_zero_groups" in r]
 
-        def mean(key):
+        def mean(key, steps=steps):
             v = [r[key] for r in steps if key in r]
             return sum(v) / len(v) if v else float("nan")
 

@@ -36,8 +36,8 @@ def main() -> None:
     from agentrl.sft import expert_samples, fit_sft
     from agentrl.trainer import Trainer
 
-    overrides = [f"trainer.seed={a.seed}", "trainer.out_dir=/tmp/warmstart-study-{env}-s{seed}", "trainer.tensorboard=false",
-                 *a.overrides]
+    overrides = [f"trainer.seed={a.seed}", "trainer.out_dir=/tmp/warmstart-study-{env}-s{seed}",
+                 "trainer.tensorboard=false", *a.overrides]
     cfg = load_config(a.recipe, env=a.env, overrides=overrides, model=a.model)
     trainer = Trainer(cfg, RECIPES.get(cfg.method or cfg.recipe)(cfg))
     try:
@@ -63,8 +63,9 @@ def main() -> None:
                 res["eval/sampled_success"] = smp["eval/success"]
             print(json.dumps(dict(sft_pass=p, sft_s=round(t_sft, 1), eval_s=round(time.perf_counter() - t0 - t_sft, 1),
                                   loss=round(stats["sft_loss_last"], 3),
-                                  **{k: round(v, 3) for k, v in res.items() if k.startswith(("eval/success", "eval/sampled")) or k in (
-                                      "eval/turns_per_episode", "eval/valid_format")})), flush=True)
+                                  **{k: round(v, 3) for k, v in res.items()
+                                     if k.startswith(("eval/success", "eval/sampled"))
+                                     or k in ("eval/turns_per_episode", "eval/valid_format")})), flush=True)
         if a.save:
             trainer.engine.export_weights(a.save)
     finally:

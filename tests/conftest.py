@@ -10,6 +10,11 @@ CORPUS = [
 ] * 20
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: multi-process, DeepSpeed, real-engine or end-to-end training tests "
+                                       "(seconds to minutes each); `make test-fast` leaves them out")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from agentrl.learner.models import build_tiny

@@ -133,7 +133,8 @@ def test_search_expert_pick_two_returns_to_an_object_it_saw():
     from envs.alfworld_search import SearchGoal, search_action
 
     goal = SearchGoal("pick_two_obj_and_place", "mug", "countertop")
-    steps = [("go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is open. In it, you see a mug 1, and a mug 2."),
+    steps = [("go to cabinet 1",
+              "You arrive at cabinet 1. The cabinet 1 is open. In it, you see a mug 1, and a mug 2."),
              ("take mug 1 from cabinet 1", "You pick up the mug 1 from the cabinet 1."),
              ("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see nothing."),
              ("move mug 1 to countertop 1", "You move the mug 1 to the countertop 1.")]

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from agentrl.algos.advantages import ESTIMATORS, assign, discounted_returns, gae, gigpo
-from agentrl.algos.filters import FILTERS, variance_filter
+from agentrl.algos.advantages import (ESTIMATORS, AdvantageInput, assign, discounted_returns, dr_grpo, gae, gigpo,
+                                      grpo, reinforce_pp, reinforce_pp_baseline, rloo)
+from agentrl.algos.filters import FILTERS, FilterContext, variance_filter
 from agentrl.algos.losses import (aggregate, clip_cov_mask, dpo_loss, kl_penalty, policy_loss, ppo_objective,
                                   sft_loss, value_loss)
 from agentrl.registry import RegistryError
@@ -17,16 +18,20 @@ G = ["a", "a", "a", "a", "b", "b"]
 
 def test_grpo_by_hand():
     # group a: mean .5, population std .5 -> +-1; group b: mean .75, std .25 -> +-1
-    adv = ESTIMATORS.get("grpo")(R, G, eps=0.0)
+    adv = grpo(R, G, eps=0.0)
     assert adv.tolist() == pytest.approx([1, -1, -1, 1, 1, -1])
 
 
 def test_dr_grpo_rloo_reinforce_pp_by_hand():
-    assert ESTIMATORS.get("dr_grpo")(R, G).tolist() == pytest.approx([.5, -.5, -.5, .5, .25, -.25])
+    assert dr_grpo(R, G).tolist() == pytest.approx([.5, -.5, -.5, .5, .25, -.25])
     # rloo: 1 - mean(0,0,1)=2/3; 0 - mean(1,0,1)=-2/3; group b: 1-.5=.5, .5-1=-.5
-    assert ESTIMATORS.get("rloo")(R, G).tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, .5, -.5])
+    assert rloo(R, G).tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, .5, -.5])
     mean, std = R.mean().item(), R.std(unbiased=False).item()
-    assert ESTIMATORS.get("reinforce_pp")(R, G, eps=0.0).tolist() == pytest.approx(((R - mean) / std).tolist())
+    assert reinforce_pp(R, G, eps=0.0).tolist() == pytest.approx(((R - mean) / std).tolist())
+    # with a group baseline: dr_grpo's [.5, -.5, -.5, .5, .25, -.25], divided by their batch std
+    centred = [.5, -.5, -.5, .5, .25, -.25]
+    bstd = math.sqrt(sum(c * c for c in centred) / 6 - (sum(centred) / 6) ** 2)
+    assert reinforce_pp_baseline(R, G, eps=0.0).tolist() == pytest.approx([c / bstd for c in centred])
     with pytest.raises(RegistryError, match="unknown advantage estimator 'grpoo'; allowed: .*grpo"):
         ESTIMATORS.get("grpoo")
 
@@ -61,6 +66,25 @@ def test_gigpo_step_groups_by_hand():
     assert out[1].tolist() == pytest.approx([-1.0, -0.5])
     assert discounted_returns([0, 0, 1], 0.5) == [0.25, 0.5, 1.0]
     assert [t.tolist() for t in assign(torch.tensor([2.0, -1.0]), [2, 1])] == [[2.0, 2.0], [-1.0]]
+
+
+def test_every_estimator_takes_one_input_and_declares_what_it_needs():
+    x = AdvantageInput(R, G, [[0.0, r] for r in R.tolist()], [[0.0, r] for r in R.tolist()])
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
+        est = ESTIMATORS.get(name)
+        assert not est.needs_values and not est.needs_anchors
+        out = est(x)  # one advantage per episode, on each of its two turns
+        assert [a for a, b in out.per_turn] == [b for a, b in out.per_turn] and out.returns is None
+    assert ESTIMATORS.get("grpo")(x).per_turn[0][0] == pytest.approx(float(grpo(R, G)[0]))
+    assert ESTIMATORS.get("gae").needs_values and ESTIMATORS.get("gigpo").needs_anchors
+    with pytest.raises(ValueError, match="'gae' needs the critic's values"):
+        ESTIMATORS.get("gae")(x)
+    x.values = [[0.5, 0.25]] * 6
+    out = ESTIMATORS.get("gae")(x)  # gamma = lam = 1: A_t = sum of rewards from t - V_t; returns = A + V
+    assert out.per_turn[0] == pytest.approx([1.0 - 0.5, 1.0 - 0.25]) and out.returns[0] == pytest.approx([1.0, 1.0])
+    x.whiten = True  # every turn of the batch: mean 0, std 1
+    flat = torch.tensor([a for row in ESTIMATORS.get("gae")(x).per_turn for a in row])
+    assert float(flat.mean()) == pytest.approx(0.0, abs=1e-6) and float(flat.std(unbiased=False)) == pytest.approx(1.0)
 
 
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -131,9 +155,9 @@ def _ep(group, reward, finish="stop", actions=("a",), fmt=True):
 
 def test_variance_filter_keeps_top_groups():
     eps = [_ep("flat", 1.0), _ep("flat", 1.0), _ep("mixed", 1.0), _ep("mixed", 0.0), _ep("some", .5), _ep("some", 0.)]
-    kept, dropped = variance_filter(eps, keep_top=0.5)
+    kept, dropped = variance_filter(eps, FilterContext(variance_keep=0.5))
     assert {e.group_id for e in kept} == {"mixed", "some"} and dropped == 2
-    kept, _ = variance_filter(eps, keep_top=0.25)
+    kept, _ = FILTERS.get("variance")(eps, FilterContext(variance_keep=0.25))
     assert {e.group_id for e in kept} == {"mixed"}
 
 
@@ -151,7 +175,7 @@ def test_zero_variance_filter_drops_groups_with_equal_rewards():
     from agentrl.types import Episode
 
     eps = [Episode("e", "t", 0, g, won=w) for g, w in [("a", 0), ("a", 0), ("b", 1), ("b", 0), ("c", 1), ("c", 1)]]
-    kept, dropped = zero_variance_filter(eps, lambda e: float(e.won))
+    kept, dropped = zero_variance_filter(eps, FilterContext(reward=lambda e: float(e.won)))
     assert [e.group_id for e in kept] == ["b", "b"] and dropped == 4
 
 
@@ -160,9 +184,10 @@ def test_a_group_of_equal_rewards_float32_cannot_represent_gets_zero_advantage(n
     # 0.1 is not exact in float32: mean - r is ~1e-9 and grpo's division by (std + eps) blew it up to ~-0.007
     r = torch.full((8,), 0.1)
     r = torch.cat([r, torch.tensor([1.0, 0.0])])
-    adv = ESTIMATORS.get(name)(r, ["a"] * 8 + ["b", "b"])
+    fn = dict(grpo=grpo, dr_grpo=dr_grpo, rloo=rloo, reinforce_pp=reinforce_pp)[name]
+    adv = fn(r, ["a"] * 8 + ["b", "b"])
     if name == "reinforce_pp":  # one batch-level baseline: only an all-equal batch is exactly zero
-        adv = ESTIMATORS.get(name)(torch.full((8,), 0.1), ["a"] * 8)
+        adv = fn(torch.full((8,), 0.1), ["a"] * 8)
         assert adv.tolist() == [0.0] * 8
     else:
         assert adv[:8].tolist() == [0.0] * 8
@@ -199,16 +224,17 @@ def test_penalties_in_the_turn_rewards_are_counted_once(kind, expected):
 
     cfg = load_config("grpo", env="sokoban", overrides=[f"algo.reward={kind}", "rollout.format_penalty=-0.1",
                                                         "algo.estimator=gae", "algo.filters=[]", "algo.gamma=1.0",
+                                                        "algo.turn_weight=uniform",
                                                         "algo.lam=1.0"])
     recipe = Recipe(cfg)
     ep = _shaped_episode(won=True)
     assert recipe.reward(ep) == pytest.approx(expected)
-    samples, _ = recipe.make_batch(None, [ep])
 
     class ZeroCritic:  # values 0 with gamma = lam = 1: the first turn's advantage is the whole return
         def values(self, s):
             return [0.0] * len(s)
 
-    samples = recipe.critic_advantages(ZeroCritic(), samples)
+    samples, _ = recipe.make_batch(ZeroCritic(), [ep])
     first = samples[0].advantages[samples[0].loss_mask.index(1)]
     assert first == pytest.approx(expected)
+    assert samples[0].returns[samples[0].loss_mask.index(1)] == pytest.approx(expected)

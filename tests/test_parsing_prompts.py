@@ -75,8 +75,9 @@ def test_compact_prompt_keeps_the_content_and_drops_the_boilerplate():
             ["take mug", "look"])
     paper = step_messages(*args, history_len=2)[-1]["content"]
     text = step_messages(*args, history_len=2, prompt="compact")[-1]["content"]
-    assert text.splitlines() == ["Task: put the mug in the box", "Step 4.", "Earlier actions: a1", "o2", "> a2", "o3", "> a3",
-                                 "You see a mug.", "Actions: take mug | look", "Answer with <action>one action</action>."]
+    assert text.splitlines() == ["Task: put the mug in the box", "Step 4.", "Earlier actions: a1", "o2", "> a2", "o3",
+                                 "> a3", "You see a mug.", "Actions: take mug | look",
+                                 "Answer with <action>one action</action>."]
     assert len(text) < len(paper) / 2
 
 
@@ -86,7 +87,8 @@ def test_compact_tried_prompt_lists_tried_actions_apart_from_the_untried_ones():
     text = step_messages(spec, "find a mug", "You see a pen.", history, 4,
                          ["go to cabinet 1", "go to cabinet 2", "take pen 1 from desk 1", "go to sofa 1"],
                          history_len=1, prompt="compact_tried")[-1]["content"]
-    assert text.splitlines() == ["Task: find a mug", "Step 5.", "Tried: go to cabinet 1 | open cabinet 1 | go to desk 1",
+    assert text.splitlines() == ["Task: find a mug", "Step 5.",
+                                 "Tried: go to cabinet 1 | open cabinet 1 | go to desk 1",
                                  "o4", "> go to desk 1", "You see a pen.",
                                  "Actions: go to cabinet 2 | take pen 1 from desk 1 | go to sofa 1",
                                  "Answer with <action>one action</action>."]

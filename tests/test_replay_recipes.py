@@ -1,9 +1,7 @@
 """CRPS and SPEAR parts against the papers' equations, on hand-made inputs."""
 import math
-import random
 
 import pytest
-import torch
 
 from agentrl.buffers.sil import BaselineBuffer, SILBuffer, SILEntry, dual_filter
 from agentrl.buffers.success import SuccessBuffer
@@ -66,7 +64,8 @@ def test_success_buffer_gates_insertion_by_group_accuracy_eq7():
     assert not buf.offer(_episode("replayed", start_index=2), 0.25, ctrl())  # suffix replays are not traces
     assert len(buf) == 1 and buf.counts["rejected_easy"] == 1 and buf.counts["duplicate"] == 1
     e = buf.entries["hard:0"]
-    assert e.T == 3 and e.trace.actions == ["up", "left", "down"] and e.trace.fingerprints == ["fp0", "fp1", "fp2", "fp3"]
+    assert (e.T == 3 and e.trace.actions == ["up", "left", "down"]
+            and e.trace.fingerprints == ["fp0", "fp1", "fp2", "fp3"])
     assert e.handover(1) == (2, 2) and e.history(2) == [("obs0", "up"), ("obs1", "left")]
     assert e.handover(5) == (0, 0)  # k >= T: from the initial state
 

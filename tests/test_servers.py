@@ -31,7 +31,8 @@ def test_pool_keeps_groups_together_and_survives_a_dead_server(tiny_generator):
     calls = []
     for u, c in pool.clients.items():  # record which server got which prompts
         real = c.generate
-        c.generate = lambda p, s, seeds=None, _u=u, _r=real: calls.append((_u, [tuple(x) for x in p])) or _r(p, s, seeds)
+        c.generate = lambda p, s, seeds=None, _u=u, _r=real: (calls.append((_u, [tuple(x) for x in p]))
+                                                              or _r(p, s, seeds))
     a, b = [1, 2, 3, 4], [5, 6, 7]
     prompts, seeds = [a, a, a, b, b, b], [11, 12, 13, 14, 15, 16]
     out = pool.generate(prompts, SAMPLING, seeds)
@@ -80,8 +81,8 @@ def test_shared_memory_weights_round_trip_into_the_worker_extension(tiny_model_d
     path, manifest = SharedMemorySync(str(tmp_path)).write(eng.iter_weights())
     got = {}
     worker = SharedMemoryWeights()
-    worker.model_runner = types.SimpleNamespace(reload_weights=lambda weights_iterator, is_checkpoint_format: got.update(
-        {n: t.clone() for n, t in weights_iterator}))
+    worker.model_runner = types.SimpleNamespace(reload_weights=lambda weights_iterator, is_checkpoint_format:
+                                                got.update({n: t.clone() for n, t in weights_iterator}))
     worker.get_model = lambda: torch.nn.Linear(1, 1)  # no tied embedding to redo
     assert worker.agentrl_load_shm(manifest)["loaded"] == len(dict(eng.model.named_parameters()))
     for name, p in eng.model.named_parameters():

@@ -118,5 +118,6 @@ def test_bandit_payoffs_and_reversal():
 
 def test_bandit_heldout_names():
     env = make("bandit")
-    names = lambda split: {n for t in env.tasks(split) for n in t.task_id.split("/")[1].split("-")[:2]}
+    def names(split):
+        return {n for t in env.tasks(split) for n in t.task_id.split("/")[1].split("-")[:2]}
     assert not names("train") & names("test")

@@ -95,7 +95,8 @@ def test_malformed_yaml_and_inheritance(tmp_path):
     with pytest.raises(ConfigError, match="malformed YAML"):
         load_config(str(bad))
     child = tmp_path / "mine.yaml"
-    child.write_text("base: starpo_s\nalgo:\n  variance_keep: 0.5\nenv_overlays:\n  bandit:\n    rollout: {group_size: 16}\n")
+    child.write_text("base: starpo_s\nalgo:\n  variance_keep: 0.5\n"
+                     "env_overlays:\n  bandit:\n    rollout: {group_size: 16}\n")
     cfg = load_config(str(child), env="bandit")
     assert cfg.recipe == "mine" and cfg.method == "starpo_s" and cfg.algo.variance_keep == 0.5
     assert cfg.rollout.chat_mode == "full" and cfg.algo.filters == ["dropped", "variance"]  # from starpo(_s)

@@ -53,8 +53,8 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
             "trainer.generator=vllm", "trainer.vllm_servers=2", "trainer.vllm_port=18641", "sft.enabled=false",
             "trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=4", "rollout.group_size=2",
             "rollout.slots=8", "rollout.fill_groups=0", "rollout.max_turns=3", "rollout.max_new_tokens=16",
-            "algo.reward=env_return", "rollout.format_penalty=-0.1", "algo.entropy_coef=0.001", "algo.filters=[dropped]",
-            "eval.tasks=4",
+            "algo.reward=env_return", "rollout.format_penalty=-0.1", "algo.entropy_coef=0.001",
+            "algo.filters=[dropped]", "eval.tasks=4",
             "eval.every=1", "trainer.checkpoint_every=1"]
     cfg = load_config("grpo", env="sokoban", overrides=over)
     trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))

@@ -14,7 +14,8 @@ SHAMPOO = Product("B000000001", "Lumina sulfate free argan oil shampoo", "shampo
                   "A shampoo with argan oil.", ["sulfate free", "argan oil"],
                   {"size": ["8 fl oz", "16 fl oz"], "scent": ["lavender", "mint"]}, 12.5)
 GOAL = Goal("B000000001", "i need sulfate free shampoo ...", "Lumina sulfate free argan oil shampoo", "shampoo",
-            "Beauty & Personal Care › Hair Care › Shampoo", ["sulfate free", "paraben free"], ["16 fl oz", "mint"], 20.0)
+            "Beauty & Personal Care › Hair Care › Shampoo", ["sulfate free", "paraben free"], ["16 fl oz", "mint"],
+            20.0)
 VOCAB = frozenset("sulfate free argan oil paraben fl oz lavender mint 8 16".split())
 
 
@@ -60,7 +61,8 @@ def test_pages_and_actions():
     obs, r, term, _, info = env.step("click[buy now]")
     assert not info["action_is_valid"] and not term
     obs, *_, info = env.step("search[shampoo]")
-    assert info["page"] == "results" and "Page 1 (Total results:" in obs and "click[next >]" in info["admissible_actions"]
+    assert (info["page"] == "results" and "Page 1 (Total results:" in obs
+            and "click[next >]" in info["admissible_actions"])
     env.step("click[next >]")
     assert "Page 2" in env.last_obs and "click[< prev]" in env.last_info["admissible_actions"]
     asin = [a for a in env.last_info["admissible_actions"] if a.startswith("click[b0")][0]
@@ -103,7 +105,8 @@ def test_real_webshop_files(tmp_path):
                              "instruction_attributes": ["sulfate free"], "instruction_options": ["16 fl oz"]}] * 3}
     (tmp_path / "items_human_ins.json").write_text(json.dumps(human))
     cat = load_webshop_files(tmp_path, n_test=1, n_valid=1)
-    assert list(cat.products) == ["B000000001"] and cat.products["B000000001"].options == {"size": ["8 fl oz", "16 fl oz"]}
+    assert (list(cat.products) == ["B000000001"]
+            and cat.products["B000000001"].options == {"size": ["8 fl oz", "16 fl oz"]})
     assert [len(cat.goals[s]) for s in ("test", "valid", "train")] == [1, 1, 1]
     goal = cat.goals["train"][0]
     assert goal.instruction.startswith("i want sulfate free shampoo in 16 fl oz, and price lower than")

@@ -1,14 +1,21 @@
 """Advantage estimators. Pure functions of rewards, groups and (for GAE) values; no model in sight.
 
-Outcome estimators take one scalar reward per trajectory and the group each trajectory belongs to (G
-rollouts of one task from one start state) and return one advantage per trajectory; ``assign`` then
-spreads it over turns or tokens. ``gae`` works on per-step rewards and values. ``gigpo`` adds
-step-level advantages from groups of identical anchor states across a group's trajectories.
+Every registered estimator has one shape: it takes an ``AdvantageInput`` (episode rewards, group ids,
+per-turn rewards, and, when it declares that it needs them, the critic's per-turn values or the env's
+per-turn anchor states) and returns ``Advantages``: one advantage per turn of every episode, plus value
+targets when it trains a critic. A new estimator is one function under ``@estimator(...)``.
+
+The math lives in plain functions of tensors (``grpo``, ``gae``, ``gigpo``, ...), tested by hand: outcome
+estimators take one scalar reward per trajectory and the group each trajectory belongs to (G rollouts
+of one task from one start state) and return one advantage per trajectory. ``gae`` works on per-step
+rewards and values. ``gigpo`` adds step-level advantages from groups of identical anchor states across
+a group's trajectories.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -16,6 +23,73 @@ from agentrl.registry import Registry
 
 ESTIMATORS = Registry("advantage estimator")
 EPS = 1e-6
+
+
+@dataclass
+class AdvantageInput:
+    """What an estimator may read about a batch of N episodes."""
+
+    rewards: torch.Tensor  # (N,) each episode's reward (what is optimized)
+    group_ids: Sequence[str]  # the group of each episode (rollouts of one start state)
+    turn_rewards: Sequence[Sequence[float]]  # each episode's reward split over its turns (sums to rewards)
+    step_rewards: Sequence[Sequence[float]]  # each turn's env reward plus shaping penalties
+    anchors: Sequence[Sequence[str]] | None = None  # env fingerprint before each turn (needs_anchors)
+    values: Sequence[Sequence[float]] | None = None  # the critic's value before each turn (needs_values)
+    gamma: float = 1.0
+    lam: float = 1.0
+    step_weight: float = 1.0  # GiGPO's weight of the step-level advantage
+    whiten: bool = False  # normalize the batch's advantages to mean 0, std 1 (verl's GAE default)
+
+
+@dataclass
+class Advantages:
+    per_turn: list[list[float]]  # one advantage per turn of every episode
+    returns: list[list[float]] | None = None  # value targets per turn (estimators with a critic)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    name: str
+    fn: Callable[[AdvantageInput], Advantages]
+    needs_values: bool = False  # the trainer builds a value head and fills ``values``
+    needs_anchors: bool = False  # the recipe fills ``anchors`` from the env's fingerprints
+
+    def __call__(self, x: AdvantageInput) -> Advantages:
+        if self.needs_values and x.values is None:
+            raise ValueError(f"estimator '{self.name}' needs the critic's values")
+        if self.needs_anchors and x.anchors is None:
+            raise ValueError(f"estimator '{self.name}' needs per-turn anchor states")
+        out = self.fn(x)
+        if x.whiten:
+            out.per_turn = whitened(out.per_turn)
+        return out
+
+
+def estimator(name: str, needs_values: bool = False, needs_anchors: bool = False
+              ) -> Callable[[Callable[[AdvantageInput], Advantages]], Callable[[AdvantageInput], Advantages]]:
+    """Register ``fn(AdvantageInput) -> Advantages`` as ``algo.estimator: name``."""
+    def deco(fn: Callable[[AdvantageInput], Advantages]) -> Callable[[AdvantageInput], Advantages]:
+        ESTIMATORS.register(name)(Estimator(name, fn, needs_values, needs_anchors))
+        return fn
+    return deco
+
+
+def per_episode(adv: torch.Tensor, x: AdvantageInput) -> Advantages:
+    """One advantage per episode, given to each of its turns."""
+    return Advantages([[float(a)] * len(tr) for a, tr in zip(adv.tolist(), x.turn_rewards)])
+
+
+def whitened(per_turn: list[list[float]], eps: float = 1e-8) -> list[list[float]]:
+    """Advantages shifted and scaled to mean 0, std 1 over every turn of the batch."""
+    flat = torch.tensor([a for row in per_turn for a in row], dtype=torch.float64)
+    if flat.numel() < 2:
+        return per_turn
+    flat = (flat - flat.mean()) / (flat.std(unbiased=False) + eps)
+    out, k = [], 0
+    for row in per_turn:
+        out.append(flat[k:k + len(row)].tolist())
+        k += len(row)
+    return out
 
 
 def _groups(group_ids: Sequence[str]) -> dict[str, list[int]]:
@@ -42,7 +116,6 @@ def _normalized(r: torch.Tensor, by_std: bool, eps: float) -> torch.Tensor:
     return out.to(r.dtype)
 
 
-@ESTIMATORS.register("grpo")
 def grpo(rewards: torch.Tensor, group_ids: Sequence[str], eps: float = EPS, **_: object) -> torch.Tensor:
     """(r - mean_group) / (std_group + eps)."""
     adv = torch.zeros_like(rewards)
@@ -51,7 +124,6 @@ def grpo(rewards: torch.Tensor, group_ids: Sequence[str], eps: float = EPS, **_:
     return adv
 
 
-@ESTIMATORS.register("dr_grpo")
 def dr_grpo(rewards: torch.Tensor, group_ids: Sequence[str], **_: object) -> torch.Tensor:
     """Dr. GRPO: r - mean_group, no std division (no difficulty bias)."""
     adv = torch.zeros_like(rewards)
@@ -60,7 +132,6 @@ def dr_grpo(rewards: torch.Tensor, group_ids: Sequence[str], **_: object) -> tor
     return adv
 
 
-@ESTIMATORS.register("rloo")
 def rloo(rewards: torch.Tensor, group_ids: Sequence[str], **_: object) -> torch.Tensor:
     """REINFORCE leave-one-out: r_i - mean of the other G-1 rewards of the group, i.e. G/(G-1) times
     r_i - mean_group."""
@@ -71,11 +142,45 @@ def rloo(rewards: torch.Tensor, group_ids: Sequence[str], **_: object) -> torch.
     return adv
 
 
-@ESTIMATORS.register("reinforce_pp")
 def reinforce_pp(rewards: torch.Tensor, group_ids: Sequence[str] | None = None, eps: float = EPS,
                  **_: object) -> torch.Tensor:
     """REINFORCE++: returns normalized over the whole batch (no per-prompt baseline)."""
     return _normalized(rewards, True, eps)
+
+
+def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: Sequence[str], eps: float = EPS,
+                          **_: object) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (REINFORCE++-baseline): subtract the group mean, then normalize
+    by the std of the whole batch (not the group's: no difficulty bias from small-variance groups)."""
+    centred = dr_grpo(rewards, group_ids).double()
+    if bool((centred == 0).all()):
+        return torch.zeros_like(rewards)
+    return (centred / (_std(centred) + eps)).to(rewards.dtype)
+
+
+@estimator("grpo")
+def _grpo(x: AdvantageInput) -> Advantages:
+    return per_episode(grpo(x.rewards, x.group_ids), x)
+
+
+@estimator("dr_grpo")
+def _dr_grpo(x: AdvantageInput) -> Advantages:
+    return per_episode(dr_grpo(x.rewards, x.group_ids), x)
+
+
+@estimator("rloo")
+def _rloo(x: AdvantageInput) -> Advantages:
+    return per_episode(rloo(x.rewards, x.group_ids), x)
+
+
+@estimator("reinforce_pp")
+def _reinforce_pp(x: AdvantageInput) -> Advantages:
+    return per_episode(reinforce_pp(x.rewards), x)
+
+
+@estimator("reinforce_pp_baseline")
+def _reinforce_pp_baseline(x: AdvantageInput) -> Advantages:
+    return per_episode(reinforce_pp_baseline(x.rewards, x.group_ids), x)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, lam: float = 1.0,
@@ -96,7 +201,16 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, lam: fl
     return adv, (adv + values) * mask
 
 
-ESTIMATORS.register("gae")(gae)
+@estimator("gae", needs_values=True)
+def _gae(x: AdvantageInput) -> Advantages:
+    """Turn-level GAE per episode; the value after the last turn is 0."""
+    per_turn, returns = [], []
+    for tr, v in zip(x.turn_rewards, x.values):
+        adv, ret = gae(torch.tensor([list(tr)], dtype=torch.float64), torch.tensor([list(v)], dtype=torch.float64),
+                       x.gamma, x.lam)
+        per_turn.append(adv[0].tolist())
+        returns.append(ret[0].tolist())
+    return Advantages(per_turn, returns)
 
 
 def discounted_returns(step_rewards: Sequence[float], gamma: float) -> list[float]:
@@ -107,7 +221,6 @@ def discounted_returns(step_rewards: Sequence[float], gamma: float) -> list[floa
     return out
 
 
-@ESTIMATORS.register("gigpo")
 def gigpo(rewards: torch.Tensor, group_ids: Sequence[str], step_rewards: Sequence[Sequence[float]],
           anchors: Sequence[Sequence[str]], gamma: float = 0.95, step_weight: float = 1.0, eps: float = EPS,
           normalize_std: bool = True, **_: object) -> list[torch.Tensor]:
@@ -125,13 +238,18 @@ def gigpo(rewards: torch.Tensor, group_ids: Sequence[str], step_rewards: Sequenc
             for t, a in enumerate(anchors[i]):
                 by_anchor[a].append((i, t))
         for members in by_anchor.values():
-            r = torch.tensor([returns[i][t] for i, t in members])
-            centred = r - r.mean()
-            if normalize_std:
-                centred = centred / (_std(r) + eps)
+            centred = _normalized(torch.tensor([returns[i][t] for i, t in members]), normalize_std, eps)
             for (i, t), a in zip(members, centred):
                 out[i][t] += step_weight * float(a)
     return out
+
+
+@estimator("gigpo", needs_anchors=True)
+def _gigpo(x: AdvantageInput) -> Advantages:
+    """Step returns from the env's per-turn rewards (shaped rewards give step credit inside an all-failed
+    group), the episode term from the episode rewards."""
+    per_turn = gigpo(x.rewards, x.group_ids, x.step_rewards, x.anchors, x.gamma, x.step_weight)
+    return Advantages([a.tolist() for a in per_turn])
 
 
 def assign(traj_adv: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:

@@ -18,7 +18,8 @@ LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| beyond this is clipped anyway (e^20 ~ 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm_len: int | None = None) -> torch.Tensor:
+def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+              norm_len: int | None = None) -> torch.Tensor:
     """Reduce per-token values to a scalar.
 
     token-mean: sum over all tokens / number of tokens (every token weighs the same);

@@ -75,7 +75,8 @@ class RemoteGenerator:
 
     # ----- Generator --------------------------------------------------------------------------
     def _body(self, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, Any]:
-        body: dict[str, Any] = dict(model=self.lora_name or self.model, prompt=prompts, max_tokens=sampling.max_new_tokens,
+        body: dict[str, Any] = dict(model=self.lora_name or self.model, prompt=prompts,
+                                    max_tokens=sampling.max_new_tokens,
                                     temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0,
                                     stop=sampling.stop or None, return_tokens_as_token_ids=True)
         # vLLM seeds every prompt of a request with the request's seed, so the G identical prompts of a

@@ -97,8 +97,8 @@ class EmbeddedGenerator:
         if shared:
             pre = torch.tensor([prompts[0][:shared]], device=dev)
             self.model(input_ids=pre, attention_mask=torch.ones_like(pre), past_key_values=cache, use_cache=True,
-                       position_ids=torch.arange(shared, device=dev)[None], cache_position=torch.arange(shared, device=dev),
-                       logits_to_keep=1)
+                       position_ids=torch.arange(shared, device=dev)[None],
+                       cache_position=torch.arange(shared, device=dev), logits_to_keep=1)
             for layer in cache.layers:
                 layer.keys = layer.keys.expand(n, -1, -1, -1).contiguous()
                 layer.values = layer.values.expand(n, -1, -1, -1).contiguous()

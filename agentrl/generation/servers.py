@@ -91,7 +91,7 @@ class ServerPool:
             jobs = [(n, idx) for n, idx in plan.items() if idx]
             with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
                 results = list(pool.map(lambda j: run(*j), jobs))
-            for name, idx, res in results:
+            for name, _idx, res in results:
                 if isinstance(res, GenerationServerError) and res.refused:
                     raise GenerationServerError(f"generation server {name} refused the request: {res}", res.status)
             for name, idx, res in results:

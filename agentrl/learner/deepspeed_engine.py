@@ -17,8 +17,8 @@ from typing import Any, Iterator
 import torch
 
 from agentrl.learner.batch import TokenBatch, micro_batches, row_blocks
-from agentrl.learner.engine import (EngineConfig, ValueHead, batch_prefix_len, batched_forward, forward_batch, rng_state,
-                                    set_rng_state)
+from agentrl.learner.engine import (EngineConfig, ValueHead, batch_prefix_len, batched_forward, forward_batch,
+                                    rng_state, set_rng_state)
 from agentrl.learner.protocol import LossFn
 
 ZERO3 = {

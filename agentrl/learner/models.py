@@ -131,7 +131,8 @@ def env_corpus(envs: tuple[str, ...] = ("sokoban", "sokoban-large", "frozenlake"
                 for step, (obs, action) in enumerate(zip(observations, trace.actions + [""])):
                     for m in step_messages(spec, env.instruction(), obs, history, step, None):
                         lines.append(m["content"])
-                    lines.append(f"<think>I should {action} now.</think><{spec.answer_tag}>{action}</{spec.answer_tag}>")
+                    lines.append(f"<think>I should {action} now.</think>"
+                                 f"<{spec.answer_tag}>{action}</{spec.answer_tag}>")
                     history.append((obs, action))
         finally:
             env.close()

@@ -66,7 +66,8 @@ def ragen_user(spec: PromptSpec, obs: str, admissible: list[str] | None) -> str:
     parts.append(obs if not spec.symbols else f"State:\n{obs}")
     if admissible and spec.max_actions_per_turn > 1:
         parts.append("Your available actions are:\n" + ", ".join(admissible) + "\nYou can make up to "
-                     f"{spec.max_actions_per_turn} actions, separated by the action separator \"{spec.action_separator.strip()}\"")
+                     f"{spec.max_actions_per_turn} actions, separated by the action separator "
+                     f"\"{spec.action_separator.strip()}\"")
     return "\n".join(parts)
 
 
@@ -93,5 +94,6 @@ def followup_user(spec: PromptSpec, obs: str, admissible: list[str] | None) -> s
     if admissible and spec.style != "ragen":
         text += "\nYour admissible actions are: [" + ", ".join(f"'{a}'" for a in admissible) + "]."
     if spec.max_actions_per_turn > 1:
-        text += f"\nYou can make up to {spec.max_actions_per_turn} actions, separated by \"{spec.action_separator.strip()}\"."
+        text += (f"\nYou can make up to {spec.max_actions_per_turn} actions, "
+                 f"separated by \"{spec.action_separator.strip()}\".")
     return text

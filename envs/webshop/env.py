@@ -69,7 +69,8 @@ class WebShopEnv(TextEnv):
 
     def prompt_spec(self) -> PromptSpec:
         return PromptSpec(system="You are an expert autonomous agent operating in the WebShop e-commerce environment.",
-                          instruction=self.goal.instruction if self.goal else "Buy the product the instruction asks for.",
+                          instruction=(self.goal.instruction if self.goal
+                                       else "Buy the product the instruction asks for."),
                           style="react", answer_tag="action", max_actions_per_turn=1)
 
     def instruction(self) -> str:
