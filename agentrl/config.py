@@ -75,14 +75,19 @@ class AlgoCfg:
     lam: float = 1.0
     whiten: bool = False  # advantages normalized to mean 0, std 1 over the batch (verl's PPO does this to GAE)
     gigpo_step_weight: float = 1.0
+    # the policy surrogate, from agentrl.algos.losses.LOSSES: ppo | gspo (set eps_low/high to ~3e-4/4e-4) |
+    # cispo | kl_cov
+    loss: str = "ppo"
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float | None = None
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
-    kl: Literal["k1", "k3", "none"] = "none"
+    kl: Literal["k1", "k2", "k3", "none"] = "none"
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     clip_cov_ratio: float = 0.0
+    kl_cov_ratio: float = 2e-3  # loss kl_cov: the fraction of tokens penalized
+    kl_cov_coef: float = 1.0  # loss kl_cov: the weight of |log r| on them
     ppo_epochs: int = 1
     # optimizer steps per epoch: the batch is shuffled and split into this many mini-batches (verl's
     # ppo_mini_batch_size). One full-batch step per RL step left the tiny model all but unmoved in 15 steps.
@@ -338,6 +343,7 @@ def build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 def _check_names(cfg: RecipeCfg) -> None:
     from agentrl.algos.advantages import ESTIMATORS
     from agentrl.algos.filters import FILTERS
+    from agentrl.algos.losses import LOSSES
     from agentrl.recipe import RECIPES
     from envs import registry
     import recipes  # noqa: F401  (registers the recipe classes)
@@ -354,6 +360,8 @@ def _check_names(cfg: RecipeCfg) -> None:
     if cfg.algo.estimator not in ESTIMATORS:
         raise ConfigError(f"bad value for 'algo.estimator': {cfg.algo.estimator!r}; allowed: "
                           f"{', '.join(ESTIMATORS.names())}")
+    if cfg.algo.loss not in LOSSES:
+        raise ConfigError(f"bad value for 'algo.loss': {cfg.algo.loss!r}; allowed: {', '.join(LOSSES.names())}")
     if ESTIMATORS.get(cfg.algo.estimator).needs_values and cfg.algo.level == "trajectory":
         raise ConfigError(f"'algo.estimator: {cfg.algo.estimator}' trains a critic on turns: it needs "
                           "'algo.level: turn' (a critic over whole full-chat episodes is not built)")

@@ -145,9 +145,9 @@ class Recipe:
     def objective_config(self) -> dict[str, Any]:
         """The ``ppo_objective`` settings from ``algo``, shared by every recipe's loss."""
         a = self.cfg.algo
-        return dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, agg=a.agg, kl=a.kl,
+        return dict(loss=a.loss, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, agg=a.agg, kl=a.kl,
                     kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, clip_cov_ratio=a.clip_cov_ratio,
-                    norm_len=self.cfg.rollout.max_new_tokens)
+                    kl_cov_ratio=a.kl_cov_ratio, kl_cov_coef=a.kl_cov_coef, norm_len=self.cfg.rollout.max_new_tokens)
 
     def loss_fn(self, trainer: "Trainer") -> Any:
         a = self.cfg.algo

@@ -31,6 +31,7 @@ def test_generator_is_deterministic():
     assert any(r[1] == "Fridge" for r in room.receptacles)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_expert_solves_every_task_type(env):
     for task in env.tasks("train")[6:12]:
@@ -45,12 +46,14 @@ def test_expert_solves_every_task_type(env):
             assert any(a.startswith(verb) for a in trace.actions), trace.actions
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_restore_and_tamper():
     rep = check_env("alfworld", n_expert=4, n_replay=4, seed=2)
     assert rep.ok and rep.success_rate == 1.0, rep.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_invalid_action_and_step_limit(env):
     tid = env.tasks("train")[0].task_id
@@ -72,6 +75,7 @@ def test_seen_and_unseen_rooms(env):
     assert off > n  # test (valid_unseen) layouts are offset beyond every training layout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_real_data_folder_is_used(tmp_path, env):
     """A folder laid out like ALFWorld's json_2.1.1 replaces the generated games."""
@@ -141,6 +145,7 @@ def test_search_expert_pick_two_returns_to_an_object_it_saw():
     assert search_action(goal, ROOM, steps, ["take mug 1 from countertop 1"]) == "go to cabinet 1"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_search_expert_wins_without_the_planner():
     """The default expert solves every task type from what the agent sees; the planner is never asked."""

@@ -238,3 +238,63 @@ def test_penalties_in_the_turn_rewards_are_counted_once(kind, expected):
     first = samples[0].advantages[samples[0].loss_mask.index(1)]
     assert first == pytest.approx(expected)
     assert samples[0].returns[samples[0].loss_mask.index(1)] == pytest.approx(expected)
+
+
+def _loss(name, logp, old, adv, mask, **cfg):
+    from agentrl.algos.losses import LOSSES
+
+    logp = logp.clone().requires_grad_(True)
+    loss, stats = LOSSES.get(name)(logp, old, adv, mask, cfg)
+    loss.backward()
+    return loss.item(), logp.grad, stats
+
+
+def test_gspo_uses_one_ratio_per_sequence_by_hand():
+    # row 0: log-ratios .3 and -.1 -> s = exp(.1), above 1 + .05 with A > 0: clipped (no gradient),
+    # although its second token alone would not be; row 1: log-ratio .02 (one token) -> s = exp(.02),
+    # inside [.95, 1.05]: loss -s * A
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]])
+    old = torch.tensor([[-1.3, -1.9], [-0.52, 0.0]])
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, grad, stats = _loss("gspo", logp, old, adv, mask, eps_low=0.05, eps_high=0.05)
+    row0 = -(1 + 0.05) * 1.0
+    row1 = -math.exp(0.02) * -2.0
+    assert loss == pytest.approx((row0 + row1) / 2, rel=1e-5)
+    assert grad[0].tolist() == [0.0, 0.0]  # clipped sequence
+    # d/dlogp of -s*A/2 (seq-mean of a 1-token row, mean over 2 rows) = -s*A/2 at the one token
+    assert grad[1, 0].item() == pytest.approx(math.exp(0.02) * 2.0 / 2, rel=1e-5) and grad[1, 1] == 0
+    assert stats["clip_frac"] == pytest.approx(2 / 3)
+
+
+def test_cispo_keeps_a_gradient_on_clipped_tokens_by_hand():
+    # ratios e^.5 (clipped to 1.2) and 1; loss = -mean(w * A * logp), w detached
+    logp = torch.tensor([[-1.0, -2.0]])
+    old = torch.tensor([[-1.5, -2.0]])
+    adv = torch.tensor([[1.0, -1.0]])
+    loss, grad, _ = _loss("cispo", logp, old, adv, torch.tensor([[1, 1]]), eps_low=0.2, eps_high=0.2)
+    assert loss == pytest.approx(-(1.2 * 1.0 * -1.0 + 1.0 * -1.0 * -2.0) / 2)
+    assert grad[0].tolist() == pytest.approx([-1.2 / 2, 1.0 / 2])  # PPO would give token 0 no gradient
+
+
+def test_kl_cov_penalizes_only_the_highest_covariance_tokens_by_hand():
+    logp = torch.tensor([[-0.1, -3.0, -1.0, -2.0]])
+    old = logp - torch.tensor([[0.5, 0.0, 0.0, 0.0]])  # token 0 moved by log-ratio .5
+    adv = torch.tensor([[2.0, -1.0, 0.0, 0.0]])
+    # centred logp: mean -1.525 -> token 0: +1.425 x (A - .25 = 1.75) is the largest covariance
+    loss, _, stats = _loss("kl_cov", logp, old, adv, torch.tensor([[1, 1, 1, 1]]), kl_cov_ratio=0.25, kl_cov_coef=1.0)
+    assert stats["kl_cov_tokens"] == 1.0
+    surrogate = -(math.exp(0.5) * 2.0) - 1.0 * -1.0
+    assert loss == pytest.approx((surrogate + 0.5) / 4, rel=1e-5)
+
+
+def test_ppo_objective_looks_the_surrogate_up_by_name_and_k2_kl():
+    logp, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]])
+    adv, mask = torch.tensor([[1.0, -1.0]]), torch.tensor([[1, 1]])
+    for name in ("ppo", "cispo"):
+        direct, _, _ = _loss(name, logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
+        assert ppo_objective(logp, old, adv, mask, dict(loss=name))[0].item() == pytest.approx(direct)
+    with pytest.raises(RegistryError, match="unknown policy loss 'gpso'; allowed: cispo, gspo, kl_cov, ppo"):
+        ppo_objective(logp, old, adv, mask, dict(loss="gpso"))
+    ref = torch.tensor([[-1.2, -2.5]])
+    assert kl_penalty(logp, ref, "k2")[0].tolist() == pytest.approx([0.5 * 0.2 ** 2, 0.5 * 0.5 ** 2])

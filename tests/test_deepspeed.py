@@ -12,6 +12,7 @@ from agentrl.learner.engine import EngineConfig, OptimConfig, TorchEngine
 STEPS = 4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_zero3_two_process_cpu_matches_single_process_torch(tiny_model_dir, tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")

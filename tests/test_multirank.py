@@ -75,6 +75,7 @@ def reference(sokoban_sft_model_dir, tmp_path_factory):
     return root, args, one, two
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_ranks_under_the_deepspeed_launcher_match_one_process(reference):
     root, _, one, two = reference
@@ -93,6 +94,7 @@ def test_two_ranks_under_the_deepspeed_launcher_match_one_process(reference):
     assert [p.name for p in (root / "w2" / "checkpoints").iterdir()] == ["step-000003"]  # older ones dropped
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_rank_run_killed_mid_run_resumes_exactly(reference):
     root, args, _, two = reference
@@ -131,6 +133,7 @@ def recipe_reports(sokoban_sft_model_dir, tmp_path_factory):
     return root, [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_on_two_deepspeed_ranks(recipe, recipe_reports):
@@ -146,6 +149,7 @@ def test_recipe_runs_on_two_deepspeed_ranks(recipe, recipe_reports):
         assert last["sil_samples"] > 0  # the replay rows' log-probs were recomputed on both ranks
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dpo_on_two_ranks_matches_the_torch_engine(recipe_reports, sokoban_sft_model_dir, tmp_path):
     """Pairs stay whole on one rank and in one micro-batch: the same losses as one process."""

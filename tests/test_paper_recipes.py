@@ -10,6 +10,7 @@ from tests.test_trainer import run, small
 RECIPES = ["crps", "exp_replay", "dr_bot", "spear", "spear_dr_bot", "spear_gigpo"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_paper_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
@@ -41,6 +42,7 @@ def _expert_entry(env_name, task_id, seed=5):
     return ep, observations
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_crps_suffix_replay_restores_the_recorded_state_and_trains_only_on_the_suffix(tiny_model_dir, tmp_path):
     import recipes  # noqa: F401
@@ -95,6 +97,7 @@ def test_recipe_extra_keys_are_validated():
 OFFLINE = ["leafe", "early_exp", "rro", "ipr"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe", OFFLINE)
 def test_offline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
@@ -166,6 +169,7 @@ def test_leafe_reflection_parsing_bfs_budget_and_depth():
     assert taken == [0, 1, 2] and len(q) == 2  # FIFO order, budget respected
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_leafe_rollback_restores_the_recorded_observation_and_cf_excludes_experience(tiny_model_dir, tmp_path):
     """A branch restored to tau starts from exactly the observation recorded there; its counterfactual

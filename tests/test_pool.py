@@ -34,6 +34,7 @@ def _reference(name, tasks, seeds):
     return {i: run_expert(env, t, seeds[i])[1] for i, t in enumerate(tasks)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_killed_worker_mid_episode_is_restored_exactly():
     tasks, seeds = ["train/00011", "train/00014", "train/00016"], [0, 0, 0]  # expert needs 7, 6, 11 steps
@@ -48,6 +49,7 @@ def test_killed_worker_mid_episode_is_restored_exactly():
     assert got == _reference("sokoban-large", tasks, seeds)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_stochastic_env_survives_kill_and_hang():
     """FrozenLake's slips come from its RNG; the replay must reproduce them, or the episode is corrupt."""
@@ -65,6 +67,7 @@ def test_stochastic_env_survives_kill_and_hang():
     assert got == _reference("frozenlake", tasks, seeds)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_deterministic_crash_is_dropped_and_counted():
     with EnvPool(CRASHY, 2, step_timeout=3, max_restarts=2) as pool:

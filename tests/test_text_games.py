@@ -7,6 +7,7 @@ from envs.replay import run_expert
 from envs.textworld_env import clean_feedback
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_textworld_expert_and_restore():
     rep = check_env("textworld", n_expert=3, n_replay=3, seed=1)
@@ -14,6 +15,7 @@ def test_textworld_expert_and_restore():
     assert rep.success_rate == 1.0 and rep.snapshot_checked == 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_textworld_game_is_the_same_from_cache_and_reads_like_a_game():
     env = make("textworld")
@@ -32,6 +34,7 @@ def test_clean_feedback_drops_banner_and_status():
     assert clean_feedback(raw) == "Welcome! Go east.\n-= Pantry =-\nA pantry."
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_scienceworld_expert_and_replay():
     rep = check_env("scienceworld", n_expert=3, n_replay=2, seed=4)
@@ -40,6 +43,7 @@ def test_scienceworld_expert_and_replay():
     assert rep.tamper_checked == 2 and rep.snapshot_checked == 0  # replay-prefix only
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scienceworld_tasks_and_categories():
     env = make("scienceworld")

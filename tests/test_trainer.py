@@ -29,6 +29,7 @@ def run(cfg):
         t.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe", BASELINES)
 def test_baseline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
@@ -50,6 +51,7 @@ def test_baseline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
         assert "loss" in r or (r["rollout_rounds"] == 3 and r["filtered_zero_variance"] == 4 * 3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_killed_run_resumes_from_checkpoint(tiny_model_dir, tmp_path):
     cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=1"))
@@ -61,6 +63,7 @@ def test_killed_run_resumes_from_checkpoint(tiny_model_dir, tmp_path):
     assert trainer.step == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_run_killed_after_its_warm_start_keeps_it(tiny_model_dir, tmp_path):
     """The SFT warm start is checkpointed at step 0: a run killed before its first RL checkpoint resumes
@@ -131,6 +134,7 @@ def test_pass_at_k_unbiased():
     assert group_entropy_bits([True, False]) == 1.0 and group_entropy_bits([True] * 3) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_mini_batches_give_one_optimizer_step_each(tiny_model_dir, tmp_path):
     """algo.mini_batches x algo.ppo_epochs optimizer steps per update, every sample used once an epoch."""

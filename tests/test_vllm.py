@@ -9,6 +9,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("AGENTRL_TEST_VLLM") != "1",
                                 reason="opt-in: run `make test-vllm` (starts a real vLLM server, ~90 s)")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_vllm_serves_rollouts(tiny_generator, tiny_model_dir, tmp_path):
     from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
@@ -37,6 +38,7 @@ def test_command_shape(tiny_model_dir):
     assert "--enforce-eager" in cmd and "bfloat16" in cmd and "127.0.0.1" in cmd
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_sft_model_dir, tmp_path):
     """The training loop with `trainer.generator=vllm`: two real vLLM servers started by the trainer,
@@ -77,6 +79,7 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
     assert all(s.proc is None for s in trainer.generator.servers)  # stopped with the run
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_attaching_to_a_vllm_server_of_another_model_fails_before_training(tiny_model_dir, sokoban_sft_model_dir,
                                                                              tmp_path):
@@ -98,6 +101,7 @@ def test_attaching_to_a_vllm_server_of_another_model_fails_before_training(tiny_
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_lora_policy_syncs_as_adapters(sokoban_sft_model_dir, tmp_path):
     """A LoRA policy: each update loads the adapter (not the full weights) into the server, checked."""
@@ -127,6 +131,7 @@ def test_lora_policy_syncs_as_adapters(sokoban_sft_model_dir, tmp_path):
     assert len(list((tmp_path / "adapters").iterdir())) == 1  # only the adapter being served is kept
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_two_deepspeed_ranks_with_a_vllm_server(sokoban_sft_model_dir, tmp_path):
     """torchrun, 2 ZeRO-3 ranks, one vLLM server started by rank 0: both ranks sample from it, rank 0

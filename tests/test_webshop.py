@@ -76,6 +76,7 @@ def test_pages_and_actions():
     assert term and 0.0 <= r <= 1.0 and info["score"] == r and "Your score" in obs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_expert_scores_high_and_random_clicks_low():
     env = make("webshop")

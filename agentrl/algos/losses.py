@@ -1,8 +1,12 @@
 """Losses over token tensors (B, T) with a loss mask that is 1 only on policy-generated tokens.
 
-Policy: PPO/GRPO clipped surrogate with decoupled clip range (eps_low, eps_high: DAPO's clip-higher),
-dual clip (constant C for negative advantages), four aggregation modes, KL penalty (k1/k3), entropy
-bonus, Clip-Cov token masking. Also the clipped value loss, SFT (NLL on action tokens) and DPO.
+Policy surrogates are registered in ``LOSSES`` (``algo.loss``), one signature each:
+``fn(logp, old_logp, adv, mask, cfg) -> (loss, stats)``: ``ppo`` (clipped surrogate with decoupled clip
+range eps_low/eps_high, DAPO's clip-higher, and dual clip), ``gspo`` (sequence-level ratio), ``cispo``
+(clipped, detached importance weight on a REINFORCE term), ``kl_cov`` (KL penalty on the tokens of
+highest covariance). ``ppo_objective`` adds to the chosen surrogate the Clip-Cov mask, a KL penalty
+(k1/k2/k3) and the entropy bonus, over four aggregation modes. Also the clipped value loss, SFT (NLL on
+action tokens) and DPO.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import torch.nn.functional as F
 
 from agentrl.registry import Registry
 
-LOSSES = Registry("loss")
+LOSSES = Registry("policy loss")
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| beyond this is clipped anyway (e^20 ~ 5e8)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -64,13 +68,25 @@ def clip_cov_mask(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cli
     return keep
 
 
+def _log_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    # clamped before exp: a stale sample's log-ratio of +-100 would give inf (and inf * 0 = NaN)
+    return torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _ratio_stats(ratio: torch.Tensor, log_ratio: torch.Tensor, clipped: torch.Tensor, m: torch.Tensor
+                 ) -> dict[str, float]:
+    with torch.no_grad():
+        return dict(clip_frac=float(aggregate(clipped.to(m.dtype), m)),
+                    approx_kl=float(aggregate((ratio - 1) - log_ratio, m)),
+                    ratio_mean=float(aggregate(ratio, m)))
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                 eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
                 agg: str = "token-mean", norm_len: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), with dual clip
     max(., C A)-bounded loss for A < 0 when ``dual_clip`` (C > 1) is set."""
-    # clamped before exp: a stale sample's log-ratio of +-100 would give inf (and inf * 0 = NaN)
-    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = _log_ratio(logp, old_logp)
     ratio = torch.exp(log_ratio)
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
@@ -79,26 +95,97 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
         if dual_clip <= 1:
             raise ValueError(f"dual_clip constant must be > 1, got {dual_clip}")
         loss = torch.where(adv < 0, torch.min(loss, -dual_clip * adv), loss)
+    clipped = ((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
+    return aggregate(loss, mask, agg, norm_len), _ratio_stats(ratio, log_ratio, clipped, mask.to(logp.dtype))
+
+
+@LOSSES.register("ppo")
+def ppo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                  cfg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    return policy_loss(logp, old_logp, adv, mask, cfg.get("eps_low", 0.2), cfg.get("eps_high", 0.2),
+                       cfg.get("dual_clip"), cfg.get("agg", "token-mean"), cfg.get("norm_len"))
+
+
+@LOSSES.register("gspo")
+def gspo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                   cfg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al., 2025): one importance ratio per sequence, the geometric mean of its tokens'
+    s = exp(mean_t log(pi/pi_old)), clipped PPO-style (the paper's ranges are ~3e-4/4e-4) and averaged
+    per sequence, then over sequences. Per token it is written s_t = sg[s] * pi_t / sg[pi_t], which has
+    the same value and lets a per-token advantage through (GSPO-token)."""
     m = mask.to(logp.dtype)
-    with torch.no_grad():
-        clipped = ((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
-        stats = dict(clip_frac=float(aggregate(clipped.to(m.dtype), m)),
-                     approx_kl=float(aggregate((ratio - 1) - log_ratio, m)),
-                     ratio_mean=float(aggregate(ratio, m)))
-    return aggregate(loss, mask, agg, norm_len), stats
+    log_ratio = _log_ratio(logp, old_logp)
+    seq = torch.where(m > 0, log_ratio, torch.zeros_like(log_ratio)).sum(-1) / m.sum(-1).clamp(min=1)
+    log_s = torch.clamp(seq.detach()[:, None] + logp - logp.detach(), max=LOG_RATIO_CLAMP)
+    s = torch.exp(log_s)
+    eps_low, eps_high = cfg.get("eps_low", 3e-4), cfg.get("eps_high", 4e-4)
+    loss = -torch.min(s * adv, torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv)
+    clipped = ((s < 1 - eps_low) & (adv < 0)) | ((s > 1 + eps_high) & (adv > 0))
+    return aggregate(loss, mask, "seq-mean-token-mean"), _ratio_stats(s, log_s, clipped, m)
+
+
+@LOSSES.register("cispo")
+def cispo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                    cfg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2025): -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi. The importance
+    weight is clipped but detached, so every token keeps a gradient (PPO's clip zeroes the clipped
+    tokens'); MiniMax sets no lower bound in practice (a large eps_low)."""
+    log_ratio = _log_ratio(logp, old_logp)
+    ratio = torch.exp(log_ratio)
+    eps_low, eps_high = cfg.get("eps_low", 0.2), cfg.get("eps_high", 0.2)
+    weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach()
+    loss = -weight * adv * logp
+    clipped = (ratio < 1 - eps_low) | (ratio > 1 + eps_high)
+    return (aggregate(loss, mask, cfg.get("agg", "token-mean"), cfg.get("norm_len")),
+            _ratio_stats(ratio, log_ratio, clipped, mask.to(logp.dtype)))
+
+
+def top_cov_mask(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, ratio: float) -> torch.Tensor:
+    """1 on the ``ratio`` fraction (at least one) of valid tokens with the largest centred covariance
+    (logp - mean logp) * (A - mean A) over the valid tokens, 0 elsewhere."""
+    valid = mask.bool()
+    out = torch.zeros_like(logp, dtype=torch.bool)
+    n = int(valid.sum())
+    if n == 0 or ratio <= 0:
+        return out
+    lp, a = logp.detach()[valid], adv.detach()[valid]
+    cov = (lp - lp.mean()) * (a - a.mean())
+    k = max(1, int(ratio * n))
+    flat = torch.zeros(n, dtype=torch.bool)
+    flat[torch.topk(cov, k).indices] = True
+    out[valid] = flat
+    return out
+
+
+@LOSSES.register("kl_cov")
+def kl_cov_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                     cfg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al., 2025): the unclipped surrogate -r A, plus ``kl_cov_coef`` * |log r| on the
+    ``kl_cov_ratio`` fraction of tokens whose covariance between log-prob and advantage is largest (the
+    tokens that drive entropy collapse)."""
+    log_ratio = _log_ratio(logp, old_logp)
+    ratio = torch.exp(log_ratio)
+    chosen = top_cov_mask(logp, adv, mask, float(cfg.get("kl_cov_ratio", 2e-3)))
+    loss = -ratio * adv + chosen.to(logp.dtype) * float(cfg.get("kl_cov_coef", 1.0)) * log_ratio.abs()
+    stats = _ratio_stats(ratio, log_ratio, chosen, mask.to(logp.dtype))
+    stats["kl_cov_tokens"] = float(chosen.sum())
+    return aggregate(loss, mask, cfg.get("agg", "token-mean"), cfg.get("norm_len")), stats
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate from samples of pi: k1 = log(pi/ref); k3 = r - 1 - log r with
-    r = ref/pi (Schulman's low-variance, always >= 0)."""
+    """Per-token KL(pi || ref) estimate from samples of pi: k1 = log(pi/ref); k2 = (log(pi/ref))^2 / 2
+    (low variance, its gradient is the true KL's to first order); k3 = r - 1 - log r with r = ref/pi
+    (Schulman's low-variance, unbiased, always >= 0)."""
     if kind == "k1":
         return logp - ref_logp
+    if kind == "k2":
+        return 0.5 * (logp - ref_logp) ** 2
     if kind == "k3":
         log_r = ref_logp - logp
         return torch.exp(log_r) - 1 - log_r
     if kind == "none":
         return torch.zeros_like(logp)
-    raise ValueError(f"unknown KL estimator '{kind}'; allowed: k1, k3, none")
+    raise ValueError(f"unknown KL estimator '{kind}'; allowed: k1, k2, k3, none")
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -133,14 +220,14 @@ def dpo_loss(pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, ref_chosen: tor
 def ppo_objective(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                   cfg: dict[str, Any], ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The full policy objective a recipe configures: surrogate (+ Clip-Cov mask) + KL + entropy bonus."""
+    """The full policy objective a recipe configures: the ``LOSSES[cfg["loss"]]`` surrogate (default
+    ``ppo``; + Clip-Cov mask) + KL + entropy bonus."""
     agg = cfg.get("agg", "token-mean")
     keep = mask
     if cfg.get("clip_cov_ratio"):
         keep = clip_cov_mask(logp, adv, mask, cfg["clip_cov_ratio"], tuple(cfg.get("clip_cov_bounds", (1.0, 5.0))),
                              generator)
-    loss, stats = policy_loss(logp, old_logp, adv, keep, cfg.get("eps_low", 0.2), cfg.get("eps_high", 0.2),
-                              cfg.get("dual_clip"), agg, cfg.get("norm_len"))
+    loss, stats = LOSSES.get(cfg.get("loss", "ppo"))(logp, old_logp, adv, keep, cfg)
     stats["clip_cov_masked"] = float((mask.to(keep.dtype) - keep).sum())
     kl_coef, kind = float(cfg.get("kl_coef", 0.0)), cfg.get("kl", "none")
     if kl_coef and kind != "none" and ref_logp is not None:
@@ -154,9 +241,3 @@ def ppo_objective(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
         if ent_coef:
             loss = loss - ent_coef * ent
     return loss, stats
-
-
-LOSSES.register("ppo")(ppo_objective)
-LOSSES.register("sft")(sft_loss)
-LOSSES.register("dpo")(dpo_loss)
-LOSSES.register("value")(value_loss)
