@@ -19,7 +19,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +34,12 @@ from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
 from agentrl.seeds import mix_seed
 from agentrl.types import Completion, Episode, SamplingParams
 
+if TYPE_CHECKING:
+    from agentrl.generation.base import Generator
+    from agentrl.learner.protocol import LearnerEngine, LossFn
+    from agentrl.recipe import Recipe
+    from envs.slots import EnvSlots
+
 CHECKPOINT_LINK = "checkpoint"  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
 
 
@@ -44,7 +50,7 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RecipeCfg, recipe: Any):
+    def __init__(self, cfg: RecipeCfg, recipe: "Recipe"):
         from agentrl.learner.models import resolve_model
 
         self.cfg, self.recipe = cfg, recipe
@@ -61,10 +67,10 @@ class Trainer:
         self.rng = random.Random(cfg.trainer.seed)  # the same stream on every rank: same decisions
         self.step = 0
         self.model_dir = resolve_model(cfg.model.name)
-        self.engine = self._make_engine()
+        self.engine: LearnerEngine = self._make_engine()
         self.tokenizer = self.engine.tokenizer
-        self.generator = self._make_generator()
-        self.envs = self._make_envs()
+        self.generator: Generator = self._make_generator()
+        self.envs: EnvSlots = self._make_envs()
         self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict()) \
             if self.is_main else None
         self._tasks = None
@@ -103,7 +109,7 @@ class Trainer:
                               f"whole groups, so set rollout.groups >= {n} (or launch fewer ranks)")
 
     # ----- parts -------------------------------------------------------------------------------
-    def _make_engine(self) -> Any:
+    def _make_engine(self) -> "LearnerEngine":
         c = self.cfg
         ecfg = EngineConfig(optim=OptimConfig(lr=c.optim.lr, weight_decay=c.optim.weight_decay,
                                               grad_clip=c.optim.grad_clip, warmup_steps=c.optim.warmup_steps),
@@ -119,7 +125,7 @@ class Trainer:
                 raise ConfigError(str(e)) from None
         return TorchEngine(self.model_dir, ecfg)
 
-    def _make_generator(self) -> Any:
+    def _make_generator(self) -> "Generator":
         if self.cfg.trainer.generator == "vllm":
             from agentrl.generation.vllm_fleet import VLLMFleet
 
@@ -127,8 +133,8 @@ class Trainer:
                               lora=bool(self.cfg.model.lora_r))
             try:  # before any work: a server of another model, or one that cannot take weights in place
                 if self.cfg.trainer.check_sync:
-                    self._check_servers(fleet)  # serves what the learner starts from
-                self._push_and_check(fleet)  # takes weights in place
+                    fleet.verify(self.engine)  # serves what the learner starts from
+                fleet.receive(self.engine, self.out_dir)  # takes weights in place
             except Exception:
                 fleet.close()
                 raise
@@ -148,7 +154,7 @@ class Trainer:
         # The torch engine's own module: rollouts always see the latest weights, no copy to sync.
         return EmbeddedGenerator(model, self.tokenizer, stop_token_ids(self.tokenizer, model.config), self.device)
 
-    def _make_envs(self) -> Any:
+    def _make_envs(self) -> "EnvSlots":
         r = self.cfg.rollout
         if r.pool == "process":
             from envs.pool import EnvPool
@@ -192,8 +198,6 @@ class Trainer:
         streams = [mix_seed(cfg.sampling.seed, i) for i in range(len(starts))]
         mine = dist.shard_groups([s.group_id or f"#{i}" for i, s in enumerate(starts)], self.world)[self.rank]
         engine = RolloutEngine(self.generator, self.tokenizer, self.envs, self.cfg.env, cfg)
-        if hasattr(self.generator, "model"):
-            self.generator.model.eval()  # the learner leaves its module in train mode
         local = engine.run([starts[i] for i in mine], [streams[i] for i in mine])
         eps, stats = dist.all_gather_ordered(len(starts), mine, local, engine.stats)
         # summed over the step's rollout calls (reset in ``train``); counts summed over ranks, times (``*_s``)
@@ -209,12 +213,10 @@ class Trainer:
         seed = sampling.seed if sampling.seed is not None else self.rng.randrange(2**31)
         seeds = [mix_seed(seed, i) for i in range(len(prompts))]
         mine = list(range(self.rank, len(prompts), self.world))
-        if hasattr(self.generator, "model"):
-            self.generator.model.eval()
         local = self.generator.generate([prompts[i] for i in mine], sampling, seeds=[seeds[i] for i in mine])
         return dist.all_gather_ordered(len(prompts), mine, local)[0]
 
-    def update(self, samples: list[Sample], loss_fn: Any, need_values: bool = False) -> dict[str, float]:
+    def update(self, samples: list[Sample], loss_fn: "LossFn", need_values: bool = False) -> dict[str, float]:
         batch = collate(samples, self.engine.pad_id)
         t = time.perf_counter()
         stats: dict[str, float] = {}
@@ -251,47 +253,13 @@ class Trainer:
         _, vals = self.engine.logprobs(batch, values=True)
         return [float(vals[i, s.loss_mask.index(1) - 1]) for i, s in enumerate(samples)]
 
-    def _push_and_check(self, fleet: Any) -> dict[str, float]:
-        t = time.perf_counter()
-        fleet.push(self.engine)
-        out = dict(time_sync_s=time.perf_counter() - t)
-        if self.cfg.trainer.check_sync:
-            out.update(self._check_servers(fleet))
-        return out
-
-    def _check_servers(self, fleet: Any) -> dict[str, float]:
-        """Servers' log-probs against the learner's on a fixed sequence (collective: the learner's pass)."""
-        from agentrl.generation.base import chat_ids
-
-        ids = chat_ids(self.tokenizer, [{"role": "user", "content": "Check: push the box onto the target."}]) + \
-            self.tokenizer("<answer>Up</answer>", add_special_tokens=False)["input_ids"]
-        n = len(ids)
-        ref = self.engine.logprobs(collate([Sample(ids, [0] + [1] * (n - 1), [0.0] * n, [0.0] * n)],
-                                           self.engine.pad_id))[0, :n - 1].tolist()
-        return fleet.check(ids, ref, self.cfg.trainer.sync_atol)
-
     def sync_weights(self) -> None:
-        """After an update the generator must sample from the new policy: nothing to do when it shares the
-        learner's module; an embedded copy (DeepSpeed) is refreshed in memory on every rank; vLLM servers
-        are synced in place (and checked); our server loads the folder rank 0 exported (once, by rank 0)."""
-        if self.generator is not None and getattr(self.generator, "model", None) is getattr(self.engine, "model", 1):
-            return  # shared module
-        if hasattr(self.generator, "push"):
-            self._sync_stats = self._push_and_check(self.generator)
-            return
-        if hasattr(self.generator, "model"):
-            self.generator.load_weights(self.engine)  # collective under ZeRO-3
-            return
-        folder = self.out_dir / "weights"
-        if self.is_main and folder.exists():
-            shutil.rmtree(folder)
-        dist.barrier()
-        self.engine.export_weights(folder)  # collective; rank 0 writes
-        if self.is_main:
-            self.generator.load_weights(folder)
-        dist.barrier()
+        """After an update the generator must sample from the new policy (see ``Generator.receive``:
+        nothing to do for the learner's own module, an in-memory copy per rank under DeepSpeed, an
+        exported folder for our server, an in-place push and check for vLLM servers)."""
+        self._sync_stats = self.generator.receive(self.engine, self.out_dir)
 
-    def diagnostics(self, episodes: list[Episode], recipe: Any) -> dict[str, float]:
+    def diagnostics(self, episodes: list[Episode], recipe: "Recipe") -> dict[str, float]:
         d = episode_diagnostics(episodes, recipe.reward)
         st = self._rollout_stats
         d.update(time_generate_s=st.get("generate_s", 0.0), time_env_s=st.get("env_s", 0.0))
@@ -432,12 +400,9 @@ class Trainer:
                       f"{self.cfg.eval.split} tasks" + (f" ({cats})" if cats else ""))
 
     def close(self) -> None:
-        if hasattr(self.generator, "close"):
-            self.generator.close()
-        if hasattr(self.envs, "close"):
-            self.envs.close()
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.generator.close()
+        self.envs.close()
+        self.engine.close()
 
 
 class _Progress:

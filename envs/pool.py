@@ -19,23 +19,7 @@ from typing import Any
 
 from envs.base import EnvError
 from envs.replay import DivergenceError, Trace
-
-
-@dataclass
-class StepResult:
-    obs: str
-    reward: float
-    terminated: bool
-    truncated: bool
-    info: dict[str, Any]
-
-    @property
-    def done(self) -> bool:
-        return self.terminated or self.truncated
-
-    @property
-    def dropped(self) -> bool:
-        return bool(self.info.get("dropped"))
+from envs.results import StepResult
 
 
 @dataclass

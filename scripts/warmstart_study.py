@@ -26,6 +26,9 @@ def main() -> None:
     ap.add_argument("--eval-tasks", type=int, default=0, help="held-out tasks per evaluation (0: eval.tasks)")
     ap.add_argument("--show", type=int, default=0, help="print the actions of this many held-out episodes per pass")
     ap.add_argument("--sampled", action="store_true", help="also evaluate at the rollout temperature")
+    ap.add_argument("--step-acc", type=int, default=0,
+                    help="also the greedy policy's agreement with the expert on every state of this many held-out "
+                         "expert episodes (eval.split, no noise), overall and by the expert's action verb")
     ap.add_argument("--save", default="", help="folder for the model after the last pass")
     ap.add_argument("-o", "--overrides", nargs="*", default=[])
     a = ap.parse_args()
@@ -45,6 +48,7 @@ def main() -> None:
         samples, expert_success = expert_samples(trainer, cfg.sft.demos)
         print(json.dumps(dict(demos=cfg.sft.demos, samples=len(samples), expert_success=expert_success,
                               demo_s=round(time.perf_counter() - t0, 1))), flush=True)
+        held_out = _held_out_states(trainer, a.step_acc) if a.step_acc else []
         for p in range(1, a.passes + 1):
             t0 = time.perf_counter()
             stats = fit_sft(trainer, samples, 1, cfg.sft.batch_size, cfg.sft.lr, by_length=cfg.sft.group_by_length)
@@ -61,15 +65,59 @@ def main() -> None:
             if a.sampled:  # the rollouts RL starts from sample at the rollout temperature
                 smp = trainer.evaluate(n_tasks=a.eval_tasks or None, temperature=cfg.rollout.temperature)
                 res["eval/sampled_success"] = smp["eval/success"]
+            if held_out:
+                res.update(_step_accuracy(trainer, held_out))
             print(json.dumps(dict(sft_pass=p, sft_s=round(t_sft, 1), eval_s=round(time.perf_counter() - t0 - t_sft, 1),
                                   loss=round(stats["sft_loss_last"], 3),
                                   **{k: round(v, 3) for k, v in res.items()
-                                     if k.startswith(("eval/success", "eval/sampled"))
+                                     if k.startswith(("eval/success", "eval/sampled", "step_acc"))
                                      or k in ("eval/turns_per_episode", "eval/valid_format")})), flush=True)
         if a.save:
             trainer.engine.export_weights(a.save)
     finally:
         trainer.close()
+
+
+def _held_out_states(trainer, n: int) -> list:
+    """(prompt ids, expert action) for every state of ``n`` noise-free expert episodes of eval.split."""
+    from agentrl.sft import expert_samples
+
+    noise, trainer.cfg.sft.noise = trainer.cfg.sft.noise, 0.0
+    try:
+        samples, _ = expert_samples(trainer, n, split=trainer.cfg.eval.split)
+    finally:
+        trainer.cfg.sft.noise = noise
+    tok = trainer.tokenizer
+    out = []
+    for s in samples:
+        first = s.loss_mask.index(1)
+        out.append((s.ids[:first], tok.decode(s.ids[first:], skip_special_tokens=True)))
+    return out
+
+
+def _step_accuracy(trainer, states: list) -> dict[str, float]:
+    """How often the greedy policy's action equals the expert's, overall and per expert verb."""
+    import re
+
+    from agentrl.types import SamplingParams
+
+    cfg = trainer.rollout_config(temperature=0.0)
+    outs = trainer.generate([p for p, _ in states], SamplingParams(
+        temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens, stop=cfg.sampling.stop))
+
+    def action(text: str) -> str:
+        m = re.search(r"<action>(.*?)(</action>|$)", text, re.S)
+        return (m.group(1) if m else text).strip()
+
+    hits: dict[str, list[int]] = {}
+    for (_, label), out in zip(states, outs):
+        want = action(label)
+        verb = want.split(" ")[0] if want else "?"
+        hits.setdefault(verb, []).append(int(action(out.text) == want))
+    allh = [h for v in hits.values() for h in v]
+    res = {"step_acc": sum(allh) / max(1, len(allh)), "step_states": float(len(allh))}
+    res.update({f"step_acc/{v}": sum(h) / len(h) for v, h in sorted(hits.items()) if len(h) >= 10})
+    return res
 
 
 if __name__ == "__main__":

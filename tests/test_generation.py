@@ -139,6 +139,14 @@ def test_weight_sync_and_check(tiny_generator, tiny_model_dir, server, tmp_path)
     learner.save_pretrained(tmp_path / "new")
     client.load_weights(tmp_path / "new")
     assert check_sync(client, learner, ids) < 1e-4
+    # Generator.receive: the engine exports a folder under the staging dir and the server loads it
+    from agentrl.learner.engine import EngineConfig, TorchEngine
+
+    engine = TorchEngine(tiny_model_dir, EngineConfig())
+    with torch.no_grad():
+        next(engine.model.parameters()).add_(0.05)
+    assert "time_sync_s" in client.receive(engine, tmp_path / "staging")
+    assert check_sync(client, engine.model, ids) < 1e-4
     client.load_weights(tiny_model_dir)  # put the original back for other tests
     assert check_sync(client, tiny_generator.model, ids) < 1e-5
 

@@ -1,20 +1,32 @@
 """The one interface every generation backend implements (embedded, our HTTP server, vLLM)."""
 from __future__ import annotations
 
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from agentrl.types import Completion, SamplingParams
 
+if TYPE_CHECKING:
+    from agentrl.learner.protocol import LearnerEngine
 
+
+@runtime_checkable
 class Generator(Protocol):
+    """``EmbeddedGenerator`` (in this process), ``RemoteGenerator`` (``agentrl serve``) and ``VLLMFleet``
+    (vLLM servers) implement it; the trainer calls nothing else on a generator."""
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
                  ) -> list[Completion]:
         """One completion per prompt (token ids in, token ids + log-probs out). ``seeds``: one sampling
         stream per prompt, so a row samples the same tokens whatever else is in its batch (the
         embedded generator honours it exactly; servers use it where their API allows)."""
 
-    def load_weights(self, source: Any) -> None:
-        """New policy weights: a state dict (embedded) or an HF folder / LoRA adapter path (servers)."""
+    def receive(self, engine: "LearnerEngine", staging: Path) -> dict[str, float]:
+        """Sample from ``engine``'s current weights from now on. Called by every rank after each update
+        (collective: ZeRO-3 gathers); ``staging`` is a folder the generator may write weights to. Returns
+        sync metrics (time, server check) for the step's log."""
+
+    def close(self) -> None: ...
 
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:

@@ -10,12 +10,15 @@ the new folder, which ``agentrl.generation.vllm.VLLMServer.restart`` does).
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+from agentrl import dist
 from agentrl.types import Completion, SamplingParams
 
 
@@ -145,6 +148,23 @@ class RemoteGenerator:
     def reset_prefix_cache(self) -> None:
         if self.backend == "vllm":
             self._request("POST", "/reset_prefix_cache")
+
+    def receive(self, engine: Any, staging: Path) -> dict[str, float]:
+        """``agentrl serve``: the engine exports an HF folder (collectively; rank 0 writes it) and rank 0
+        asks the server to load it (the server must allow ``staging``: ``--allow-weights-dir``)."""
+        t = time.perf_counter()
+        folder = Path(staging) / "weights"
+        if dist.is_main() and folder.exists():
+            shutil.rmtree(folder)
+        dist.barrier()
+        engine.export_weights(folder)
+        if dist.is_main():
+            self.load_weights(folder)
+        dist.barrier()
+        return dict(time_sync_s=time.perf_counter() - t)
+
+    def close(self) -> None:
+        pass
 
     def load_weights(self, source: Any, lora: bool = False) -> None:
         if lora:

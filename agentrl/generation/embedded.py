@@ -63,6 +63,16 @@ class EmbeddedGenerator:
         model, tok = load_model(folder, dtype, device), load_tokenizer(folder)
         return cls(model, tok, stop_token_ids(tok, model.config), device)
 
+    def receive(self, engine: Any, staging: Path) -> dict[str, float]:
+        """Nothing to do when this generator runs the learner's own module (the torch engine); a copy
+        (one per rank under DeepSpeed) is refreshed in memory, collectively."""
+        if self.model is not getattr(engine, "model", None):
+            self.load_weights(engine)
+        return {}
+
+    def close(self) -> None:
+        pass
+
     def load_weights(self, source: Any) -> None:
         """An HF folder or a state dict; a learner engine that can hand its weights over in memory
         (``copy_weights_to``) is used directly: under ZeRO-3 that gathers one parameter at a time."""
@@ -124,6 +134,8 @@ class EmbeddedGenerator:
                  ) -> list[Completion]:
         if not prompts:
             return []
+        if self.model.training:  # the learner's own module is left in train mode (dropout) after a step
+            self.model.eval()
         gen: torch.Generator | None = None
         draws: torch.Tensor | None = None  # (rows, max_new_tokens) uniforms, one stream per row
         if seeds is not None:  # per-row streams (CPU generators: the same draws on every device)

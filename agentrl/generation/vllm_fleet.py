@@ -7,6 +7,7 @@ Servers are attached to (``trainer.generator_url``: one URL or a list, started b
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -58,6 +59,7 @@ class VLLMFleet:
                 raise GenerationServerError(f"generation server {url} does not answer: {e}") from None
         self.pool = ServerPool(clients)
         self.sync: Any = None
+        self.check_sync, self.sync_atol = tcfg.check_sync, tcfg.sync_atol
 
     # ----- Generator --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
@@ -65,6 +67,29 @@ class VLLMFleet:
         return self.pool.generate(prompts, sampling, seeds)
 
     # ----- weights ----------------------------------------------------------------------------
+    def receive(self, engine: Any, staging: Path) -> dict[str, float]:
+        """The weights pushed in place to every live server, then (``trainer.check_sync``) each server's
+        log-probs checked against the learner's."""
+        t = time.perf_counter()
+        self.push(engine)
+        out = dict(time_sync_s=time.perf_counter() - t)
+        if self.check_sync:
+            out.update(self.verify(engine))
+        return out
+
+    def verify(self, engine: Any) -> dict[str, float]:
+        """Servers' log-probs against the learner's on a fixed sequence (collective: the learner's pass)."""
+        from agentrl.generation.base import chat_ids
+        from agentrl.learner.batch import Sample, collate
+
+        tok = engine.tokenizer
+        ids = chat_ids(tok, [{"role": "user", "content": "Check: push the box onto the target."}]) + \
+            tok("<answer>Up</answer>", add_special_tokens=False)["input_ids"]
+        n = len(ids)
+        ref = engine.logprobs(collate([Sample(ids, [0] + [1] * (n - 1), [0.0] * n, [0.0] * n)],
+                                      engine.pad_id))[0, :n - 1].tolist()
+        return self.check(ids, ref, self.sync_atol)
+
     def push(self, engine: Any) -> None:
         """Collective: every rank walks the engine's weights (ZeRO-3 gathers them one at a time); rank 0
         hands them to every live server (NCCL: every rank takes part in the broadcast)."""
