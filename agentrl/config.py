@@ -53,8 +53,9 @@ class RolloutCfg:
     show_admissible: bool = True
     # "compact": the react template's task, history, observation and admissible actions without its
     # boilerplate sentences (ALFWorld: ~40% fewer prompt tokens, so SFT and RL steps cost that much less);
-    # "compact_tried": compact, with the actions tried so far on their own line and left out of "Actions:"
-    prompt: Literal["paper", "compact", "compact_tried"] = "paper"
+    # "compact_tried": compact, with the actions tried so far on their own line and left out of "Actions:";
+    # "numbered": every admissible action numbered (untried first), the policy answers with a number
+    prompt: Literal["paper", "compact", "compact_tried", "numbered"] = "paper"
     split: Literal["train", "valid", "test"] = "train"
     # DAPO's dynamic sampling: after a round of ``groups`` starts, roll out more rounds until this many
     # groups have reward variance (the ones with a group-relative gradient), at most ``max_rounds`` rounds

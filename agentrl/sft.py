@@ -10,6 +10,7 @@ from agentrl.algos.losses import sft_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.learner.lr import lr_factor, restore_lr, set_lr
 from agentrl.rollout.engine import first_prompt_ids
+from agentrl.rollout.prompts import listed_actions
 from envs import make
 from envs.replay import play
 
@@ -19,6 +20,14 @@ if TYPE_CHECKING:
 
 def answer_text(spec: Any, action: str) -> str:
     return f"<{spec.answer_tag}>{action}</{spec.answer_tag}>"
+
+
+def _answer(cfg: Any, action: str, admissible: list[str] | None, history: list[tuple[str, str]]) -> str:
+    """What the policy writes for ``action``: the action, or its number under ``rollout.prompt: numbered``."""
+    if cfg.prompt != "numbered" or not admissible:
+        return action
+    listed = listed_actions(admissible, history, "numbered")
+    return str(listed.index(action) + 1) if action in listed else action
 
 
 _DEMO_ENV: Any = None
@@ -100,7 +109,8 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
         for k, (label, executed) in enumerate(zip(labels, trace.actions)):
             admissible = infos[k].get("admissible_actions") if cfg.show_admissible else None
             prompt = first_prompt_ids(tok, cfg, spec, instruction, observations[k], history, k, admissible)
-            target = tok(answer_text(spec, label), add_special_tokens=False)["input_ids"] + eos
+            target = tok(answer_text(spec, _answer(cfg, label, admissible, history)),
+                         add_special_tokens=False)["input_ids"] + eos
             samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}))
             history.append((observations[k], executed))
     return samples, wins / max(1, n_episodes)

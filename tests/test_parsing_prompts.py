@@ -92,3 +92,22 @@ def test_compact_tried_prompt_lists_tried_actions_apart_from_the_untried_ones():
                                  "o4", "> go to desk 1", "You see a pen.",
                                  "Actions: go to cabinet 2 | take pen 1 from desk 1 | go to sofa 1",
                                  "Answer with <action>one action</action>."]
+
+
+def test_numbered_prompt_lists_untried_actions_first_and_a_number_answers_for_its_action():
+    from agentrl.rollout.parsing import parse_turn
+    from agentrl.rollout.prompts import listed_actions
+
+    spec = make("textworld").prompt_spec()
+    history = [("o1", "go to cabinet 1"), ("o2", "go to desk 1")]
+    admissible = ["go to cabinet 1", "go to cabinet 2", "take pen 1 from desk 1"]
+    text = step_messages(spec, "find a mug", "You see a pen.", history, 2, admissible, history_len=1,
+                         prompt="numbered")[-1]["content"]
+    assert "Actions: 1: go to cabinet 2 | 2: take pen 1 from desk 1 | 3: go to cabinet 1" in text
+    assert text.endswith("Answer with <action>the number of one action</action>.")
+    listed = listed_actions(admissible, history, "numbered")
+    assert parse_turn("<action>3</action>", admissible=admissible, numbered=listed).actions == ["go to cabinet 1"]
+    out = parse_turn("<action>9</action>", admissible=admissible, numbered=listed)
+    assert out.actions == ["9"] and out.inadmissible == ["9"]  # out of range: an inadmissible action
+    assert parse_turn("<action>go to cabinet 2</action>", admissible=admissible, numbered=listed).actions == [
+        "go to cabinet 2"]

@@ -18,7 +18,7 @@ from typing import Any
 
 from agentrl.generation.base import Generator, chat_ids
 from agentrl.rollout.parsing import parse_turn
-from agentrl.rollout.prompts import followup_user, step_messages
+from agentrl.rollout.prompts import PROMPTS, followup_user, listed_actions, step_messages
 from agentrl.seeds import mix_seed
 from agentrl.types import Episode, SamplingParams, Turn
 from envs.base import PromptSpec
@@ -40,14 +40,15 @@ class RolloutConfig:
     max_actions_per_turn: int | None = None  # default: the env's PromptSpec
     show_admissible: bool = True
     prompt: str = "paper"  # "paper": the env's template as its paper writes it | "compact": the same content,
-    # fewer tokens | "compact_tried": compact, with the actions tried so far listed apart
+    # fewer tokens | "compact_tried": compact, with the actions tried so far listed apart | "numbered": those
+    # actions numbered, answered by number
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0, max_new_tokens=64))
 
     def __post_init__(self) -> None:
         if self.chat_mode not in ("window", "full"):
             raise ValueError(f"rollout.chat_mode must be 'window' or 'full', got {self.chat_mode!r}")
-        if self.prompt not in ("paper", "compact", "compact_tried"):
-            raise ValueError(f"rollout.prompt must be 'paper', 'compact' or 'compact_tried', got {self.prompt!r}")
+        if self.prompt not in PROMPTS:
+            raise ValueError(f"rollout.prompt must be one of {', '.join(PROMPTS)}, got {self.prompt!r}")
 
 
 @dataclass
@@ -198,7 +199,9 @@ class RolloutEngine:
             sl = slots[i]
             budget = self.cfg.max_actions_per_turn or sl.spec.max_actions_per_turn
             parsed = parse_turn(out.text, sl.spec.answer_tag, budget, sl.spec.action_separator,
-                                self.cfg.require_think, sl.admissible)
+                                self.cfg.require_think, sl.admissible,
+                                listed_actions(sl.admissible, sl.history, "numbered")
+                                if self.cfg.prompt == "numbered" and self.cfg.show_admissible else None)
             turn = Turn(prompt, out.ids, out.logprobs, out.text, [], parsed.valid, sl.obs, 0.0, False,
                         out.finish_reason, info={"parse_error": parsed.error, "over_budget": parsed.over_budget,
                                                  "inadmissible": parsed.inadmissible})

@@ -35,7 +35,10 @@ def _span(text: str, tag: str) -> str | None:
 
 
 def parse_turn(text: str, answer_tag: str = "action", max_actions: int = 1, separator: str = "||",
-               require_think: bool = False, admissible: list[str] | None = None) -> ParsedTurn:
+               require_think: bool = False, admissible: list[str] | None = None,
+               numbered: list[str] | None = None) -> ParsedTurn:
+    """``numbered``: the actions as the prompt numbered them (1-based); an answer that is such a number
+    stands for that action."""
     out = ParsedTurn()
     think = _span(text, "think")
     out.think = (think or "").strip()
@@ -50,6 +53,8 @@ def parse_turn(text: str, answer_tag: str = "action", max_actions: int = 1, sepa
         return out
     if len(parts) > max_actions:
         parts, out.over_budget = parts[:max_actions], True
+    if numbered:
+        parts = [numbered[int(p) - 1] if p.isdigit() and 1 <= int(p) <= len(numbered) else p for p in parts]
     if admissible is not None:
         canon = {a.lower(): a for a in admissible}
         out.inadmissible = [p for p in parts if p.lower() not in canon]

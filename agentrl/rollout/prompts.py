@@ -32,28 +32,50 @@ def react_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple
     return "\n\n".join(lines)
 
 
+PROMPTS = ("paper", "compact", "compact_tried", "numbered")
+
+
+def listed_actions(admissible: list[str] | None, history: list[tuple[str, str]], prompt: str) -> list[str] | None:
+    """The admissible actions in the order the prompt lists them. ``compact_tried``: the untried ones only;
+    ``numbered``: the untried ones, then the tried ones (each then has a number the policy answers with)."""
+    if admissible is None or prompt not in ("compact_tried", "numbered"):
+        return admissible
+    tried = {a for _, a in history}
+    fresh = [a for a in admissible if a not in tried]
+    return fresh if prompt == "compact_tried" else fresh + [a for a in admissible if a in tried]
+
+
 def compact_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
-                 admissible: list[str] | None, history_len: int = 2, split_tried: bool = False) -> str:
+                 admissible: list[str] | None, history_len: int = 2, split_tried: bool = False,
+                 numbered: bool = False) -> str:
     """The ``react`` template's content in fewer tokens (``rollout.prompt: compact``): the task, the actions
     taken before the history window (a few tokens each: where the agent has been), the window's
     observations and actions, the observation and the admissible actions, without boilerplate.
 
     ``split_tried`` (``rollout.prompt: compact_tried``): instead of the earlier actions, every action taken
     so far once, in first-taken order ("Tried:"), and only the admissible actions not among them
-    ("Actions:"): "where have I not been yet" is read off a list rather than inferred from the history."""
+    ("Actions:"): "where have I not been yet" is read off a list rather than inferred from the history.
+    ``numbered`` (``rollout.prompt: numbered``): the same, every admissible action numbered (untried ones
+    first) and the answer is a number: one or two tokens to choose, and no action text to copy from the
+    history."""
     window = history[-history_len:] if history_len > 0 else []
     earlier = history[:len(history) - len(window)]
     lines = [f"Task: {instruction}", f"Step {step + 1}."]
     tried = list(dict.fromkeys(a for _, a in history))
-    if split_tried and tried:
+    if (split_tried or numbered) and tried:
         lines.append("Tried: " + " | ".join(tried))
     elif earlier:
         lines.append("Earlier actions: " + " | ".join(a for _, a in earlier))
     lines += [f"{o}\n> {a}" for o, a in window]
     lines.append(obs)
     if admissible:
+        if numbered:
+            listed = listed_actions(admissible, history, "numbered")
+            lines.append("Actions: " + " | ".join(f"{k + 1}: {a}" for k, a in enumerate(listed)))
+            lines.append(f"Answer with <{spec.answer_tag}>the number of one action</{spec.answer_tag}>.")
+            return "\n".join(lines)
         if split_tried:  # a tried action stays selectable: it is on the "Tried:" line
-            admissible = [a for a in admissible if a not in set(tried)]
+            admissible = listed_actions(admissible, history, "compact_tried")
         lines.append("Actions: " + " | ".join(admissible))
     lines.append(f"Answer with <{spec.answer_tag}>one action</{spec.answer_tag}>.")
     return "\n".join(lines)
@@ -76,14 +98,16 @@ def step_messages(spec: PromptSpec, instruction: str, obs: str, history: list[tu
                   ) -> list[dict[str, str]]:
     """Messages for one decision in the windowed-history mode; ``note`` (LEAFE's experience) ends the
     user message. ``prompt``: "paper" | "compact" (the react template without its boilerplate) |
-    "compact_tried" (compact, with the actions already tried listed apart)."""
+    "compact_tried" (compact, with the actions already tried listed apart) | "numbered" (compact_tried
+    with numbered actions, answered by number)."""
     tail = f"\n\n{note}" if note else ""
     if spec.style == "ragen":
         return [{"role": "system", "content": spec.system},
                 {"role": "user", "content": ragen_user(spec, obs, admissible) + tail}]
     if prompt != "paper":
         return [{"role": "user", "content": compact_user(spec, instruction, obs, history, step, admissible,
-                                                         history_len, prompt == "compact_tried") + tail}]
+                                                         history_len, prompt == "compact_tried",
+                                                         prompt == "numbered") + tail}]
     return [{"role": "user", "content": react_user(spec, instruction, obs, history, step, admissible, history_len)
              + tail}]
 
