@@ -36,23 +36,9 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def engine_vs_raw(engine: Any, gen: Any, starts: list[Any], sampling: Any) -> tuple[int, float, int, float]:
-    """(tokens, seconds) of ``engine`` rolling out ``starts``, then of the same prompts, turn by turn, as
-    plain batched ``gen.generate`` calls."""
-    t = time.perf_counter()
-    episodes = engine.run(starts)
-    engine_s = time.perf_counter() - t
-    by_turn: dict[int, list[list[int]]] = {}
-    for ep in episodes:
-        for k, turn in enumerate(ep.turns):
-            by_turn.setdefault(k, []).append(turn.prompt_ids)
-    raw_tokens, t = 0, time.perf_counter()
-    for k in sorted(by_turn):
-        raw_tokens += sum(len(c.ids) for c in gen.generate(by_turn[k], sampling))
-    return int(engine.stats["generated_tokens"]), engine_s, raw_tokens, time.perf_counter() - t
-
-
 def run(args: argparse.Namespace) -> int:
+    from agentrl.bench_rollout import engine_vs_raw
+
     if args.what == "ranks":
         from agentrl import bench_ranks
 
@@ -64,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from agentrl.generation.embedded import EmbeddedGenerator
-    from agentrl.learner.models import resolve_model
+    from agentrl.model_zoo import resolve_model
     from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
     from agentrl.types import SamplingParams
     from envs import make

@@ -12,11 +12,12 @@ from pathlib import Path
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentrl.bench_cmd import engine_vs_raw
+    from agentrl.bench_rollout import engine_vs_raw
     from agentrl.generation.vllm import VLLMServer
     from agentrl.generation.vllm_sync import SharedMemorySync
     from agentrl.learner.engine import TorchEngine
-    from agentrl.learner.models import resolve_model, load_tokenizer
+    from agentrl.model_zoo import resolve_model
+    from agentrl.learner.models import load_tokenizer
     from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
     from agentrl.types import SamplingParams
     from envs import make

@@ -33,7 +33,7 @@ class Recipe:
     def __init__(self, cfg: Any):
         self.cfg = cfg
         if self.Params is not None:
-            from agentrl.config import build
+            from agentrl.schema import build
 
             self.p = build(self.Params, cfg.extra, "extra.")
 

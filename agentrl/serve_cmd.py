@@ -21,7 +21,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentrl.learner.models import resolve_model
+    from agentrl.model_zoo import resolve_model
 
     folder = resolve_model(args.model)
     if args.backend == "vllm":

@@ -51,7 +51,7 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: RecipeCfg, recipe: "Recipe"):
-        from agentrl.learner.models import resolve_model
+        from agentrl.model_zoo import resolve_model
 
         self.cfg, self.recipe = cfg, recipe
         self.out_dir = cfg.out_dir

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentrl.buffers.success import SuccessBuffer
-from agentrl.config import ConfigError
+from agentrl.schema import ConfigError
 from agentrl.curriculum.suffix_k import KController, initial_k
 from agentrl.metrics import episode_diagnostics
 from agentrl.recipe import RECIPES, Recipe

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from agentrl.config import ConfigError
+from agentrl.schema import ConfigError
 from agentrl.generation.base import chat_ids
 from agentrl.learner.batch import Sample, turn_sample
 from agentrl.recipe import RECIPES, Recipe

@@ -24,7 +24,7 @@ import torch
 
 from agentrl.algos.losses import clip_cov_mask
 from agentrl.buffers.sil import BaselineBuffer, SILBuffer, SILEntry, dual_filter
-from agentrl.config import ConfigError
+from agentrl.schema import ConfigError
 from agentrl.curriculum.schedules import cosine_decay, cosine_warmup
 from agentrl.learner.batch import Sample, collate
 from agentrl.recipe import RECIPES, Recipe

@@ -17,7 +17,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from agentrl.learner.models import build_tiny
+    from agentrl.model_zoo import build_tiny
 
     out = tmp_path_factory.mktemp("tiny")
     build_tiny(out, corpus=CORPUS, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

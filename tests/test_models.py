@@ -3,7 +3,9 @@ import json
 
 import pytest
 
-from agentrl.learner.models import ModelError, build_tiny, load_model, load_tokenizer, resolve_model, stop_token_ids
+from agentrl.model_zoo import build_tiny, resolve_model
+
+from agentrl.learner.models import ModelError, load_model, load_tokenizer, stop_token_ids
 
 
 def test_tiny_model_folder_is_a_real_hf_model(tiny_model_dir):

@@ -1,0 +1,99 @@
+"""Imports point down the layers below and form no cycle (imports under ``TYPE_CHECKING`` excepted)."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# lowest first; a module may import from its own layer or any layer below
+LAYERS = [
+    ["agentrl.types", "agentrl.registry", "agentrl.seeds", "agentrl.prefix", "agentrl.schema", "agentrl.dist",
+     "agentrl.launch"],
+    ["envs", "agentrl.algos", "agentrl.metrics"],
+    ["agentrl.learner"],
+    ["agentrl.generation"],
+    ["agentrl.rollout"],
+    ["agentrl.model_zoo", "agentrl.curriculum", "agentrl.buffers", "agentrl.sft", "agentrl.dpo", "agentrl.plot"],
+    ["agentrl.recipe"],
+    ["recipes"],
+    ["agentrl.config"],
+    ["agentrl.trainer"],
+    ["agentrl.train_cmd", "agentrl.serve_cmd", "agentrl.envs_cmd", "agentrl.envs", "agentrl.bench_cmd",
+     "agentrl.bench_ranks", "agentrl.bench_sync", "agentrl.bench_rollout", "agentrl.cli", "agentrl"],
+]
+LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in ("agentrl", "envs", "recipes"):
+        for p in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] in ("envs", "recipes"):
+        return parts[0]
+    return ".".join(parts[:2])
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            skip |= {id(x) for b in node.body for x in ast.walk(b)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            names = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
+            names = names or [node.module]
+        else:
+            names = [a.name for a in node.names]
+        for name in names:
+            while name not in modules and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name in modules:
+                found.add(name)
+    return found
+
+
+def test_imports_point_down_and_have_no_cycles():
+    modules = _modules()
+    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+    unknown = sorted({_unit(m) for m in modules} - set(LAYER))
+    assert not unknown, f"modules in no layer (add them to LAYERS): {unknown}"
+    upward = [f"{m} -> {d}" for m, ds in graph.items() for d in ds if LAYER[_unit(d)] > LAYER[_unit(m)]]
+    assert not upward, "imports pointing up: " + "; ".join(sorted(upward))
+    # no cycle among modules (Tarjan's strongly connected components)
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
