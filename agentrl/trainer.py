@@ -216,8 +216,23 @@ class Trainer:
         local = self.generator.generate([prompts[i] for i in mine], sampling, seeds=[seeds[i] for i in mine])
         return dist.all_gather_ordered(len(prompts), mine, local)[0]
 
+    @property
+    def needs_reference(self) -> bool:
+        a = self.cfg.algo
+        return a.kl != "none" and a.kl_coef > 0
+
+    def reference_folder(self) -> Path | None:
+        """What KL terms measure against: the warm start (the SFT-only policy) when the run made one,
+        else the model the run started from; with LoRA the base model with adapters off (no copy)."""
+        if self.cfg.model.lora_r:
+            return None
+        warm = self.out_dir / "warm_start"
+        return warm if (warm / "config.json").exists() else self.model_dir
+
     def update(self, samples: list[Sample], loss_fn: "LossFn", need_values: bool = False) -> dict[str, float]:
         batch = collate(samples, self.engine.pad_id)
+        if self.needs_reference:
+            batch.ref_logprobs = self.engine.ref_logprobs(batch, self.cfg.rollout.temperature)
         t = time.perf_counter()
         stats: dict[str, float] = {}
         a = self.cfg.algo
@@ -356,6 +371,8 @@ class Trainer:
             self._print(0, first)
             if pre:  # a warm start (minutes of SFT) is not redone when the run is killed before its first checkpoint
                 self.save_checkpoint()
+        if self.needs_reference:
+            self.engine.set_reference(self.reference_folder())
         progress = _Progress(self.cfg.trainer.steps, self.step, self.cfg.trainer.progress and self.is_main)
         final: dict[str, float] = {}
         history = read_metrics(self.out_dir)  # read once; the echo-trap check looks back over it

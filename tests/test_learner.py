@@ -283,3 +283,30 @@ def test_bf16_autocast_trains_close_to_fp32(tiny_model_dir):
         losses[mode] = [eng.step(b, nll)["loss"] for _ in range(4)]
     assert losses["bf16"][0] == pytest.approx(losses[""][0], rel=0.02)
     assert losses["bf16"][-1] < losses["bf16"][0] - 0.1
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_reference_policy_stays_frozen_while_the_policy_moves_and_kl_enters_the_loss(tiny_model_dir, lora):
+    cfg = EngineConfig(optim=OptimConfig(lr=1e-2, grad_clip=None),
+                       lora=LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None)
+    eng = TorchEngine(tiny_model_dir, cfg)
+    b = collate(_samples(), pad_id=0)
+    with pytest.raises(RuntimeError, match="set_reference"):
+        eng.ref_logprobs(b)
+    eng.set_reference(None if lora else tiny_model_dir)
+    start = eng.logprobs(b)
+    assert torch.allclose(eng.ref_logprobs(b), start, atol=1e-5)
+
+    def with_kl(mb, out):
+        return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask,
+                             dict(kl="k3", kl_coef=0.5), mb.ref_logprobs)
+
+    with pytest.raises(ValueError, match="no reference log-probs"):
+        eng.step(b, with_kl)
+    b.ref_logprobs = eng.ref_logprobs(b)
+    for _ in range(3):
+        stats = eng.step(b, with_kl)
+    moved = eng.logprobs(b)
+    assert (moved - start).abs().max() > 1e-3  # the policy moved ...
+    assert torch.allclose(eng.ref_logprobs(b), start, atol=1e-5)  # ... the reference did not
+    assert stats["kl"] > 0

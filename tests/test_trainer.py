@@ -45,6 +45,8 @@ def test_baseline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
         assert "all_zero_groups" in rows[1] and "group_entropy_bits" in rows[1] and "success" in rows[1]
     if recipe in ("ppo", "starpo_s"):
         assert "loss" in rows[1] and "grad_norm" in rows[1]
+    if recipe == "starpo":  # its KL to the frozen reference (the warm start) is in the loss
+        assert any(r.get("kl", 0) > 0 for r in rows[1:]) or all("loss" not in r for r in rows[1:])
     if recipe == "grpo":  # zero-variance groups are dropped; the untrained tiny model fails all 4 episodes
         # of a round, so the Sokoban overlay's dynamic sampling rolls out all its rounds
         r = rows[1]

@@ -230,7 +230,9 @@ def ppo_objective(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     loss, stats = LOSSES.get(cfg.get("loss", "ppo"))(logp, old_logp, adv, keep, cfg)
     stats["clip_cov_masked"] = float((mask.to(keep.dtype) - keep).sum())
     kl_coef, kind = float(cfg.get("kl_coef", 0.0)), cfg.get("kl", "none")
-    if kl_coef and kind != "none" and ref_logp is not None:
+    if kl_coef and kind != "none":
+        if ref_logp is None:  # a configured KL that silently did nothing was a bug once
+            raise ValueError(f"algo.kl={kind} with kl_coef={kl_coef} but the batch has no reference log-probs")
         kl = aggregate(kl_penalty(logp, ref_logp, kind), mask, agg)
         loss = loss + kl_coef * kl
         stats["kl"] = float(kl.detach())

@@ -122,6 +122,7 @@ class DeepSpeedEngine:
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=optimizer, config=ds, model_parameters=params, lr_scheduler=schedule)
         self.global_step = 0
+        self.reference: Any = None
 
     @property
     def pad_id(self) -> int:
@@ -154,6 +155,22 @@ class DeepSpeedEngine:
         logp, vals = batched_forward(self.forward, batch, self.cfg.token_budget, temperature,
                                      values and self.value_head is not None, self.device)
         return (logp, vals) if values else logp
+
+    def set_reference(self, folder: str | Path | None) -> None:
+        """Freeze the reference policy: the weights in ``folder``, one full copy per rank (like the
+        embedded generator's), not sharded: its memory is the model's on every rank."""
+        if folder is None:
+            raise ValueError("trainer.engine=deepspeed needs a weights folder for the reference policy")
+        from agentrl.learner.reference import FrozenReference
+
+        self.reference = FrozenReference(folder, self.cfg.dtype, self.device, self.cfg.token_budget)
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+        """Every rank computes the whole batch on its own copy (the same numbers on every rank)."""
+        if self.reference is None:
+            raise RuntimeError("no reference policy: a KL term needs set_reference() first")
+        return self.reference.logprobs(batch, temperature)
 
     def step(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
              need_values: bool = False, weight_by: str = "tokens", row_block: int = 1) -> dict[str, float]:

@@ -196,6 +196,7 @@ class TorchEngine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.global_step = 0
+        self.reference: Any = None  # set_reference: a FrozenReference, or "adapters-off" (LoRA)
 
     @staticmethod
     def _wrap_lora(model: Any, lora: LoraSettings) -> Any:
@@ -228,6 +229,30 @@ class TorchEngine:
         logp, vals = batched_forward(self.forward, batch, self.cfg.token_budget, temperature,
                                      values and self.value_head is not None, self.device)
         return (logp, vals) if values else logp
+
+    def set_reference(self, folder: str | Path | None) -> None:
+        """Freeze the reference policy: the weights in ``folder`` (a copy in memory), or with LoRA and no
+        folder, this model with its adapters disabled (the base model, no copy)."""
+        if folder is None:
+            if self.cfg.lora is None:
+                raise ValueError("a reference policy without a weights folder needs LoRA (the base model with "
+                                 "its adapters disabled)")
+            self.reference = "adapters-off"
+            return
+        from agentrl.learner.reference import FrozenReference
+
+        self.reference = FrozenReference(folder, self.cfg.dtype, self.device, self.cfg.token_budget)
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+        """The reference policy's per-target log-probs of the whole batch (B, T-1), on the CPU."""
+        if self.reference is None:
+            raise RuntimeError("no reference policy: a KL term needs set_reference() first")
+        if self.reference == "adapters-off":
+            self.model.eval()
+            with self.model.disable_adapter():
+                return batched_forward(self.forward, batch, self.cfg.token_budget, temperature, False, self.device)[0]
+        return self.reference.logprobs(batch, temperature)
 
     def step(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
              need_values: bool = False, weight_by: str = "tokens", row_block: int = 1) -> dict[str, float]:
