@@ -80,8 +80,12 @@ class AlgoCfg:
     eps_high: float = 0.2
     dual_clip: float | None = None
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
-    kl: Literal["k1", "k2", "k3", "none"] = "none"
+    kl: Literal["k1", "k2", "k3", "none"] = "none"  # a KL term in the loss (kl_coef x the estimator)
     kl_coef: float = 0.0
+    # KL as a reward penalty: an episode's reward minus coef x its k1 KL to the reference policy
+    kl_reward_coef: float = 0.0
+    kl_reward_target: float | None = None  # adaptive coefficient steering the KL per episode toward this
+    kl_reward_horizon: int = 10_000  # the adaptive controller's horizon, in episodes
     entropy_coef: float = 0.0
     clip_cov_ratio: float = 0.0
     kl_cov_ratio: float = 2e-3  # loss kl_cov: the fraction of tokens penalized

@@ -13,8 +13,9 @@ import torch
 
 from agentrl.algos.advantages import ESTIMATORS, AdvantageInput, Estimator
 from agentrl.algos.filters import FILTERS, FilterContext, informative_groups
+from agentrl.algos.kl_control import KLController
 from agentrl.algos.losses import ppo_objective, value_loss
-from agentrl.learner.batch import Sample, episode_sample, turn_sample
+from agentrl.learner.batch import Sample, collate, episode_sample, turn_sample
 from agentrl.registry import Registry
 from agentrl.rollout.engine import Start
 from agentrl.types import Episode
@@ -36,6 +37,9 @@ class Recipe:
             from agentrl.schema import build
 
             self.p = build(self.Params, cfg.extra, "extra.")
+        a = cfg.algo
+        self.kl_ctl = KLController(a.kl_reward_coef, a.kl_reward_target, a.kl_reward_horizon) \
+            if a.kl_reward_coef > 0 else None
 
     # ----- hooks -------------------------------------------------------------------------------
     def before_training(self, trainer: "Trainer") -> dict[str, float]:
@@ -120,6 +124,8 @@ class Recipe:
                     if t.gen_ids:
                         samples.append(turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, 0.0, dict(meta, turn=k)))
                         where.append((n, k))
+        if self.kl_ctl is not None and samples:
+            stats.update(self._kl_penalty(trainer, x, samples, where))
         if est.needs_values:
             # a turn without generated tokens has no value estimate; it keeps 0 (it is not trained on)
             x.values = [[0.0] * len(e.turns) for e in kept]
@@ -141,6 +147,26 @@ class Recipe:
                 s.returns[first], s.old_values[first], s.value_mask[first] = out.returns[n][k], x.values[n][k], 1
         stats["samples"] = len(samples)
         return samples, stats
+
+    def _kl_penalty(self, trainer: "Trainer", x: AdvantageInput, samples: list[Sample],
+                    where: list[tuple[int, int]]) -> dict[str, float]:
+        """Each episode's reward (and its last turn's) minus coef x its KL to the reference policy, the k1
+        sum over its generated tokens; then the controller adapts the coefficient to the batch's mean."""
+        batch = collate(samples, trainer.engine.pad_id)
+        ref = trainer.engine.ref_logprobs(batch, self.cfg.rollout.temperature)
+        per_row = ((batch.old_logprobs - ref) * batch.loss_mask).sum(-1).tolist()
+        kl = [0.0] * len(x.turn_rewards)
+        for (n, _), v in zip(where, per_row):
+            kl[n] += v
+        coef = self.kl_ctl.coef
+        for n, v in enumerate(kl):
+            x.rewards[n] -= coef * v
+            x.turn_rewards[n][-1] -= coef * v
+        for s, (n, _) in zip(samples, where):
+            s.meta["reward"] = float(x.rewards[n])
+        mean = sum(kl) / len(kl)
+        self.kl_ctl.update(mean, len(kl))
+        return dict(kl_reward_coef=coef, kl_episode=mean)
 
     def objective_config(self) -> dict[str, Any]:
         """The ``ppo_objective`` settings from ``algo``, shared by every recipe's loss."""
@@ -214,8 +240,10 @@ class Recipe:
         return []
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        """What a resumed run needs; recipes with buffers or controllers extend it (and call super)."""
+        return dict(kl_ctl=self.kl_ctl.state_dict()) if self.kl_ctl is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        if self.kl_ctl is not None and state.get("kl_ctl"):
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
 

@@ -219,7 +219,7 @@ class Trainer:
     @property
     def needs_reference(self) -> bool:
         a = self.cfg.algo
-        return a.kl != "none" and a.kl_coef > 0
+        return (a.kl != "none" and a.kl_coef > 0) or a.kl_reward_coef > 0
 
     def reference_folder(self) -> Path | None:
         """What KL terms measure against: the warm start (the SFT-only policy) when the run made one,

@@ -130,9 +130,10 @@ class CRPS(Recipe):
         stats.update(self._metrics)
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(buffer=self.buffer.state_dict())
+        return dict(super().state_dict(), buffer=self.buffer.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         if state.get("buffer"):
             self.buffer.load_state_dict(state["buffer"])
 

@@ -155,9 +155,11 @@ class SPEAR(Recipe):
         return sil_samples
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(sil=list(self.sil.entries), baseline=list(self.baseline.values), bounds=self.bounds)
+        return dict(super().state_dict(), sil=list(self.sil.entries), baseline=list(self.baseline.values),
+                    bounds=self.bounds)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self.sil.entries = list(state.get("sil", []))
         self.baseline = BaselineBuffer(self.p.baseline_size, state.get("baseline", []))
         self.bounds = state.get("bounds") or self.bounds

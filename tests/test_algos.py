@@ -298,3 +298,49 @@ def test_ppo_objective_looks_the_surrogate_up_by_name_and_k2_kl():
         ppo_objective(logp, old, adv, mask, dict(loss="gpso"))
     ref = torch.tensor([[-1.2, -2.5]])
     assert kl_penalty(logp, ref, "k2")[0].tolist() == pytest.approx([0.5 * 0.2 ** 2, 0.5 * 0.5 ** 2])
+
+
+def test_adaptive_kl_controller_by_hand():
+    from agentrl.algos.kl_control import KLController
+
+    c = KLController(0.1, target=2.0, horizon=100)
+    c.update(3.0, 10)  # error 3/2 - 1 = .5, clipped to .2: coef x (1 + .2 * 10 / 100)
+    assert c.coef == pytest.approx(0.1 * 1.02)
+    c.update(1.9, 10)  # error -.05
+    assert c.coef == pytest.approx(0.1 * 1.02 * (1 - 0.05 * 0.1))
+    fixed = KLController(0.1)
+    fixed.update(100.0, 10)
+    assert fixed.coef == 0.1
+    d = KLController(0.5, target=1.0)
+    d.load_state_dict(c.state_dict())
+    assert d.coef == c.coef
+
+
+def test_kl_reward_penalty_lowers_each_episode_reward_by_coef_times_its_kl():
+    from agentrl.config import load_config
+    from agentrl.recipe import Recipe
+
+    cfg = load_config("grpo", env="sokoban", overrides=["algo.kl_reward_coef=0.5", "algo.filters=[]",
+                                                        "algo.turn_weight=uniform", "algo.estimator=dr_grpo"])
+    recipe = Recipe(cfg)
+    eps = [_shaped_episode(won=True), _shaped_episode(won=False)]
+    for e in eps:
+        e.group_id = "g"
+        for t in e.turns:
+            t.gen_logprobs = [-1.0] * len(t.gen_ids)
+
+    class Engine:  # the reference gives every token log-prob -1.5: KL 0.5 per generated token
+        pad_id = 0
+
+        def ref_logprobs(self, batch, temperature=1.0):
+            return torch.full_like(batch.old_logprobs, -1.5)
+
+    class T:
+        engine = Engine()
+
+    samples, stats = recipe.make_batch(T(), eps)
+    # each episode generated 2 tokens (one per turn): KL 1.0, penalty 0.5; rewards 1 -> .5 and 0 -> -.5,
+    # dr_grpo: +-0.5 (the penalty is the same for both, so it cancels in the advantage)
+    assert stats["kl_episode"] == pytest.approx(1.0) and stats["kl_reward_coef"] == 0.5
+    assert sorted({s.meta["reward"] for s in samples}) == pytest.approx([-0.5, 0.5])
+    assert recipe.state_dict() == {"kl_ctl": {"coef": 0.5}}
