@@ -34,6 +34,21 @@ def test_last_complete_answer_wins():
     assert parse_turn("<action>look</action> no wait <action>go east</action>").actions == ["go east"]
 
 
+def test_control_characters_and_lone_surrogates_never_reach_an_env():
+    assert parse_turn("<action>go\x00 north\x07</action>").actions == ["go north"]
+    assert parse_turn("<action>take \ud800mug</action>").actions == ["take mug"]
+    p = parse_turn("<action>\x00\x01</action>")  # nothing left: a format error, not an empty command
+    assert not p.valid and p.error == "empty <action>"
+
+
+def test_parsing_is_linear_on_hostile_text():
+    # a lazy-group regex took 7.8 s on 8000 open tags (quadratic); this is ~1 MB of them
+    assert parse_turn("<action>" * 125_000).actions == []
+    assert parse_turn("<action>" * 125_000 + "look</action>").actions == ["look"]
+    assert parse_turn("x</action>" * 100_000).actions == []
+    assert parse_turn("<ACTION>Look</Action>").actions == ["Look"]
+
+
 def test_missing_think_is_a_format_error_when_required():
     p = parse_turn("<action>look</action>", require_think=True)
     assert p.actions == ["look"] and not p.format_ok and "think" in p.error
