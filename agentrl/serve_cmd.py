@@ -17,6 +17,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="float32", help="agentrl backend: torch dtype (default float32)")
     p.add_argument("--lora", action="store_true", help="vllm backend: accept LoRA adapters at run time")
+    p.add_argument("--allow-weights-dir", action="append", default=[], metavar="DIR",
+                   help="agentrl backend: /load_weights may load folders under DIR (repeatable; default: none, "
+                        "every load is refused). A training run syncs through RUN_DIR/weights: allow its run folder")
+    p.add_argument("--api-key", default=os.environ.get("AGENTRL_API_KEY"),
+                   help="agentrl backend: require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $AGENTRL_API_KEY; none: no key)")
     p.set_defaults(func=run)
 
 
@@ -35,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.generation.embedded import EmbeddedGenerator
     from agentrl.generation.server import start_server
 
-    server = start_server(EmbeddedGenerator.from_folder(folder, args.dtype), str(args.model), args.host, args.port)
+    server = start_server(EmbeddedGenerator.from_folder(folder, args.dtype), str(args.model), args.host, args.port,
+                          allow_weights_dirs=args.allow_weights_dir, api_key=args.api_key)
     print(f"serving {args.model} ({folder}) on http://{args.host}:{server.server_address[1]}  (Ctrl-C stops)",
           flush=True)
     try:

@@ -104,8 +104,8 @@ def test_stop_string_and_length(tiny_generator):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_generator):
-    srv = start_server(tiny_generator, "tiny-test", port=0)
+def server(tiny_generator, tmp_path_factory):
+    srv = start_server(tiny_generator, "tiny-test", port=0, allow_weights_dirs=[str(tmp_path_factory.getbasetemp())])
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
 
@@ -151,14 +151,74 @@ def test_weight_sync_and_check(tiny_generator, tiny_model_dir, server, tmp_path)
     assert check_sync(client, tiny_generator.model, ids) < 1e-5
 
 
-def test_server_rejects_bad_requests(server):
-    req = urllib.request.Request(server + "/v1/completions", data=json.dumps({"prompt": {"x": 1}}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=30)
-    assert e.value.code == 400 and "prompt must be" in e.value.read().decode()
+def _post(url, body, headers=None, raw=None):
+    req = urllib.request.Request(url, data=raw if raw is not None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.mark.parametrize("body,code,words", [
+    ({"prompt": {"x": 1}}, 400, "prompt must be"),
+    ({"prompt": [1, 2, 3], "max_tokens": 2, "stop": [["x"]]}, 400, "'stop' must be"),  # killed the worker once
+    ({"prompt": [1, 2, 3], "max_tokens": 10**9}, 400, "'max_tokens' must be an integer in [1,"),
+    ({"prompt": [1, 2, 3], "max_tokens": -5}, 400, "'max_tokens'"),
+    ({"prompt": [1, 2, 10**7]}, 400, "outside the vocabulary"),
+    ({"prompt": [1, 2, 3], "n": -1}, 400, "'n' must be"),
+    ({"prompt": [1, 2, 3], "temperature": "hot"}, 400, "'temperature'"),
+    ({"prompt": "word " * 300_000}, 400, "longer than the model's context"),
+    ([1, 2], 400, "JSON object"),
+])
+def test_server_rejects_bad_requests_and_keeps_serving(server, body, code, words):
+    status, out = _post(server + "/v1/completions", body)
+    assert status == code and words in out["error"]["message"]
+    status, out = _post(server + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+    assert status == 200 and len(out["choices"][0]["token_ids"]) <= 2
+
+
+def test_server_refuses_huge_bodies_foreign_weights_and_serves_chat(server, tiny_model_dir, tmp_path):
+    import http.client
+
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Length", str(9 << 20))  # refused from the header, before any body is read
+    conn.endheaders()
+    assert conn.getresponse().status == 413
+    conn.close()
+    for path in ["/etc", "/nonexistent/x", "gpt2"]:  # outside the allowed dirs: 403, existing or not
+        status, out = _post(server + "/load_weights", {"path": path})
+        assert status == 403 and "not under a directory this server may load weights from" in out["error"]["message"]
+    from agentrl.model_zoo import build_tiny
+    from tests.conftest import CORPUS
+
+    other = tmp_path / "other"  # another tiny model: same architecture class, other shapes
+    build_tiny(other, corpus=CORPUS, vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=2)
+    status, out = _post(server + "/load_weights", {"path": str(other)})
+    assert status == 400 and "do not match the served model" in out["error"]["message"]
+    status, out = _post(server + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Up"}],
+                                                         "max_tokens": 3})
+    assert status == 200 and out["choices"][0]["message"]["role"] == "assistant"
     with pytest.raises(GenerationServerError, match="cannot reach"):
         RemoteGenerator("http://127.0.0.1:9", timeout=2)
+
+
+def test_api_key_guards_every_route_but_health(tiny_generator):
+    srv = start_server(tiny_generator, "tiny-test", port=0, api_key="s3cret")
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        assert _post(url + "/v1/completions", {"prompt": [1, 2], "max_tokens": 1})[0] == 401
+        assert urllib.request.urlopen(url + "/health", timeout=10).status == 200
+        with pytest.raises(GenerationServerError, match="401"):
+            RemoteGenerator(url, api_key="wrong")
+        client = RemoteGenerator(url, api_key="s3cret")
+        assert client.model == "tiny-test"
+    finally:
+        srv.shutdown()
 
 
 def test_ineffective_turns_are_flagged_and_penalized(tiny_generator):

@@ -10,6 +10,7 @@ the new folder, which ``agentrl.generation.vllm.VLLMServer.restart`` does).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 import urllib.error
@@ -35,8 +36,9 @@ class GenerationServerError(RuntimeError):
 
 class RemoteGenerator:
     def __init__(self, base_url: str, model: str | None = None, timeout: float = 600.0, backend: str = "agentrl",
-                 max_prompts_per_request: int = 64, parallel_requests: int = 4):
+                 max_prompts_per_request: int = 64, parallel_requests: int = 4, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("AGENTRL_API_KEY")
         self.timeout, self.backend = timeout, backend
         self.max_prompts, self.parallel = max_prompts_per_request, parallel_requests
         self.model = model or self.models()[0]
@@ -45,8 +47,10 @@ class RemoteGenerator:
     # ----- HTTP -------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 raw = resp.read()
