@@ -318,6 +318,10 @@ def _check_names(cfg: RecipeCfg) -> None:
         raise ConfigError("rollout.groups and rollout.group_size must be >= 1")
     if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):
         raise ConfigError(f"bad value for 'trainer.device': {cfg.trainer.device!r}; allowed: auto, cpu, cuda, cuda:N")
+    if cfg.eval.samples > 1 and cfg.eval.temperature <= 0:
+        raise ConfigError(f"eval.samples={cfg.eval.samples} at eval.temperature={cfg.eval.temperature}: greedy "
+                          "samples are all the same, so pass@k would equal pass@1; set eval.temperature "
+                          "(e.g. eval.temperature=1.0, independent samples from the policy) or eval.samples=1")
     if cfg.rollout.max_rounds < 1 or cfg.rollout.fill_groups < 0:
         raise ConfigError(f"bad value for 'rollout.max_rounds' ({cfg.rollout.max_rounds}) or 'rollout.fill_groups' "
                           f"({cfg.rollout.fill_groups}); allowed: max_rounds >= 1, fill_groups >= 0")

@@ -112,8 +112,30 @@ class MetricsLogger:
 
 
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl``; a torn last line (a run killed mid-write) is skipped."""
     path = Path(out_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for k, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1:
+                raise ValueError(f"{path}: line {k + 1} is not JSON (only a torn last line is tolerated)") from None
+    return rows
+
+
+def truncate_metrics(out_dir: Path, step: int) -> None:
+    """Keep the rows up to ``step`` (a resumed run logs the later ones again), atomically."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep = [r for r in read_metrics(out_dir) if r.get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)
 
 
 def echo_trap_flags(history: list[dict[str, Any]], window: int = 5) -> dict[str, float]:

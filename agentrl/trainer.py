@@ -29,7 +29,8 @@ from agentrl.config import ConfigError, RecipeCfg, dump
 from agentrl.learner.batch import Sample, collate
 from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
 from agentrl.learner.lr import lr_factor, set_lr
-from agentrl.metrics import MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, read_metrics
+from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, read_metrics,
+                             truncate_metrics)
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
 from agentrl.seeds import mix_seed
 from agentrl.types import Completion, Episode, SamplingParams
@@ -41,6 +42,31 @@ if TYPE_CHECKING:
     from envs.slots import EnvSlots
 
 CHECKPOINT_LINK = "checkpoint"  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
+
+
+# what makes a run folder's checkpoint the same run: resuming with any of these changed is another run
+RUN_IDENTITY = ("recipe", "method", "env", "env_kwargs", "model.name", "model.lora_r", "rollout.prompt",
+                "rollout.chat_mode", "algo.estimator", "algo.level")
+
+
+def check_run_folder(out_dir: Path, cfg: RecipeCfg) -> None:
+    ckpt = out_dir / CHECKPOINT_LINK / "trainer.pt"
+    if not ckpt.exists():
+        return
+    saved = torch.load(ckpt, weights_only=False).get("config")
+    if not saved:  # a checkpoint from before configs were stored in it
+        return
+    now = cfg.to_dict()
+
+    def get(d: dict, key: str) -> object:
+        for part in key.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+
+    diff = [f"{k}: {get(saved, k)!r} there, {get(now, k)!r} here" for k in RUN_IDENTITY if get(saved, k) != get(now, k)]
+    if diff:
+        raise ConfigError(f"{out_dir} holds a checkpoint of another run ({'; '.join(diff)}): resuming it would mix "
+                          "the two. Use another trainer.out_dir (--out), or delete that folder to start over")
 
 
 def seed_everything(seed: int) -> None:
@@ -61,6 +87,7 @@ class Trainer:
         self.rank = dist.rank()
         self.is_main = self.rank == 0
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        check_run_folder(self.out_dir, cfg)  # before config.yaml is rewritten: another run's folder is refused
         if self.is_main:
             dump(cfg, self.out_dir / "config.yaml")
         seed_everything(cfg.trainer.seed)
@@ -322,7 +349,8 @@ class Trainer:
         self.engine.save(folder)
         if self.is_main:
             torch.save(dict(step=self.step, rng=self.rng.getstate(), recipe=self.recipe.state_dict(),
-                            world=self.world, engine=self.cfg.trainer.engine), folder / "trainer.pt")
+                            world=self.world, engine=self.cfg.trainer.engine, config=self.cfg.to_dict()),
+                       folder / "trainer.pt")
         dist.barrier()
         if self.is_main:
             link, tmp = self.out_dir / CHECKPOINT_LINK, self.out_dir / (CHECKPOINT_LINK + ".new")
@@ -364,6 +392,8 @@ class Trainer:
         resumed = self.load_checkpoint()
         if resumed:
             self.echo(f"resumed from {self.out_dir / CHECKPOINT_LINK} at step {self.step}")
+            if self.is_main:  # rows logged after the checkpoint (and a torn last line) are redone, not repeated
+                truncate_metrics(self.out_dir, self.step)
         if self.step == 0 and not resumed:
             pre = self.recipe.before_training(self) if hasattr(self.recipe, "before_training") else {}
             first = self.evaluate() if self.cfg.eval.tasks else {}
@@ -402,6 +432,8 @@ class Trainer:
             progress.close()
             if self.logger is not None:
                 self.logger.close()
+        if not final and (self.out_dir / "final.json").exists():  # a finished run started again: nothing new
+            final = json.loads((self.out_dir / "final.json").read_text())
         if self.is_main:
             (self.out_dir / "final.json").write_text(json.dumps(final, indent=1))
         return final

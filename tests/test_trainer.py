@@ -45,8 +45,9 @@ def test_baseline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
         assert "all_zero_groups" in rows[1] and "group_entropy_bits" in rows[1] and "success" in rows[1]
     if recipe in ("ppo", "starpo_s"):
         assert "loss" in rows[1] and "grad_norm" in rows[1]
-    if recipe == "starpo":  # its KL to the frozen reference (the warm start) is in the loss
-        assert any(r.get("kl", 0) > 0 for r in rows[1:]) or all("loss" not in r for r in rows[1:])
+    if recipe == "starpo":  # no group filter; its KL to the frozen reference (the warm start) is in the loss,
+        # 0 at the first update (the policy is the reference), not after it
+        assert "filtered_zero_variance" not in rows[1] and "kl" in rows[1] and rows[2]["kl"] != 0
     if recipe == "grpo":  # zero-variance groups are dropped; the untrained tiny model fails all 4 episodes
         # of a round, so the Sokoban overlay's dynamic sampling rolls out all its rounds
         r = rows[1]
@@ -92,6 +93,12 @@ def test_unknown_key_and_bad_value_fail_fast_with_the_key_named():
         load_config("grpo", env="sokobon")
     with pytest.raises(ConfigError, match=r"bad value for 'rollout.max_rounds' \(0\).*allowed: max_rounds >= 1"):
         load_config("grpo", overrides=["rollout.max_rounds=0"])
+
+
+def test_pass_at_k_from_greedy_samples_is_refused():
+    with pytest.raises(ConfigError, match="eval.samples=8 at eval.temperature=0.0: greedy samples are all the same"):
+        load_config("grpo", env="sokoban", overrides=["eval.samples=8", "eval.temperature=0.0"])
+    assert load_config("grpo", env="sokoban", overrides=["eval.samples=8", "eval.temperature=1.0"]).eval.samples == 8
 
 
 def test_malformed_yaml_and_inheritance(tmp_path):
@@ -271,3 +278,24 @@ def test_plot_adds_crps_mechanism_panels_when_a_run_has_a_buffer(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     plot_runs([tmp_path], tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_a_run_folder_of_another_run_is_refused_and_metrics_survive_a_torn_line(tmp_path):
+    import torch
+
+    from agentrl.metrics import read_metrics, truncate_metrics
+    from agentrl.trainer import check_run_folder
+
+    grpo = load_config("grpo", env="bandit", overrides=[f"trainer.out_dir={tmp_path}"])
+    (tmp_path / "checkpoint").mkdir()
+    torch.save(dict(step=3, config=grpo.to_dict()), tmp_path / "checkpoint" / "trainer.pt")
+    check_run_folder(tmp_path, grpo)  # the same run resumes
+    rloo = load_config("rloo", env="frozenlake", overrides=[f"trainer.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"holds a checkpoint of another run \(recipe: 'grpo' there, 'rloo' here.*"
+                                          r"env: 'bandit' there, 'frozenlake' here"):
+        check_run_folder(tmp_path, rloo)
+    rows = "".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(5))
+    (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 5, "x"')  # killed mid-write
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
+    truncate_metrics(tmp_path, 3)  # resumed from step 3: steps 4 and 5 will be logged again
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
