@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     from agentrl import dist
     from agentrl.config import ConfigError
     from agentrl.generation.client import GenerationServerError
+    from agentrl.learner.models import ModelError
     from agentrl.registry import RegistryError
+    from agentrl.trainer import RunError
     from envs.base import EnvError
 
     argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (EnvError, ConfigError, RegistryError, GenerationServerError) as e:
+    except (EnvError, ConfigError, RegistryError, GenerationServerError, ModelError, RunError) as e:
         where = f"[rank {dist.rank()}] " if dist.launched_world() > 1 else ""
         print(f"{where}error: {e}", file=sys.stderr)
         return 2

@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 CHECKPOINT_LINK = "checkpoint"  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
 
 
+class RunError(RuntimeError):
+    """A run cannot go on for a reason outside the config (disk, permissions); one line for the user."""
+
+
 # what makes a run folder's checkpoint the same run: resuming with any of these changed is another run
 RUN_IDENTITY = ("recipe", "method", "env", "env_kwargs", "model.name", "model.lora_r", "rollout.prompt",
                 "rollout.chat_mode", "algo.estimator", "algo.level")
@@ -86,18 +90,23 @@ class Trainer:
         self.world = dist.init(self.device)
         self.rank = dist.rank()
         self.is_main = self.rank == 0
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        check_run_folder(self.out_dir, cfg)  # before config.yaml is rewritten: another run's folder is refused
-        if self.is_main:
-            dump(cfg, self.out_dir / "config.yaml")
+        self.model_dir = resolve_model(cfg.model.name)  # a bad model spec fails before the run folder is touched
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            check_run_folder(self.out_dir, cfg)  # before config.yaml is rewritten: another run's folder is refused
+            if self.is_main:
+                dump(cfg, self.out_dir / "config.yaml")
+        except OSError as e:
+            raise RunError(f"cannot write the run folder {self.out_dir}: {e.strerror or e}; choose another "
+                           "trainer.out_dir (--out)") from None
         seed_everything(cfg.trainer.seed)
         self.rng = random.Random(cfg.trainer.seed)  # the same stream on every rank: same decisions
         self.step = 0
-        self.model_dir = resolve_model(cfg.model.name)
         self.engine: LearnerEngine = self._make_engine()
         self.tokenizer = self.engine.tokenizer
         self.generator: Generator = self._make_generator()
         self.envs: EnvSlots = self._make_envs()
+        self._pool_seen: dict[str, int] = dict(self.envs.stats)
         self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict()) \
             if self.is_main else None
         self._tasks = None
@@ -302,9 +311,17 @@ class Trainer:
         self._sync_stats = self.generator.receive(self.engine, self.out_dir)
 
     def diagnostics(self, episodes: list[Episode], recipe: "Recipe") -> dict[str, float]:
+        """Collective (every rank calls it in ``Recipe.step``): episode statistics, timings, and the env
+        workers' restarts, timeouts, crashes, replays and dropped episodes this step, summed over ranks."""
         d = episode_diagnostics(episodes, recipe.reward)
         st = self._rollout_stats
         d.update(time_generate_s=st.get("generate_s", 0.0), time_env_s=st.get("env_s", 0.0))
+        now = dict(self.envs.stats)
+        delta = {k: v - self._pool_seen.get(k, 0) for k, v in now.items()}
+        self._pool_seen = now
+        gathered = dist.all_gather_object(delta)
+        for k in delta:
+            d[f"env_{k}"] = float(sum(x.get(k, 0) for x in gathered))
         return d
 
     # ----- evaluation --------------------------------------------------------------------------
@@ -341,16 +358,22 @@ class Trainer:
         rename) and drop older ones, so a kill at any point leaves the previous complete checkpoint."""
         root = self.out_dir / "checkpoints"
         folder = root / f"step-{self.step:06d}"
-        if self.is_main:
-            if folder.exists():  # a save of this step that was killed half-way
-                shutil.rmtree(folder)
-            folder.mkdir(parents=True)
-        dist.barrier()
-        self.engine.save(folder)
-        if self.is_main:
-            torch.save(dict(step=self.step, rng=self.rng.getstate(), recipe=self.recipe.state_dict(),
-                            world=self.world, engine=self.cfg.trainer.engine, config=self.cfg.to_dict()),
-                       folder / "trainer.pt")
+        try:
+            if self.is_main:
+                if folder.exists():  # a save of this step that was killed half-way
+                    shutil.rmtree(folder)
+                folder.mkdir(parents=True)
+            dist.barrier()
+            self.engine.save(folder)
+            if self.is_main:
+                torch.save(dict(step=self.step, rng=self.rng.getstate(), recipe=self.recipe.state_dict(),
+                                world=self.world, engine=self.cfg.trainer.engine, config=self.cfg.to_dict()),
+                           folder / "trainer.pt")
+        except OSError as e:  # a full disk: drop the partial save, keep the previous checkpoint, say so
+            shutil.rmtree(folder, ignore_errors=True)
+            raise RunError(f"checkpoint at step {self.step} failed ({e.strerror or e}) and was removed; the last "
+                           f"complete one is {self.out_dir / CHECKPOINT_LINK}. Free space and run the same command "
+                           "to resume") from None
         dist.barrier()
         if self.is_main:
             link, tmp = self.out_dir / CHECKPOINT_LINK, self.out_dir / (CHECKPOINT_LINK + ".new")

@@ -134,6 +134,20 @@ def test_cli_reports_config_errors_in_one_line():
     assert r.returncode == 0 and "dotted overrides" in r.stdout
 
 
+def test_bad_model_and_unwritable_run_folder_are_one_line_errors(tmp_path):
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "grpo", "--env", "bandit", *args],
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode, r.stderr.strip().splitlines()
+
+    code, err = cli("--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "run"))
+    assert code == 2 and len(err) == 1 and "no config.json" in err[0]
+    assert not (tmp_path / "run").exists()  # nothing written for a run that cannot start
+    (tmp_path / "file").write_text("")
+    code, err = cli("--model", "tiny", "--out", str(tmp_path / "file" / "run"))
+    assert code == 2 and len(err) == 1 and "cannot write the run folder" in err[0]
+
+
 def test_pass_at_k_unbiased():
     from agentrl.metrics import group_entropy_bits, pass_at_k
 
@@ -299,3 +313,20 @@ def test_a_run_folder_of_another_run_is_refused_and_metrics_survive_a_torn_line(
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
     truncate_metrics(tmp_path, 3)  # resumed from step 3: steps 4 and 5 will be logged again
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
+
+
+def test_env_worker_restarts_and_drops_reach_the_step_metrics():
+    from types import SimpleNamespace
+
+    from agentrl.trainer import Trainer
+    from agentrl.types import Episode, Turn
+
+    stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
+    fake = SimpleNamespace(_rollout_stats={}, envs=SimpleNamespace(stats=stats), _pool_seen=dict(stats))
+    ep = Episode("e", "t", 0, group_id="g", turns=[Turn([1], [2], [0.0], "", ["a"], True, "", 0.0, True)])
+    recipe = SimpleNamespace(reward=lambda e: 0.0)
+    stats.update(restarts=2, crashes=1, dropped=1)
+    d = Trainer.diagnostics(fake, [ep], recipe)
+    assert (d["env_restarts"], d["env_crashes"], d["env_dropped"], d["env_timeouts"]) == (2.0, 1.0, 1.0, 0.0)
+    stats.update(restarts=3)
+    assert Trainer.diagnostics(fake, [ep], recipe)["env_restarts"] == 1.0  # per step, not cumulative
