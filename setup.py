@@ -6,8 +6,10 @@ setup(
     version="0.1.0",
     description="Train LLM agents with multi-turn reinforcement learning",
     python_requires=">=3.10",
-    packages=find_packages(include=["agentrl", "agentrl.*", "envs", "envs.*", "recipes", "recipes.*"]),
-    package_data={"recipes": ["*.yaml", "**/*.yaml"]},
+    # envs/ and recipes/ stay top-level folders in the repo but install as agentrl.envs and agentrl.recipes
+    # (agentrl/envs and agentrl/recipes are links to them): no generic top-level names in site-packages
+    packages=find_packages(include=["agentrl", "agentrl.*"]),
+    package_data={"agentrl.recipes": ["*.yaml", "**/*.yaml"]},
     install_requires=[
         "numpy>=1.26",
         "pyyaml>=6",

@@ -53,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.model_zoo import resolve_model
     from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
     from agentrl.types import SamplingParams
-    from envs import make
-    from envs.pool import InProcessEnvs
+    from agentrl.envs import make
+    from agentrl.envs.pool import InProcessEnvs
 
     gen = EmbeddedGenerator.from_folder(resolve_model(args.model))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _rank_main(argv: list[str]) -> None:
     """One rank of a timed run (launched by ``run``)."""
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.config import load_config
     from agentrl.metrics import read_metrics
     from agentrl.recipe import RECIPES

@@ -20,8 +20,8 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.learner.models import load_tokenizer
     from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
     from agentrl.types import SamplingParams
-    from envs import make
-    from envs.pool import InProcessEnvs
+    from agentrl.envs import make
+    from agentrl.envs.pool import InProcessEnvs
 
     model_dir = resolve_model(args.model)
     eng = TorchEngine(model_dir)

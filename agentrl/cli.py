@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from agentrl.learner.models import ModelError
     from agentrl.registry import RegistryError
     from agentrl.trainer import RunError
-    from envs.base import EnvError
+    from agentrl.envs.base import EnvError
 
     argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()

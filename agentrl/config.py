@@ -17,7 +17,7 @@ import yaml
 
 from agentrl.schema import ConfigError, build  # noqa: F401  (ConfigError: re-exported for callers)
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # the repo's recipes/ (installed as agentrl/recipes)
 
 
 @dataclass
@@ -224,7 +224,7 @@ def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None 
     if str(path) in seen:
         raise ConfigError(f"recipe inheritance loop: {' -> '.join(seen + (str(path),))}")
     from agentrl.recipe import RECIPES
-    import recipes  # noqa: F401  (registers the recipe classes)
+    import agentrl.recipes  # noqa: F401  (registers the recipe classes)
 
     data = _read_yaml(path)
     own_method = data.get("method") or (path.stem if path.stem in RECIPES else None)
@@ -289,8 +289,8 @@ def _check_names(cfg: RecipeCfg) -> None:
     from agentrl.algos.filters import FILTERS
     from agentrl.algos.losses import LOSSES
     from agentrl.recipe import RECIPES
-    from envs import registry
-    import recipes  # noqa: F401  (registers the recipe classes)
+    from agentrl.envs import registry
+    import agentrl.recipes  # noqa: F401  (registers the recipe classes)
 
     if cfg.method not in RECIPES:
         raise ConfigError(f"bad value for 'method': {cfg.method!r}; allowed: {', '.join(RECIPES.names())}")

@@ -6,9 +6,9 @@ import json
 import sys
 from typing import Any
 
-from envs import registry
-from envs.base import SPLITS, EnvError
-from envs.replay import Trace, replay
+from agentrl.envs import registry
+from agentrl.envs.base import SPLITS, EnvError
+from agentrl.envs.replay import Trace, replay
 
 PLAY_HELP = """commands while playing:
   <text>     send the text as an action
@@ -173,7 +173,7 @@ def cmd_play(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from envs.replay import run_expert
+    from agentrl.envs.replay import run_expert
 
     env = registry.make(args.env)
     shown: dict[str, int] = {}
@@ -260,7 +260,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from envs.check import check_env
+    from agentrl.envs.check import check_env
 
     reports, ok = [], True
     for name in args.env:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.learner.models import CHATML, ModelError
-from envs.cache import cache_dir
+from agentrl.envs.cache import cache_dir
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -112,8 +112,8 @@ def env_corpus(envs: tuple[str, ...] = ("sokoban", "sokoban-large", "frozenlake"
                tasks_per_env: int = 30) -> list[str]:
     """Text the tiny tokenizer is trained on: expert episodes rendered as the rollout engine renders them."""
     from agentrl.rollout.prompts import step_messages
-    from envs import make
-    from envs.replay import run_expert
+    from agentrl.envs import make
+    from agentrl.envs.replay import run_expert
 
     lines: list[str] = []
     for name in envs:

@@ -11,8 +11,8 @@ from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.learner.lr import lr_factor, restore_lr, set_lr
 from agentrl.rollout.engine import first_prompt_ids
 from agentrl.rollout.prompts import listed_actions
-from envs import make
-from envs.replay import play
+from agentrl.envs import make
+from agentrl.envs.replay import play
 
 if TYPE_CHECKING:
     from agentrl.trainer import Trainer

@@ -51,7 +51,7 @@ def _config(args: argparse.Namespace, recipe: str) -> Any:
 
 
 def _trainer(cfg: Any) -> Any:
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer
 

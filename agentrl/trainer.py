@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from agentrl.generation.base import Generator
     from agentrl.learner.protocol import LearnerEngine, LossFn
     from agentrl.recipe import Recipe
-    from envs.slots import EnvSlots
+    from agentrl.envs.slots import EnvSlots
 
 CHECKPOINT_LINK = "checkpoint"  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
 
@@ -193,10 +193,10 @@ class Trainer:
     def _make_envs(self) -> "EnvSlots":
         r = self.cfg.rollout
         if r.pool == "process":
-            from envs.pool import EnvPool
+            from agentrl.envs.pool import EnvPool
 
             return EnvPool(self.cfg.env, r.slots, self.cfg.env_kwargs)
-        from envs.pool import InProcessEnvs
+        from agentrl.envs.pool import InProcessEnvs
 
         return InProcessEnvs(self.cfg.env, r.slots, self.cfg.env_kwargs)
 

@@ -20,11 +20,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from envs.alfworld_engine import innermost, wrapped_pddl_env
-from envs.alfworld_gen import CATEGORY, TASK_TYPES, write_game
-from envs.alfworld_search import SearchGoal, search_action
-from envs.base import EnvError, PromptSpec, Task, TextEnv
-from envs.cache import cache_dir
+from agentrl.envs.alfworld_engine import innermost, wrapped_pddl_env
+from agentrl.envs.alfworld_gen import CATEGORY, TASK_TYPES, write_game
+from agentrl.envs.alfworld_search import SearchGoal, search_action
+from agentrl.envs.base import EnvError, PromptSpec, Task, TextEnv
+from agentrl.envs.cache import cache_dir
 
 REAL_SPLITS = {"train": "train", "valid": "valid_seen", "test": "valid_unseen"}
 ALFWORLD_DEFAULT_CACHE = Path("~/.cache/alfworld").expanduser()

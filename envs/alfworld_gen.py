@@ -260,7 +260,7 @@ def alfworld_data_files() -> tuple[str, str]:
 
 def write_game(folder: Path, layout: int, task_type: str, seed: int, max_tries: int = 50) -> dict[str, Any]:
     """Write ``game.tw-pddl`` and ``traj_data.json`` for the first draw the planner solves."""
-    from envs.alfworld_engine import plan_game
+    from agentrl.envs.alfworld_engine import plan_game
 
     domain, grammar = alfworld_data_files()
     for attempt in range(max_tries):

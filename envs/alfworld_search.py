@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from envs.alfworld_gen import LAMP_HOLDERS as _LAMP_TYPES
+from agentrl.envs.alfworld_gen import LAMP_HOLDERS as _LAMP_TYPES
 
 TRANSFORM = {"pick_clean_then_place_in_recep": ("clean", "sinkbasin"),
              "pick_heat_then_place_in_recep": ("heat", "microwave"),

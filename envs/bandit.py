@@ -11,7 +11,7 @@ import hashlib
 import random
 from typing import Any
 
-from envs.base import EnvError, PromptSpec, Task, TextEnv
+from agentrl.envs.base import EnvError, PromptSpec, Task, TextEnv
 
 LOW_REWARD, HIGH_P = 0.15, 0.25
 NAMES = {

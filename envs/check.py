@@ -10,9 +10,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.base import TextEnv
-from envs.registry import make
-from envs.replay import DivergenceError, Trace, replay, run_expert
+from agentrl.envs.base import TextEnv
+from agentrl.envs.registry import make
+from agentrl.envs.replay import DivergenceError, Trace, replay, run_expert
 
 GARBAGE_ACTION = "xyzzy plugh"  # no env accepts this; it must change the trajectory
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import IndexedTasks, PromptSpec, Task, TextEnv
+from agentrl.envs.base import IndexedTasks, PromptSpec, Task, TextEnv
 
 ACTIONS = ["Left", "Down", "Right", "Up"]  # gymnasium's action order 0..3
 SPLIT_SEED = {"train": 0, "valid": 1_000_003, "test": 2_000_029}

@@ -17,9 +17,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.base import EnvError
-from envs.replay import DivergenceError, Trace
-from envs.results import StepResult
+from agentrl.envs.base import EnvError
+from agentrl.envs.replay import DivergenceError, Trace
+from agentrl.envs.results import StepResult
 
 
 @dataclass
@@ -36,7 +36,7 @@ class _Slot:
 
 def _worker_main(conn: Any, env_name: str, env_kwargs: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    from envs.registry import make
+    from agentrl.envs.registry import make
 
     env = None
     try:
@@ -315,7 +315,7 @@ class InProcessEnvs:
     no process start-up. For tests, benchmarks and cheap envs; use ``EnvPool`` for real runs."""
 
     def __init__(self, env_name: str, num_slots: int, env_kwargs: dict[str, Any] | None = None):
-        from envs.registry import make
+        from agentrl.envs.registry import make
 
         self.envs = [make(env_name, **(env_kwargs or {})) for _ in range(num_slots)]
         self.stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
@@ -331,7 +331,7 @@ class InProcessEnvs:
         return out[0], 0.0, False, False, out[1]
 
     def restore(self, requests: dict[int, tuple[Trace, int, int | None]]) -> dict[int, StepResult]:
-        from envs.replay import replay
+        from agentrl.envs.replay import replay
 
         return {i: StepResult(*self._pair(replay(self.envs[i], tr, t, reseed))) for i, (tr, t, reseed) in
                 requests.items()}

@@ -1,6 +1,6 @@
 """Env registry: a name maps to a class path plus default options.
 
-Entries are strings (``"envs.sokoban:SokobanEnv"``) so listing envs never imports heavy engines
+Entries are strings (``"agentrl.envs.sokoban:SokobanEnv"``) so listing envs never imports heavy engines
 (Java for ScienceWorld, Inform7 for TextWorld) and env worker processes can build envs by name.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.base import EnvError, TextEnv
+from agentrl.envs.base import EnvError, TextEnv
 
 
 @dataclass(frozen=True)
@@ -53,17 +53,17 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-register("sokoban", "envs.sokoban:SokobanEnv", "RAGEN Sokoban, 6x6, 1 box")
-register("sokoban-large", "envs.sokoban:SokobanEnv", "RAGEN LargerSokoban, 8x8, 2 boxes",
+register("sokoban", "agentrl.envs.sokoban:SokobanEnv", "RAGEN Sokoban, 6x6, 1 box")
+register("sokoban-large", "agentrl.envs.sokoban:SokobanEnv", "RAGEN LargerSokoban, 8x8, 2 boxes",
          dim=8, num_boxes=2)
-register("sokoban-newvocab", "envs.sokoban:SokobanEnv", "RAGEN SokobanDifferentGridVocab", vocab="new")
-register("frozenlake", "envs.frozenlake:FrozenLakeEnv", "gymnasium FrozenLake-v1, slippery, random 4x4 maps")
-register("bandit", "envs.bandit:BanditEnv", "RAGEN bi-arm bandit (symbolic arm names)")
-register("bandit-reversed", "envs.bandit:BanditEnv", "bi-arm bandit with the name semantics reversed",
+register("sokoban-newvocab", "agentrl.envs.sokoban:SokobanEnv", "RAGEN SokobanDifferentGridVocab", vocab="new")
+register("frozenlake", "agentrl.envs.frozenlake:FrozenLakeEnv", "gymnasium FrozenLake-v1, slippery, random 4x4 maps")
+register("bandit", "agentrl.envs.bandit:BanditEnv", "RAGEN bi-arm bandit (symbolic arm names)")
+register("bandit-reversed", "agentrl.envs.bandit:BanditEnv", "bi-arm bandit with the name semantics reversed",
          reversed=True)
-register("textworld", "envs.textworld_env:TextWorldEnv", "TextWorld games generated locally (tw-make)")
-register("scienceworld", "envs.scienceworld_env:ScienceWorldEnv", "ScienceWorld, 30 tasks (Java)")
-register("alfworld", "envs.alfworld_env:AlfWorldEnv",
+register("textworld", "agentrl.envs.textworld_env:TextWorldEnv", "TextWorld games generated locally (tw-make)")
+register("scienceworld", "agentrl.envs.scienceworld_env:ScienceWorldEnv", "ScienceWorld, 30 tasks (Java)")
+register("alfworld", "agentrl.envs.alfworld_env:AlfWorldEnv",
          "ALFWorld on alfworld's TextWorld-PDDL engine; generated games, or $ALFWORLD_DATA")
-register("webshop", "envs.webshop.env:WebShopEnv",
+register("webshop", "agentrl.envs.webshop.env:WebShopEnv",
          "WebShop pages, actions and reward; generated catalogue, or $WEBSHOP_DATA")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from envs.base import EnvError, TextEnv
+from agentrl.envs.base import EnvError, TextEnv
 
 
 class DivergenceError(EnvError):

@@ -10,8 +10,8 @@ import json
 import re
 from typing import Any
 
-from envs.base import EnvError, PromptSpec, Task, TextEnv
-from envs.cache import cache_dir
+from agentrl.envs.base import EnvError, PromptSpec, Task, TextEnv
+from agentrl.envs.cache import cache_dir
 
 # Tasks whose simulation draws unseeded randomness (plant life cycles, pollination, heating timing): two
 # runs of the same gold actions diverge (measured: first divergence at step 47 for both mendelian tasks,

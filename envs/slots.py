@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from envs.replay import Trace
-from envs.results import StepResult
+from agentrl.envs.replay import Trace
+from agentrl.envs.results import StepResult
 
 
 @runtime_checkable

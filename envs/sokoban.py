@@ -11,7 +11,7 @@ import random
 from collections import deque
 from typing import Any
 
-from envs.base import EnvError, IndexedTasks, PromptSpec, Task, TextEnv
+from agentrl.envs.base import EnvError, IndexedTasks, PromptSpec, Task, TextEnv
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 ACTIONS = ["Up", "Down", "Left", "Right"]

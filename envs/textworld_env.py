@@ -15,8 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from envs.base import IndexedTasks, PromptSpec, Task, TextEnv
-from envs.cache import cache_dir
+from agentrl.envs.base import IndexedTasks, PromptSpec, Task, TextEnv
+from agentrl.envs.cache import cache_dir
 
 # category -> (rooms, objects, quest length)
 LEVELS = {"easy": (2, 3, 2), "medium": (4, 6, 4), "hard": (6, 10, 6)}

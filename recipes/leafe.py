@@ -28,7 +28,7 @@ from agentrl.recipe import RECIPES, Recipe
 from agentrl.rollout.engine import Start
 from agentrl.sft import fit_sft
 from agentrl.types import Episode, SamplingParams, Turn
-from envs.replay import Trace
+from agentrl.envs.replay import Trace
 
 if TYPE_CHECKING:
     from agentrl.trainer import Trainer

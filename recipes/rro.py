@@ -17,7 +17,7 @@ from agentrl.dpo import PreferencePair, fit_dpo
 from agentrl.recipe import RECIPES, Recipe
 from agentrl.rollout.engine import Start
 from agentrl.types import Episode, Turn
-from envs.replay import Trace
+from agentrl.envs.replay import Trace
 
 if TYPE_CHECKING:
     from agentrl.trainer import Trainer

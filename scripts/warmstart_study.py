@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("-o", "--overrides", nargs="*", default=[])
     a = ap.parse_args()
 
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.config import load_config
     from agentrl.recipe import RECIPES
     from agentrl.sft import expert_samples, fit_sft

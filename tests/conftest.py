@@ -37,7 +37,7 @@ def sokoban_sft_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model after a short SFT on Sokoban demos (~15 s): it writes valid actions most of the
     time, so rollouts have reward variance and RL steps have gradients (an untrained model's groups are
     all alike and every update is skipped)."""
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.config import load_config
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer

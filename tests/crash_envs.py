@@ -2,7 +2,7 @@
 import os
 import time
 
-from envs.sokoban import SokobanEnv
+from agentrl.envs.sokoban import SokobanEnv
 
 
 class CrashOnCommandEnv(SokobanEnv):

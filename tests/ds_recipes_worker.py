@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-import recipes  # noqa: F401
+import agentrl.recipes  # noqa: F401
 from agentrl import dist
 from agentrl.config import load_config
 from agentrl.recipe import RECIPES

@@ -4,10 +4,10 @@ import shutil
 
 import pytest
 
-from envs import EnvError, make
-from envs.alfworld_gen import CATEGORY, TASK_TYPES, pddl_problem, sample_task
-from envs.check import check_env
-from envs.replay import run_expert
+from agentrl.envs import EnvError, make
+from agentrl.envs.alfworld_gen import CATEGORY, TASK_TYPES, pddl_problem, sample_task
+from agentrl.envs.check import check_env
+from agentrl.envs.replay import run_expert
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ ROOM = ("You are in the middle of a room. Looking quickly around you, you see a 
 
 
 def test_search_expert_looks_only_where_the_object_can_be():
-    from envs.alfworld_search import SearchGoal, receptacles, search_action
+    from agentrl.envs.alfworld_search import SearchGoal, receptacles, search_action
 
     goal = SearchGoal("pick_clean_then_place_in_recep", "mug", "countertop")
     assert receptacles(ROOM) == ["cabinet 1", "cabinet 2", "countertop 1", "fridge 1", "microwave 1",
@@ -134,7 +134,7 @@ def test_search_expert_looks_only_where_the_object_can_be():
 
 
 def test_search_expert_pick_two_returns_to_an_object_it_saw():
-    from envs.alfworld_search import SearchGoal, search_action
+    from agentrl.envs.alfworld_search import SearchGoal, search_action
 
     goal = SearchGoal("pick_two_obj_and_place", "mug", "countertop")
     steps = [("go to cabinet 1",

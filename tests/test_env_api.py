@@ -1,8 +1,8 @@
 """The env contract: registry, task ids, errors, info keys, and the divergence error."""
 import pytest
 
-from envs import DivergenceError, EnvError, Trace, make, names, replay
-from envs.replay import record, run_expert
+from agentrl.envs import DivergenceError, EnvError, Trace, make, names, replay
+from agentrl.envs.replay import record, run_expert
 
 FAST = ["sokoban", "sokoban-large", "sokoban-newvocab", "frozenlake", "bandit", "bandit-reversed"]
 

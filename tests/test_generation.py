@@ -12,9 +12,9 @@ from agentrl.generation.server import start_server
 from agentrl.learner.logprobs import completion_logprobs
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
 from agentrl.types import SamplingParams
-from envs import make
-from envs.pool import InProcessEnvs
-from envs.replay import run_expert
+from agentrl.envs import make
+from agentrl.envs.pool import InProcessEnvs
+from agentrl.envs.replay import run_expert
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=24, seed=7, stop=["</answer>"])
 

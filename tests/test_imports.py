@@ -7,35 +7,35 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     ["agentrl.types", "agentrl.registry", "agentrl.seeds", "agentrl.prefix", "agentrl.schema", "agentrl.dist",
      "agentrl.launch"],
-    ["envs", "agentrl.algos", "agentrl.metrics"],
+    ["agentrl.envs", "agentrl.algos", "agentrl.metrics"],
     ["agentrl.learner"],
     ["agentrl.generation"],
     ["agentrl.rollout"],
     ["agentrl.model_zoo", "agentrl.curriculum", "agentrl.buffers", "agentrl.sft", "agentrl.dpo", "agentrl.plot"],
     ["agentrl.recipe"],
-    ["recipes"],
+    ["agentrl.recipes"],
     ["agentrl.config"],
     ["agentrl.trainer"],
-    ["agentrl.train_cmd", "agentrl.serve_cmd", "agentrl.envs_cmd", "agentrl.envs", "agentrl.bench_cmd",
+    ["agentrl.train_cmd", "agentrl.serve_cmd", "agentrl.envs_cmd", "agentrl.bench_cmd",
      "agentrl.bench_ranks", "agentrl.bench_sync", "agentrl.bench_rollout", "agentrl.cli", "agentrl"],
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
 
 def _modules() -> dict[str, Path]:
+    """Every module under its import name: envs/ and recipes/ are agentrl.envs and agentrl.recipes."""
     out = {}
-    for pkg in ("agentrl", "envs", "recipes"):
-        for p in (ROOT / pkg).rglob("*.py"):
-            name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
-            out[name.removesuffix(".__init__")] = p
+    for folder, prefix in (("agentrl", ()), ("envs", ("agentrl",)), ("recipes", ("agentrl",))):
+        for p in (ROOT / folder).rglob("*.py"):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__main__" or (folder == "agentrl" and parts[1:2] in (("envs",), ("recipes",))):
+                continue  # an entry point may import anything; the links are walked as their folders
+            out[".".join(prefix + parts).removesuffix(".__init__")] = p
     return out
 
 
 def _unit(module: str) -> str:
-    parts = module.split(".")
-    if parts[0] in ("envs", "recipes"):
-        return parts[0]
-    return ".".join(parts[:2])
+    return ".".join(module.split(".")[:2])
 
 
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
@@ -55,6 +55,7 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
         else:
             names = [a.name for a in node.names]
         for name in names:
+            assert name.split(".")[0] not in ("envs", "recipes"), f"{path}: import {name} (use agentrl.{name})"
             while name not in modules and "." in name:
                 name = name.rsplit(".", 1)[0]
             if name in modules:

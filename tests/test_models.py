@@ -42,7 +42,7 @@ def test_smollm2_loads_offline_and_plays(monkeypatch):
     from agentrl.generation.embedded import EmbeddedGenerator
     from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
     from agentrl.types import SamplingParams
-    from envs.pool import InProcessEnvs
+    from agentrl.envs.pool import InProcessEnvs
 
     folder = resolve_model("smollm2")
     gen = EmbeddedGenerator.from_folder(folder)

@@ -181,7 +181,7 @@ def _cfg(tmp_path, model_dir, *extra):
 
 
 def _trainer(cfg):
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.recipe import RECIPES as REG
     from agentrl.trainer import Trainer
 

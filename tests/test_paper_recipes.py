@@ -28,8 +28,8 @@ def test_paper_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
 def _expert_entry(env_name, task_id, seed=5):
     """A successful fresh episode of the env's expert, as the rollout engine would record it."""
     from agentrl.types import Episode, Turn
-    from envs import registry
-    from envs.replay import expert_episode
+    from agentrl.envs import registry
+    from agentrl.envs.replay import expert_episode
 
     env = registry.make(env_name)
     trace, observations, infos = expert_episode(env, task_id, seed=seed)
@@ -45,7 +45,7 @@ def _expert_entry(env_name, task_id, seed=5):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_crps_suffix_replay_restores_the_recorded_state_and_trains_only_on_the_suffix(tiny_model_dir, tmp_path):
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.curriculum.suffix_k import KController
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer
@@ -119,7 +119,7 @@ def test_offline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
 
 
 def test_rro_stopping_rule_and_pair_selection_on_scripted_rewards():
-    from recipes.rro import Candidate, select_pair, should_stop
+    from agentrl.recipes.rro import Candidate, select_pair, should_stop
 
     c = lambda r: Candidate(turn=None, reward=r, ended=False)  # noqa: E731
     cands = []
@@ -154,7 +154,7 @@ def test_dpo_loss_against_a_hand_computed_value():
 def test_leafe_reflection_parsing_bfs_budget_and_depth():
     from collections import deque
 
-    from recipes.leafe import Branch, branch_queue_step, parse_reflection
+    from agentrl.recipes.leafe import Branch, branch_queue_step, parse_reflection
 
     assert parse_reflection("<think>x</think><step>2</step><experience>push the box left first</experience>", 4) == \
         (2, "push the box left first")
@@ -174,11 +174,11 @@ def test_leafe_reflection_parsing_bfs_budget_and_depth():
 def test_leafe_rollback_restores_the_recorded_observation_and_cf_excludes_experience(tiny_model_dir, tmp_path):
     """A branch restored to tau starts from exactly the observation recorded there; its counterfactual
     sample's prompt is the one without the experience, while the policy saw it with."""
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.recipe import RECIPES
     from agentrl.rollout.engine import Start
     from agentrl.trainer import Trainer
-    from envs.replay import Trace
+    from agentrl.envs.replay import Trace
 
     cfg = load_config("leafe", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "rollout.max_turns=4"))
     trainer = Trainer(cfg, RECIPES.get("leafe")(cfg))

@@ -1,5 +1,5 @@
 """Action parsing never crashes on model text, and prompts follow the papers' templates."""
-from envs import make
+from agentrl.envs import make
 from agentrl.rollout.parsing import parse_turn
 from agentrl.rollout.prompts import step_messages
 

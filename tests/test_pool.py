@@ -4,9 +4,9 @@ import signal
 
 import pytest
 
-from envs import EnvError, make
-from envs.pool import EnvPool
-from envs.replay import run_expert
+from agentrl.envs import EnvError, make
+from agentrl.envs.pool import EnvPool
+from agentrl.envs.replay import run_expert
 
 CRASHY = "tests.crash_envs:CrashOnCommandEnv"
 

@@ -24,8 +24,8 @@ def test_generators_implement_the_generator_protocol():
 
 
 def test_env_slots_implement_the_slots_protocol():
-    from envs.pool import EnvPool, InProcessEnvs
-    from envs.slots import EnvSlots
+    from agentrl.envs.pool import EnvPool, InProcessEnvs
+    from agentrl.envs.slots import EnvSlots
 
     for cls in (EnvPool, InProcessEnvs):
         _same_signatures(EnvSlots, cls)
@@ -39,8 +39,8 @@ def test_env_slots_implement_the_slots_protocol():
 
 
 def test_every_registered_env_is_a_text_env_that_fills_in_the_contract():
-    from envs import registry
-    from envs.base import TextEnv
+    from agentrl.envs import registry
+    from agentrl.envs.base import TextEnv
 
     must = ("tasks", "prompt_spec", "_reset", "_step")
     for name in registry.names():

@@ -111,7 +111,7 @@ def test_p50_recalibration_and_dual_filter_on_a_hand_made_buffer():
 
 
 def test_spear_intrinsic_reward_eq6():
-    from recipes.spear import intrinsic_reward
+    from agentrl.recipes.spear import intrinsic_reward
 
     ep = _episode(won=False)
     for t in ep.turns:
@@ -128,7 +128,7 @@ def test_spear_intrinsic_reward_eq6():
 
 def test_spear_loss_masks_high_covariance_tokens_only_on_replay_rows():
     from agentrl.learner.batch import Sample, collate
-    from recipes.spear import SPEAR, SIL_TAG
+    from agentrl.recipes.spear import SPEAR, SIL_TAG
     from agentrl.config import load_config
 
     cfg = load_config("spear", overrides=["extra.cov_ratio=0.5", "extra.cov_bounds=[0.01, 100.0]"])
@@ -147,7 +147,7 @@ def test_spear_loss_masks_high_covariance_tokens_only_on_replay_rows():
 
 def test_spear_covariance_bounds_from_the_first_batch():
     from agentrl.learner.batch import Sample
-    from recipes.spear import covariance_bounds
+    from agentrl.recipes.spear import covariance_bounds
 
     s = Sample([0, 1, 2, 3, 4], [0, 1, 1, 1, 1], [0.0, -1.0, -2.0, -3.0, -4.0], [0.0, 1.0, 2.0, 3.0, 4.0])
     # lp - mean = [1.5, .5, -.5, -1.5], A - mean = [-1.5, -.5, .5, 1.5]: cov = [-2.25, -.25, -.25, -2.25]

@@ -96,7 +96,7 @@ def test_shared_memory_weights_round_trip_into_the_worker_extension(tiny_model_d
 
 
 def _trainer(tmp_path, model_dir, *extra):
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.config import load_config
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer

@@ -1,10 +1,10 @@
 """TextWorld (games generated locally) and ScienceWorld (Java): expert, restore, snapshot, tampering."""
 import pytest
 
-from envs import make, replay
-from envs.check import check_env
-from envs.replay import run_expert
-from envs.textworld_env import clean_feedback
+from agentrl.envs import make, replay
+from agentrl.envs.check import check_env
+from agentrl.envs.replay import run_expert
+from agentrl.envs.textworld_env import clean_feedback
 
 
 @pytest.mark.slow
@@ -59,7 +59,7 @@ def test_scienceworld_tasks_and_categories():
 
 
 def test_scienceworld_fingerprint_ignores_listing_order():
-    from envs.scienceworld_env import ScienceWorldEnv
+    from agentrl.envs.scienceworld_env import ScienceWorldEnv
 
     a = "In it, you see: \n\ta seed jar (containing a round blue seed, a square blue seed)\n\ta table"
     b = "In it, you see: \n\ta table\n\ta seed jar (containing a square blue seed, a round blue seed)"

@@ -3,10 +3,10 @@ import collections
 
 import pytest
 
-from envs import make, replay
-from envs.check import check_env
-from envs.replay import record
-from envs.sokoban import Level, generate_level
+from agentrl.envs import make, replay
+from agentrl.envs.check import check_env
+from agentrl.envs.replay import record
+from agentrl.envs.sokoban import Level, generate_level
 
 
 @pytest.mark.parametrize("name,min_success", [("sokoban", 1.0), ("sokoban-large", 1.0), ("sokoban-newvocab", 1.0),

@@ -18,7 +18,7 @@ def small(tmp_path, model_dir, *extra):
 
 
 def run(cfg):
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer
 
@@ -161,7 +161,7 @@ def test_pass_at_k_unbiased():
 @pytest.mark.timeout(120)
 def test_mini_batches_give_one_optimizer_step_each(tiny_model_dir, tmp_path):
     """algo.mini_batches x algo.ppo_epochs optimizer steps per update, every sample used once an epoch."""
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.learner.batch import turn_sample
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer
@@ -185,7 +185,7 @@ def test_mini_batches_give_one_optimizer_step_each(tiny_model_dir, tmp_path):
 def test_dynamic_sampling_rolls_out_until_enough_groups_vary(tiny_model_dir, tmp_path):
     """rollout.fill_groups: more rounds of fresh starts until that many groups have reward variance,
     never more than rollout.max_rounds; every round's episodes reach the batch and after_rollout."""
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer
     from agentrl.types import Episode
@@ -223,7 +223,7 @@ def test_dynamic_sampling_rolls_out_until_enough_groups_vary(tiny_model_dir, tmp
 def test_rl_lr_schedule_decays_per_step_and_resumes(tiny_model_dir, tmp_path):
     """optim.schedule=linear: the lr each RL step runs at falls toward 0 by trainer.steps, and a run
     killed mid-way resumes on the same curve."""
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer
 
@@ -267,7 +267,7 @@ def test_expert_demos_are_the_same_from_two_worker_processes():
 def test_noisy_demos_label_every_state_with_the_expert_action():
     """DART demos: some executed actions are random, every target is the expert's action at that state."""
     from agentrl.sft import noisy_expert_episode
-    from envs import make
+    from agentrl.envs import make
 
     env = make("sokoban")
     trace, observations, infos, labels = noisy_expert_episode(env, "train/00003", 11, noise=0.5)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("AGENTRL_TEST_VLLM") != "1",
 def test_vllm_serves_rollouts(tiny_generator, tiny_model_dir, tmp_path):
     from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
     from agentrl.types import SamplingParams
-    from envs.pool import InProcessEnvs
+    from agentrl.envs.pool import InProcessEnvs
 
     assert vllm_python() is not None
     server = VLLMServer(tiny_model_dir, port=18631, log_file=str(tmp_path / "vllm.log"))
@@ -46,7 +46,7 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
     fixed sequence), one server killed after the first step: the run goes on on the other."""
     import json
 
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.config import load_config
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer
@@ -83,7 +83,7 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
 @pytest.mark.timeout(900)
 def test_attaching_to_a_vllm_server_of_another_model_fails_before_training(tiny_model_dir, sokoban_sft_model_dir,
                                                                              tmp_path):
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.config import load_config
     from agentrl.generation.client import GenerationServerError
     from agentrl.recipe import RECIPES
@@ -107,7 +107,7 @@ def test_lora_policy_syncs_as_adapters(sokoban_sft_model_dir, tmp_path):
     """A LoRA policy: each update loads the adapter (not the full weights) into the server, checked."""
     import json
 
-    import recipes  # noqa: F401
+    import agentrl.recipes  # noqa: F401
     from agentrl.config import load_config
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer

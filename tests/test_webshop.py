@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from envs import EnvError, make
-from envs.check import check_env
-from envs.webshop.catalogue import Goal, Product, load_webshop_files
-from envs.webshop.reward import type_reward, webshop_reward
+from agentrl.envs import EnvError, make
+from agentrl.envs.check import check_env
+from agentrl.envs.webshop.catalogue import Goal, Product, load_webshop_files
+from agentrl.envs.webshop.reward import type_reward, webshop_reward
 
 SHAMPOO = Product("B000000001", "Lumina sulfate free argan oil shampoo", "shampoo",
                   "Beauty & Personal Care › Hair Care › Shampoo", ["Gentle: sulfate free."],
@@ -112,7 +112,7 @@ def test_real_webshop_files(tmp_path):
     goal = cat.goals["train"][0]
     assert goal.instruction.startswith("i want sulfate free shampoo in 16 fl oz, and price lower than")
     env = make("webshop", data_dir=str(tmp_path))
-    from envs.replay import run_expert
+    from agentrl.envs.replay import run_expert
     _, _, info = run_expert(env, "test/00000")  # WebShop's default split puts the first 500 goals in test
     assert info["won"]
     with pytest.raises(EnvError, match="items_shuffle"):

@@ -15,7 +15,7 @@ from typing import Any
 
 from agentrl.curriculum.suffix_k import KController
 from agentrl.types import Episode
-from envs.replay import Trace
+from agentrl.envs.replay import Trace
 
 
 @dataclass

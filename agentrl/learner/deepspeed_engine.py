@@ -17,8 +17,8 @@ from typing import Any, Iterator
 import torch
 
 from agentrl.learner.batch import TokenBatch, micro_batches, row_blocks
-from agentrl.learner.engine import (EngineConfig, ValueHead, batch_prefix_len, batched_forward, forward_batch,
-                                    rng_state, set_rng_state)
+from agentrl.learner.engine import (EngineConfig, FrozenReference, ValueHead, batch_prefix_len, batched_forward,
+                                    forward_batch, rng_state, set_rng_state)
 from agentrl.learner.protocol import LossFn
 
 ZERO3 = {
@@ -161,8 +161,6 @@ class DeepSpeedEngine:
         embedded generator's), not sharded: its memory is the model's on every rank."""
         if folder is None:
             raise ValueError("trainer.engine=deepspeed needs a weights folder for the reference policy")
-        from agentrl.learner.reference import FrozenReference
-
         self.reference = FrozenReference(folder, self.cfg.dtype, self.device, self.cfg.token_budget)
 
     @torch.no_grad()

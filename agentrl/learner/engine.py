@@ -176,6 +176,26 @@ def batched_forward(forward: Callable[..., dict[str, torch.Tensor]], batch: Toke
     return logp, vals
 
 
+class FrozenReference:
+    """The frozen reference policy that KL terms measure against: a copy of some weights held in memory,
+    evaluated without gradient (DeepSpeed: one full copy per rank, as its embedded generator holds)."""
+
+    def __init__(self, folder: str | Path, dtype: str, device: str, token_budget: int):
+        from agentrl.learner.models import load_model
+
+        self.folder, self.device, self.token_budget = Path(folder), device, token_budget
+        self.model = load_model(folder, dtype, device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+        def fwd(mb: TokenBatch, t: float, need_values: bool = False) -> dict[str, torch.Tensor]:
+            return forward_batch(self.model, None, mb, t, targets_only=True)
+
+        return batched_forward(fwd, batch, self.token_budget, temperature, False, self.device)[0]
+
+
 class TorchEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         from agentrl.learner.models import load_model, load_tokenizer
@@ -239,8 +259,6 @@ class TorchEngine:
                                  "its adapters disabled)")
             self.reference = "adapters-off"
             return
-        from agentrl.learner.reference import FrozenReference
-
         self.reference = FrozenReference(folder, self.cfg.dtype, self.device, self.cfg.token_budget)
 
     @torch.no_grad()

@@ -21,8 +21,8 @@ from agentrl.rollout.parsing import parse_turn
 from agentrl.rollout.prompts import PROMPTS, followup_user, listed_actions, step_messages
 from agentrl.seeds import mix_seed
 from agentrl.types import Episode, SamplingParams, Turn
-from envs.base import PromptSpec
-from envs.replay import Trace
+from agentrl.envs.base import PromptSpec
+from agentrl.envs.replay import Trace
 
 SENTINEL = "\u2063agentrl-split\u2063"
 

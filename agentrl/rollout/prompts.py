@@ -7,7 +7,7 @@ list of chat messages; turning them into token ids is the tokenizer's chat templ
 """
 from __future__ import annotations
 
-from envs.base import PromptSpec
+from agentrl.envs.base import PromptSpec
 
 
 def format_history(history: list[tuple[str, str]]) -> str:

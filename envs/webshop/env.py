@@ -12,10 +12,10 @@ import os
 import re
 from typing import Any
 
-from envs.base import EnvError, PromptSpec, Task, TextEnv
-from envs.webshop.catalogue import Catalogue, Goal, Product, generate_catalogue, load_webshop_files
-from envs.webshop.reward import option_matches, webshop_reward
-from envs.webshop.search import BM25
+from agentrl.envs.base import EnvError, PromptSpec, Task, TextEnv
+from agentrl.envs.webshop.catalogue import Catalogue, Goal, Product, generate_catalogue, load_webshop_files
+from agentrl.envs.webshop.reward import option_matches, webshop_reward
+from agentrl.envs.webshop.search import BM25
 
 SEP = " [SEP] "
 PER_PAGE, MAX_RESULTS = 10, 50

@@ -16,7 +16,7 @@ from typing import Any
 
 from rapidfuzz import fuzz
 
-from envs.webshop.catalogue import Goal, Product
+from agentrl.envs.webshop.catalogue import Goal, Product
 
 COLORS = ["beige", "black", "blue", "bronze", "brown", "burgundy", "charcoal", "coral", "cream", "gold", "gray",
           "green", "grey", "ivory", "khaki", "lavender", "navy", "orange", "pink", "purple", "red", "rose", "silver",

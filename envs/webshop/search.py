@@ -5,7 +5,7 @@ import math
 import re
 from collections import Counter, defaultdict
 
-from envs.webshop.catalogue import Product
+from agentrl.envs.webshop.catalogue import Product
 
 TOKEN = re.compile(r"[a-z0-9]+")
 
