@@ -62,7 +62,7 @@ class CRPS(Recipe):
             raise ConfigError(f"bad value for 'extra.ema': {p.ema!r}; allowed: a number in (0, 1]")
         self.buffer = SuccessBuffer(p.capacity, p.alpha_max)
         self._replays: dict[str, tuple[str, int]] = {}  # group id -> (entry key, t0 in turns)
-        self._metrics: dict[str, float] = {}
+        self._step: dict[str, Any] = {}  # this step's rollout rounds, gathered (dynamic sampling runs several)
 
     def _controller(self, acc: float, T: int) -> KController:
         p = self.p
@@ -93,8 +93,10 @@ class CRPS(Recipe):
         for e in episodes:
             if not e.dropped:
                 groups[e.group_id].append(e)
-        before = dict(self.buffer.counts)
-        ks = []
+        acc_step = self._step
+        if not acc_step:  # the step's first round
+            acc_step.update(before=dict(self.buffer.counts), fresh=[], replay=[], replay_groups=0, ks=[])
+        ks = acc_step["ks"]
         for gid, eps in groups.items():
             acc = sum(e.won for e in eps) / len(eps)
             if gid in self._replays:
@@ -107,27 +109,36 @@ class CRPS(Recipe):
                 if wins:  # the shortest success of the group represents the instance
                     T = sum(1 for t in wins[0].turns if t.actions)
                     self.buffer.offer(wins[0], acc, self._controller(acc, T), trainer.step)
-        fresh = [e for e in episodes if e.group_id not in self._replays]
-        replay = [e for e in episodes if e.group_id in self._replays]
+        acc_step["fresh"] += [e for e in episodes if e.group_id not in self._replays]
+        acc_step["replay"] += [e for e in episodes if e.group_id in self._replays]
+        acc_step["replay_groups"] += len(self._replays)
+
+    def step_metrics(self) -> dict[str, float]:
+        """The CRPS figures of the step, over all its rollout rounds."""
+        a = self._step
+        if not a:
+            return {}
         m: dict[str, float] = {}
-        for name, subset in (("fresh", fresh), ("replay", replay)):
-            d = episode_diagnostics(subset, lambda e: float(e.won)) if subset else {}
+        for name in ("fresh", "replay"):
+            d = episode_diagnostics(a[name], lambda e: float(e.won)) if a[name] else {}
             for k in GROUP_KEYS:
                 if k in d:
                     m[f"{name}/{k}"] = d[k]
-        m["replay_groups"] = float(len(self._replays))
+        m["replay_groups"] = float(a["replay_groups"])
         m["buffer_size"] = float(len(self.buffer))
         for k, v in self.buffer.counts.items():
-            m[f"buffer_{k}"] = float(v - before.get(k, 0))
+            m[f"buffer_{k}"] = float(v - a["before"].get(k, 0))
+        ks = a["ks"]
         if ks:
             m.update(k_mean=sum(ks) / len(ks), k_min=float(min(ks)), k_max=float(max(ks)))
         if self.buffer.entries:
             all_k = [e.ctrl.k for e in self.buffer.entries.values()]
             m["buffer_k_mean"] = sum(all_k) / len(all_k)
-        self._metrics = m
+        return m
 
     def after_update(self, trainer: "Trainer", stats: dict[str, float]) -> None:
-        stats.update(self._metrics)
+        stats.update(self.step_metrics())
+        self._step = {}
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), buffer=self.buffer.state_dict())

@@ -153,3 +153,28 @@ def test_spear_covariance_bounds_from_the_first_batch():
     # lp - mean = [1.5, .5, -.5, -1.5], A - mean = [-1.5, -.5, .5, 1.5]: cov = [-2.25, -.25, -.25, -2.25]
     lb, ub = covariance_bounds([s], low_top=0.5, high_top=0.25)
     assert lb == pytest.approx(-0.25) and ub == pytest.approx(-0.25 + 1e-6)
+
+
+def test_crps_step_metrics_cover_every_dynamic_sampling_round():
+    from types import SimpleNamespace
+
+    from agentrl.config import load_config
+    from agentrl.recipes.crps import CRPS
+    from agentrl.types import Episode, Turn
+
+    def ep(group, task, won):
+        t = Turn([1], [2], [0.0], "", ["go north"], True, "o", float(won), True, fingerprints=["f1"])
+        return Episode("sokoban", task, 0, group_id=group, turns=[t], won=won, initial_fingerprint="f0")
+
+    recipe = CRPS(load_config("crps", env="sokoban"))
+    trainer = SimpleNamespace(step=0)
+    recipe.after_rollout(trainer, [ep("a", "train/00001", False), ep("a", "train/00001", False)])  # round 1
+    recipe.after_rollout(trainer, [ep("b", "train/00002", True), ep("b", "train/00002", False)])  # round 2
+    stats: dict = {}
+    recipe.after_update(trainer, stats)
+    # over both rounds: one all-zero group of two, 1 success in 4 rollouts, one buffer insertion (round 2)
+    assert stats["fresh/all_zero_groups"] == 0.5 and stats["fresh/success"] == 0.25
+    assert stats["buffer_inserted"] == 1.0 and stats["buffer_size"] == 1.0 and stats["replay_groups"] == 0.0
+    after: dict = {}
+    recipe.after_update(trainer, after)  # the next step starts from nothing
+    assert "fresh/success" not in after
