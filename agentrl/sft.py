@@ -2,6 +2,7 @@
 SFT loop (also the warm start of RL runs and the fit stage of RFT)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from typing import TYPE_CHECKING, Any
@@ -133,9 +134,28 @@ def sft_batches(samples: list[Sample], batch_size: int, rng: random.Random, by_l
     return batches
 
 
+def term_weighted(rows: list[Sample], weights: dict[str, float]) -> list[Sample]:
+    """Rows whose per-token weights make one batch's token-mean NLL equal sum_g w_g x (token-mean NLL of
+    the rows of term g), each row's term in ``meta["sft_term"]``: a row of term g weighs w_g N / N_g per
+    token (N tokens in the batch, N_g of term g). Exact under micro-batch accumulation too."""
+    counts: dict[str, int] = {}
+    for s in rows:
+        counts[s.meta["sft_term"]] = counts.get(s.meta["sft_term"], 0) + sum(s.loss_mask)
+    total = sum(counts.values())
+    out = []
+    for s in rows:
+        g = s.meta["sft_term"]
+        w = weights[g] * total / max(1, counts[g])
+        out.append(dataclasses.replace(s, advantages=[w if m else 0.0 for m in s.loss_mask]))
+    return out
+
+
 def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None,
-            schedule: str = "constant", by_length: bool = False) -> dict[str, float]:
-    """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes, lr per ``schedule``."""
+            schedule: str = "constant", by_length: bool = False,
+            term_weights: dict[str, float] | None = None) -> dict[str, float]:
+    """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes, lr per ``schedule``.
+    ``term_weights``: the loss is sum_g w_g x the token-mean NLL of term g's rows (``meta["sft_term"]``),
+    each term normalized by its own tokens (LEAFE's L_cf + beta L_reh)."""
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
     saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
@@ -152,7 +172,8 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
         for b, rows in enumerate(sft_batches(samples, batch_size, rng, by_length), start=1):
             if schedule != "constant":
                 set_lr(eng, base_lr * lr_factor(epoch * n_batches + b - 1, epochs * n_batches, schedule))
-            batch = collate([samples[j] for j in rows], eng.pad_id)
+            chosen = [samples[j] for j in rows]
+            batch = collate(term_weighted(chosen, term_weights) if term_weights else chosen, eng.pad_id)
             losses.append(eng.step(batch, loss)["loss"])
             if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
                 trainer.echo(f"sft pass {epoch + 1}/{epochs}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "

@@ -43,8 +43,10 @@ class LEAFEParams:
     period: int = 5  # K: reflect every K turns (and at failure)
     budget: int = 8  # B: branches (rollouts) per task
     max_depth: int = 3  # rollbacks stacked on one path
-    reflect_tokens: int = 96
-    fallback: str = "random"  # unparsable reflection: "random" rollback point without experience, or "none"
+    reflect_tokens: int = 256  # room to think before the <step>/<experience> answer
+    # an unparsable reflection is counted and dropped ("none", as the paper); "random": a random rollback
+    # point without experience (not in the paper)
+    fallback: str = "none"
     rehearsal_frac: float = 0.2  # share of successful trajectories rehearsed
     rehearsal_beta: float = 1.0  # beta in L = L_cf + beta L_reh
     cf_per_task: int = 3  # counterfactual samples kept per task
@@ -68,14 +70,24 @@ class Branch:
         return [a for t in self.prefix for a in t.actions]
 
 
-def reflection_prompt(instruction: str, steps: list[tuple[str, str]], failed: bool) -> str:
-    """Appendix B.5's reflection prompt: the numbered history, the task, what happened, the format."""
+def failure_reason(ep: Episode) -> str:
+    """The FAILURE REASON line's text for an episode that ended without success."""
+    if ep.truncated:
+        return "The step limit was reached before the task was completed."
+    return "The environment closed early, but the task was not properly completed."
+
+
+def reflection_prompt(instruction: str, steps: list[tuple[str, str]], failed: bool, reason: str = "") -> str:
+    """Appendix B.5's reflection prompt: the numbered history, the task, what happened (with the FAILURE
+    REASON line after a failure), the format."""
     lines = [f"[STEP {i + 1}] Observation: {o} Action: {a}" for i, (o, a) in enumerate(steps)]
     status = (f"You have already taken {len(steps)} step(s), but the task failed without completing the objective."
+              f"\n\nFAILURE REASON: {reason or 'The task was not completed.'}"
               if failed else f"You have already taken {len(steps)} step(s) and the task is not solved yet.")
-    return ("\n".join(lines) + f"\n\n{instruction}\n\n{status}\n\nIMPORTANT: Analyze your attempt and identify where "
-            "things went wrong. You have a chance to go back to a specific step and try a different approach, with "
-            "the benefit of your current experience.\n\nFirst, carefully analyze the trajectory within <think> "
+    attempt = "failed attempt" if failed else "attempt"
+    return ("\n".join(lines) + f"\n\n{instruction}\n\n{status}\n\nIMPORTANT: Analyze your {attempt} and identify "
+            "where things went wrong. You have a chance to go back to a specific step and try a different approach, "
+            "with the benefit of your current experience.\n\nFirst, carefully analyze the trajectory within <think> "
             "</think> tags.\n\nThen, provide your final decision in the following format: <step> ... </step> "
             "<experience> ... </experience>")
 
@@ -115,7 +127,7 @@ class LEAFE(Recipe):
         counts = {i: 0 for i in queues}
         successes: dict[int, list[list[Turn]]] = {i: [] for i in queues}
         cf: dict[int, list[tuple[Sample, bool]]] = {i: [] for i in queues}
-        n = dict(branches=0, reflections=0, parsed=0, fallback=0, enqueued=0, depth_capped=0)
+        n = dict(branches=0, reflections=0, parsed=0, unparsed=0, fallback=0, enqueued=0, depth_capped=0)
         while True:
             wave = []
             for i, q in queues.items():
@@ -147,7 +159,8 @@ class LEAFE(Recipe):
                     plain = first.info.get("plain_prompt_ids")
                     if plain and first.gen_ids:  # counterfactual: the revised action, without the experience
                         cf[i].append((turn_sample(plain, first.gen_ids, [0.0] * len(first.gen_ids), 1.0,
-                                                  dict(task=b.task_id, tau=len(b.prefix) + 1)), ep.won))
+                                                  dict(task=b.task_id, tau=len(b.prefix) + 1,
+                                                       sft_term="counterfactual")), ep.won))
                 T = len(path)
                 points = [t for t in range(p.period, T + 1, p.period) if t > len(b.prefix)]
                 failed = not ep.won and (ep.turns[-1].done or ep.truncated)
@@ -159,12 +172,11 @@ class LEAFE(Recipe):
         all_paths = [(i, path) for i, paths in successes.items() for path in paths]
         keep = rng.sample(all_paths, max(1, round(p.rehearsal_frac * len(all_paths)))) if all_paths else []
         rehearsal = [turn_sample(t.info.get("plain_prompt_ids") or t.prompt_ids, t.gen_ids,
-                                 [0.0] * len(t.gen_ids), p.rehearsal_beta)
+                                 [0.0] * len(t.gen_ids), 1.0, dict(sft_term="rehearsal"))
                      for _, path in keep for t in path if t.gen_ids]
         counterfactual = []
-        for _i, items in cf.items():
-            items = sorted(items, key=lambda x: not x[1])  # branches that then succeeded first
-            counterfactual += [s for s, _ in items[:p.cf_per_task]]
+        for _i, items in cf.items():  # only revised actions whose branch then succeeded are distilled
+            counterfactual += [s for s, won in items if won][:p.cf_per_task]
         stats = {f"leafe_{k}": float(v) for k, v in n.items()}
         stats.update(leafe_tasks_solved=sum(bool(v) for v in successes.values()) / max(1, len(successes)),
                      leafe_successful_paths=float(len(all_paths)), leafe_cf_samples=float(len(counterfactual)),
@@ -178,8 +190,8 @@ class LEAFE(Recipe):
             path = (b.prefix + ep.turns)[:t]
             obs = b.observations[:len(b.prefix)] + [ep.initial_observation] + [x.observation for x in ep.turns]
             steps = [(obs[j], " || ".join(path[j].actions) or "(no valid action)") for j in range(t)]
-            prompts.append(chat_ids(trainer.tokenizer, [{"role": "user",
-                                                         "content": reflection_prompt(ep.instruction, steps, failed)}]))
+            text = reflection_prompt(ep.instruction, steps, failed, failure_reason(ep) if failed else "")
+            prompts.append(chat_ids(trainer.tokenizer, [{"role": "user", "content": text}]))
         outs = trainer.generate(prompts, SamplingParams(temperature=self.cfg.rollout.temperature,
                                                                   max_new_tokens=p.reflect_tokens,
                                                                   seed=rng.randrange(2**31)))
@@ -187,6 +199,7 @@ class LEAFE(Recipe):
             n["reflections"] += 1
             parsed = parse_reflection(out.text, t)
             if parsed is None:
+                n["unparsed"] += 1
                 if p.fallback == "none":
                     continue
                 n["fallback"] += 1
@@ -211,8 +224,9 @@ class LEAFE(Recipe):
     def step(self, trainer: "Trainer") -> dict[str, float]:
         counterfactual, rehearsal, stats = self.explore(trainer)
         samples = counterfactual + rehearsal
-        if samples:
-            stats.update(fit_sft(trainer, samples, self.p.epochs, self.p.batch_size, self.p.lr))
+        if samples:  # L = L_cf + beta L_reh, each a token-mean over its own rows
+            stats.update(fit_sft(trainer, samples, self.p.epochs, self.p.batch_size, self.p.lr,
+                                 term_weights=dict(counterfactual=1.0, rehearsal=self.p.rehearsal_beta)))
         return stats
 
 

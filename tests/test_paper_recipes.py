@@ -169,6 +169,29 @@ def test_leafe_reflection_parsing_bfs_budget_and_depth():
     assert taken == [0, 1, 2] and len(q) == 2  # FIFO order, budget respected
 
 
+def test_leafe_reflection_prompt_names_the_failure_and_the_loss_weighs_its_two_terms_apart():
+    import torch
+
+    from agentrl.algos.losses import sft_loss
+    from agentrl.learner.batch import collate, turn_sample
+    from agentrl.recipes.leafe import reflection_prompt
+    from agentrl.sft import term_weighted
+
+    steps = [("You see a box.", "Up"), ("Nothing happens.", "Up")]
+    reason = "The step limit was reached before the task was completed."
+    failed = reflection_prompt("Push the box.", steps, True, reason)
+    assert "FAILURE REASON: The step limit was reached before the task was completed." in failed
+    assert "Analyze your failed attempt" in failed
+    assert "FAILURE REASON" not in reflection_prompt("Push the box.", steps, False)
+    # L = L_cf + beta L_reh: 2 counterfactual tokens (NLL 1 and 3), 1 rehearsal token (NLL 4), beta = 0.5
+    rows = [turn_sample([5], [6, 7], [0.0, 0.0], 1.0, dict(sft_term="counterfactual")),
+            turn_sample([5], [8], [0.0], 1.0, dict(sft_term="rehearsal"))]
+    b = collate(term_weighted(rows, dict(counterfactual=1.0, rehearsal=0.5)), pad_id=0)
+    logp = torch.zeros_like(b.advantages)
+    logp[0, 0], logp[0, 1], logp[1, 0] = -1.0, -3.0, -4.0
+    assert sft_loss(logp * b.advantages, b.loss_mask).item() == pytest.approx((1 + 3) / 2 + 0.5 * 4)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_leafe_rollback_restores_the_recorded_observation_and_cf_excludes_experience(tiny_model_dir, tmp_path):
