@@ -53,8 +53,9 @@ class SPEARParams:
 
 
 def intrinsic_reward(ep: Episode, mu: float, unit: float = 0.1, fmt: float = 0.1) -> float:
-    """R = R_outcome + mu R_tool + R_format (eq. 6, 15-17); a tool call is an env action accepted as valid."""
-    n_tool = sum(t.info.get("valid_actions", 0) for t in ep.turns)
+    """R = R_outcome + mu R_tool + R_format (eq. 6, 15-17); n_tool-call counts the turns with a valid tool
+    call (at least one action the env accepted), not the actions (a multi-action turn is one call)."""
+    n_tool = sum(1 for t in ep.turns if t.info.get("valid_actions", 0) > 0)
     outcome = 1.0 if ep.won else -1.0
     fmt_ok = bool(ep.turns) and all(t.format_ok for t in ep.turns)
     return outcome + mu * min(1.0, unit * n_tool) + (fmt if fmt_ok else 0.0)
@@ -107,9 +108,12 @@ class SPEAR(Recipe):
 
     def _sil_samples(self, trainer: "Trainer", kept: list[tuple[SILEntry, float]], gamma: float) -> list[Sample]:
         out = []
+        per_episode = self.cfg.algo.turn_weight == "episode" and self.cfg.algo.level == "turn"
         for entry, recal in kept:
+            # weighed like the on-policy rows: per turn, the trajectory's advantage over its number of turns
+            n_turns = len(entry.samples) if per_episode else 1
             for s in entry.samples:
-                adv = [gamma * recal if m else 0.0 for m in s.loss_mask]
+                adv = [gamma * recal / n_turns if m else 0.0 for m in s.loss_mask]
                 out.append(Sample(s.ids, s.loss_mask, list(s.old_logprobs), adv, meta=dict(s.meta, sil=True),
                                   tag=SIL_TAG))
         if out:  # old log-probs under the current policy (the stored ones are from an older one)

@@ -122,7 +122,9 @@ def test_spear_intrinsic_reward_eq6():
     ep.turns[0].format_ok = False
     assert intrinsic_reward(ep, mu=0.0) == pytest.approx(1.0)
     for t in ep.turns:
-        t.info["valid_actions"] = 5  # min(1, 0.1 n) caps at 1
+        t.info["valid_actions"] = 5  # n counts tool-call turns (3 here), not the 15 actions
+    assert intrinsic_reward(ep, mu=1.0) == pytest.approx(1.0 + 0.3)
+    ep.turns = ep.turns * 4  # 12 tool-call turns: min(1, 0.1 n) caps at 1
     assert intrinsic_reward(ep, mu=1.0) == pytest.approx(2.0)
 
 
@@ -178,3 +180,32 @@ def test_crps_step_metrics_cover_every_dynamic_sampling_round():
     after: dict = {}
     recipe.after_update(trainer, after)  # the next step starts from nothing
     assert "fresh/success" not in after
+
+
+def test_spear_self_imitation_rows_weigh_like_on_policy_rows_per_turn():
+    from types import SimpleNamespace
+
+    import torch
+
+    from agentrl.buffers.sil import SILEntry
+    from agentrl.config import load_config
+    from agentrl.learner.batch import turn_sample
+    from agentrl.recipes.spear import SPEAR
+
+    recipe = SPEAR(load_config("spear", env="sokoban"))  # turn level, turn_weight: episode
+    rows = [turn_sample([1, 2], [3, 4], [0.0, 0.0], 0.0), turn_sample([1, 2, 3, 4, 5], [6], [0.0], 0.0)]
+    engine = SimpleNamespace(pad_id=0, logprobs=lambda b, t=1.0: torch.zeros_like(b.old_logprobs))
+    out = recipe._sil_samples(SimpleNamespace(engine=engine), [(SILEntry(rows, 1.0, 0.8), 0.6)], gamma=1.0)
+    # a two-turn trajectory with recalibrated advantage 0.6: 0.3 on every target token of each turn
+    assert [[a for a, m in zip(s.advantages, s.loss_mask) if m] for s in out] == [[0.3, 0.3], [0.3]]
+
+
+def test_gigpo_without_std_is_an_estimator():
+    import torch
+
+    from agentrl.algos.advantages import ESTIMATORS, AdvantageInput
+
+    x = AdvantageInput(torch.tensor([1.0, 0.0]), ["g", "g"], [[0.0, 0.0, 1.0], [0.0, 0.0]],
+                       [[0.0, 0.0, 1.0], [0.0, 0.0]], anchors=[["s0", "s1", "s2"], ["s1", "s3"]], gamma=1.0)
+    out = ESTIMATORS.get("gigpo_dr")(x)  # the by-hand case of test_gigpo_step_groups_by_hand, no std
+    assert out.per_turn[0] == pytest.approx([0.5, 1.0, 0.5]) and out.per_turn[1] == pytest.approx([-1.0, -0.5])

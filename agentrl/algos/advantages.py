@@ -252,6 +252,13 @@ def _gigpo(x: AdvantageInput) -> Advantages:
     return Advantages([a.tolist() for a in per_turn])
 
 
+@estimator("gigpo_dr", needs_anchors=True)
+def _gigpo_dr(x: AdvantageInput) -> Advantages:
+    """GiGPO without std normalization (episode and step terms centred only): SPEAR's "GiGPO w/o std"."""
+    per_turn = gigpo(x.rewards, x.group_ids, x.step_rewards, x.anchors, x.gamma, x.step_weight, normalize_std=False)
+    return Advantages([a.tolist() for a in per_turn])
+
+
 def assign(traj_adv: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
     """Spread one advantage per trajectory over its units (turns or tokens): every unit gets it."""
     return [torch.full((n,), float(a)) for a, n in zip(traj_adv, lengths)]
