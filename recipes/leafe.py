@@ -249,9 +249,30 @@ def world_model_prompt(instruction: str, history: list[tuple[str, str]], obs: st
 
 
 class EarlyExp(Recipe):
+    """Step 1: implicit world modelling (IWM) SFT on the policy's own rollouts; every later step: GRPO
+    (the recipe's ``algo``), as the LEAFE paper runs EarlyExp: IWM training, then RL."""
+
     Params = EarlyExpParams
 
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self.iwm_done = False
+
     def step(self, trainer: "Trainer") -> dict[str, float]:
+        if self.iwm_done:
+            return super().step(trainer)
+        stats = self.world_model_step(trainer)
+        self.iwm_done = True
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(super().state_dict(), iwm_done=self.iwm_done)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.iwm_done = bool(state.get("iwm_done", False))
+
+    def world_model_step(self, trainer: "Trainer") -> dict[str, float]:
         p = self.p
         tasks = trainer.sample_tasks(p.tasks)
         eps = trainer.rollout([Start(t, s, f"iwm:{i}") for i, (t, s) in enumerate(tasks) for _ in range(p.rollouts)])

@@ -105,10 +105,14 @@ def test_offline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
              "early_exp": ["extra.tasks=2", "extra.rollouts=2", "eval.samples=2"],
              "rro": ["extra.tasks=2", "extra.mc_rollouts=2", "extra.max_candidates=2"],
              "ipr": ["extra.tasks=2", "extra.mc_rollouts=2", "extra.max_candidates=2"]}[recipe]
-    cfg = load_config(recipe, env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=1", *extra))
+    steps = 2 if recipe == "early_exp" else 1
+    cfg = load_config(recipe, env="sokoban", overrides=small(tmp_path, tiny_model_dir, f"trainer.steps={steps}",
+                                                               *extra))
     trainer, final = run(cfg)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and "eval/pass@1" in final
+    assert [r["step"] for r in rows] == list(range(steps + 1)) and "eval/pass@1" in final
+    if recipe == "early_exp":  # the world-model SFT, then a GRPO step
+        assert "iwm_samples" in rows[1] and "iwm_samples" not in rows[2] and "all_zero_groups" in rows[2]
     if recipe == "leafe":
         assert rows[1]["leafe_branches"] >= 2 and rows[1]["leafe_reflections"] >= 1
         assert "eval/pass@2" in final
