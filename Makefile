@@ -69,6 +69,7 @@ play: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/agentrl bench
+	$(BIN)/agentrl bench parse
 
 serve: $(STAMP)
 	$(BIN)/agentrl serve --model $(or $(MODEL),tiny)

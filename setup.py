@@ -31,7 +31,7 @@ setup(
                  "rapidfuzz>=3"],  # WebShop's reward matches attributes and options fuzzily
         # Learner extras: LoRA and DeepSpeed ZeRO (runs on CPU with gloo too). Install torch first.
         "train": ["peft>=0.15", "deepspeed>=0.16"],
-        "dev": ["pytest>=8", "pytest-timeout>=2", "ruff>=0.15"],
+        "dev": ["pytest>=8", "pytest-timeout>=2", "ruff>=0.15", "hypothesis>=6.100"],
         "wandb": ["wandb"],  # trainer.wandb=true; offline unless WANDB_MODE says otherwise
     },
     entry_points={"console_scripts": ["agentrl=agentrl.cli:main"]},

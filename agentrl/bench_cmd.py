@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -21,9 +22,10 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="rollout engine vs raw batched generate vs a sequential loop; "
                        "'bench ranks': training at 1 rank vs N", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", choices=["rollout", "ranks", "sync"], default="rollout",
+    p.add_argument("what", nargs="?", choices=["rollout", "ranks", "sync", "parse"], default="rollout",
                    help="rollout (default): the rollout engine; ranks: the training loop on 1 vs --ranks ranks; "
-                   "sync: vLLM weight sync in place vs export + restart, and rollouts through vLLM")
+                   "sync: vLLM weight sync in place vs export + restart, and rollouts through vLLM; "
+                   "parse: action parsing of 1 MB hostile model outputs")
     p.add_argument("--model", default="tiny", help="tiny | smollm2 | HF folder (default tiny)")
     p.add_argument("--env", default="sokoban")
     p.add_argument("--slots", type=int, default=16)
@@ -36,8 +38,30 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def parse_bench() -> dict[str, float]:
+    """Seconds to parse 1 MB model outputs built to defeat a backtracking parser (it must stay linear)."""
+    from agentrl.rollout.parsing import parse_turn
+
+    mb = 1 << 20
+    cases = {"open_tags": "<action>" * (mb // 8), "close_tags": "x</action>" * (mb // 10),
+             "unclosed_think": "<think>" + "a" * mb, "control_chars": "<action>" + "\x00go" * (mb // 3) + "</action>"}
+    out = {}
+    for name, text in cases.items():
+        t = time.perf_counter()
+        parse_turn(text, "action", 5, require_think=True)
+        out[f"parse_1mb_{name}_s"] = time.perf_counter() - t
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from agentrl.bench_rollout import engine_vs_raw
+
+    if args.what == "parse":
+        fig = parse_bench()
+        print(json.dumps({k: round(v, 4) for k, v in fig.items()}, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(fig, indent=1))
+        return 0
 
     if args.what == "ranks":
         from agentrl import bench_ranks

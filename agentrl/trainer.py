@@ -352,6 +352,16 @@ class Trainer:
         return out
 
     # ----- checkpoints -------------------------------------------------------------------------
+    def _check_free_space(self) -> None:
+        """Before any work: room for two checkpoints (weights, Adam's two moments, the previous one kept
+        until the new one is complete), so a full disk is an error now rather than at the first save."""
+        weights = sum(f.stat().st_size for f in Path(self.model_dir).glob("*.safetensors"))
+        need = 2 * 3 * weights
+        free = shutil.disk_usage(self.out_dir).free
+        if need and free < need:
+            raise RunError(f"{self.out_dir}: {free / 2**30:.2f} GiB free, a run of this model needs about "
+                           f"{need / 2**30:.2f} GiB for its checkpoints; free space or choose another trainer.out_dir")
+
     def save_checkpoint(self) -> Path:
         """Collective. Every rank writes its part (ZeRO shards, its RNG) into ``checkpoints/step-N``, rank 0
         the trainer and recipe state; only then does rank 0 switch the ``checkpoint`` link to it (an atomic
@@ -413,8 +423,13 @@ class Trainer:
     # ----- the run -----------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         resumed = self.load_checkpoint()
-        if resumed:
+        if resumed and self.step >= self.cfg.trainer.steps:
+            self.echo(f"{self.out_dir} is a finished run (step {self.step} of {self.cfg.trainer.steps}); its "
+                      "final.json is kept. Raise trainer.steps to train on, or use another trainer.out_dir")
+        elif resumed:
             self.echo(f"resumed from {self.out_dir / CHECKPOINT_LINK} at step {self.step}")
+        else:
+            self._check_free_space()
             if self.is_main:  # rows logged after the checkpoint (and a torn last line) are redone, not repeated
                 truncate_metrics(self.out_dir, self.step)
         if self.step == 0 and not resumed:

@@ -8,6 +8,7 @@ on: the step counter and step limit, and the common ``info`` keys (``won``, ``sc
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -43,6 +44,14 @@ class PromptSpec:
 
 class EnvError(RuntimeError):
     """A clear, user-facing error about an env (bad task id, bad split, ...)."""
+
+
+def sanitize_action(action: str) -> str:
+    """The action without control characters (a NUL crashes TextWorld's engine, another one hangs it) or
+    lone surrogates (ScienceWorld's Java bridge cannot encode them); every env's ``step`` applies it."""
+    if action.isprintable():
+        return action.strip()
+    return "".join(c for c in action if unicodedata.category(c) not in ("Cc", "Cs") or c in " \t\n").strip()
 
 
 def fingerprint_text(*parts: str) -> str:
@@ -119,7 +128,7 @@ class TextEnv:
             raise EnvError(f"env '{self.name}': step() before reset()")
         if self.done:
             raise EnvError(f"env '{self.name}': step() after the episode ended (task {self.task.task_id})")
-        obs, reward, terminated, info = self._step(action.strip())
+        obs, reward, terminated, info = self._step(sanitize_action(action))
         self.steps += 1
         truncated = (not terminated) and self.steps >= self.max_steps
         self.done = bool(terminated or truncated)

@@ -330,3 +330,18 @@ def test_env_worker_restarts_and_drops_reach_the_step_metrics():
     assert (d["env_restarts"], d["env_crashes"], d["env_dropped"], d["env_timeouts"]) == (2.0, 1.0, 1.0, 0.0)
     stats.update(restarts=3)
     assert Trainer.diagnostics(fake, [ep], recipe)["env_restarts"] == 1.0  # per step, not cumulative
+
+
+def test_free_space_is_checked_before_any_work(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    from agentrl.trainer import RunError, Trainer
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    fake = SimpleNamespace(model_dir=tmp_path, out_dir=tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=5000, total=10**9, used=0))
+    with pytest.raises(RunError, match="GiB free, a run of this model needs about"):
+        Trainer._check_free_space(fake)  # 2 checkpoints x (weights + 2 Adam moments) = 6000 bytes
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=7000, total=10**9, used=0))
+    Trainer._check_free_space(fake)

@@ -7,8 +7,9 @@ with nothing, or with the env's own handling of an invalid command.
 from __future__ import annotations
 
 import re
-import unicodedata
 from dataclasses import dataclass, field
+
+from agentrl.envs.base import sanitize_action
 
 
 @dataclass
@@ -40,10 +41,9 @@ def _span(text: str, tag: str) -> str | None:
 
 
 def clean_action(action: str) -> str:
-    """The action without control characters (a NUL crashes TextWorld's engine) or lone surrogates (which
-    ScienceWorld's Java bridge cannot encode), whitespace runs collapsed."""
-    kept = "".join(c for c in action if unicodedata.category(c) not in ("Cc", "Cs") or c in "\t\n")
-    return re.sub(r"\s+", " ", kept).strip()
+    """The action without control characters or lone surrogates (``sanitize_action``, which every env's
+    ``step`` applies too), whitespace runs collapsed."""
+    return re.sub(r"\s+", " ", sanitize_action(action)).strip()
 
 
 def parse_turn(text: str, answer_tag: str = "action", max_actions: int = 1, separator: str = "||",
