@@ -78,9 +78,9 @@ class BanditEnv(TextEnv):
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         choice = {n.lower(): n for n in self.arms}.get(action.strip().lower())
         info: dict[str, Any] = dict(admissible_actions=list(self.arms))
-        if choice is None:
+        if choice is None:  # the one pull is spent: the episode ends (not a time limit: terminated)
             info["action_is_valid"] = False
-            return f"Invalid arm '{action}'. Choose {self.arms[0]} or {self.arms[1]}.", 0.0, False, info
+            return f"Invalid arm '{action}'. Choose {self.arms[0]} or {self.arms[1]}.", 0.0, True, info
         if choice == self.high_arm:
             reward = float(self.rng.random() < HIGH_P)
         else:

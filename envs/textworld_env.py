@@ -122,7 +122,8 @@ class TextWorldEnv(TextEnv):
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         valid = action.lower() in {c.lower() for c in self.gs["admissible_commands"] or []}
         prev = self.gs["score"]
-        self.gs, _, done = self.tw.step(action)
+        # the Z-machine reads ASCII: other characters cut its output mid-character (a UnicodeDecodeError)
+        self.gs, _, done = self.tw.step(action.encode("ascii", "ignore").decode())
         reward = float(self.gs["score"] - prev)
         return clean_feedback(self.gs.feedback), reward, bool(done), self._info(valid)
 
