@@ -34,7 +34,10 @@ def register(name: str, entry: str, description: str = "", **kwargs: Any) -> Non
 
 
 def spec(name: str) -> EnvSpec:
-    """A registered name, or a ``"package.module:EnvClass"`` path for an env that is not registered."""
+    """A registered name, ``"gymnasium:<id>"`` (any Gymnasium text env, ``envs/from_gymnasium.py``), or a
+    ``"package.module:EnvClass"`` path for an env that is not registered."""
+    if name.startswith("gymnasium:"):
+        return EnvSpec(name, "agentrl.envs.from_gymnasium:GymnasiumTextEnv", {"gym_id": name.split(":", 1)[1]})
     if name not in _REGISTRY and ":" in name:
         return EnvSpec(name, name)
     if name not in _REGISTRY:

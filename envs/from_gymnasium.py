@@ -1,0 +1,79 @@
+"""Any Gymnasium env with text observations and text actions as an agentrl env (``env: gymnasium:<id>``
+in a recipe, kwargs in ``env_kwargs``).
+
+Tasks are seeds: ``train/00042`` resets the env with seed 42 (valid and test seeds are offset so the
+splits never share one). Restore is replay-prefix: a seeded reset plus the recorded actions, each step's
+observation checked against the fingerprint recorded when the trajectory was collected, so an env that
+is not deterministic under replay is caught (``DivergenceError``), never silently wrong. ``check()`` runs
+that replay once up front and says so in one line. The prompt (instruction, answer tag) comes from the
+kwargs."""
+from __future__ import annotations
+
+from typing import Any
+
+from agentrl.envs.base import SPLITS, EnvError, PromptSpec, Task, TextEnv
+
+SPLIT_OFFSET = {"train": 0, "valid": 1_000_000, "test": 2_000_000}
+
+
+class GymnasiumTextEnv(TextEnv):
+    name = "gymnasium"
+    default_max_steps = 50
+
+    def __init__(self, gym_id: str, gym_kwargs: dict[str, Any] | None = None, tasks_per_split: int = 1000,
+                 instruction: str = "", system: str = "You are an agent acting in a text environment.",
+                 answer_tag: str = "action", max_steps: int | None = None):
+        super().__init__(max_steps=max_steps)
+        try:
+            import gymnasium as gym
+
+            self.env = gym.make(gym_id, **(gym_kwargs or {}))
+        except Exception as e:  # a missing package, an unknown id: one line naming the env
+            raise EnvError(f"gymnasium env '{gym_id}' cannot be made: {type(e).__name__}: {e}") from None
+        self.gym_id, self.n_tasks = gym_id, tasks_per_split
+        self.spec_ = PromptSpec(system=system, instruction=instruction or f"Act in the text environment {gym_id}.",
+                                answer_tag=answer_tag)
+
+    def tasks(self, split: str) -> list[Task]:
+        if split not in SPLITS:
+            raise EnvError(f"env '{self.name}': unknown split '{split}'")
+        return [Task(f"{split}/{i:05d}", split) for i in range(self.n_tasks)]
+
+    def prompt_spec(self) -> PromptSpec:
+        return self.spec_
+
+    def _text(self, obs: Any, where: str) -> str:
+        if not isinstance(obs, str):
+            raise EnvError(f"gymnasium env '{self.gym_id}': {where} returned a {type(obs).__name__} observation, "
+                           "not text; wrap it so observations are strings")
+        return obs
+
+    def _reset(self, task: Task, seed: int) -> tuple[str, dict[str, Any]]:
+        split, idx = task.task_id.split("/", 1)
+        obs, info = self.env.reset(seed=SPLIT_OFFSET[split] + int(idx))
+        return self._text(obs, "reset"), dict(info or {})
+
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        info = dict(info or {})
+        if truncated and not terminated:  # the env's own time limit ends the episode too
+            terminated = True
+            info["env_truncated"] = True
+        info.setdefault("won", float(reward) > 0 and bool(terminated))
+        return self._text(obs, "step"), float(reward), bool(terminated), info
+
+    def check(self, task_id: str = "train/00000", actions: tuple[str, ...] = ("look", "help", "1")) -> None:
+        """Play ``actions`` and replay them from a fresh seeded reset: a different observation means the env
+        is not deterministic under replay, so replay-prefix restore cannot be trusted (one-line error)."""
+        from agentrl.envs.replay import DivergenceError, play, replay
+
+        trace, _, _ = play(self, task_id, 0, lambda k: actions[k] if k < len(actions) else None)
+        try:
+            replay(self, trace)
+        except DivergenceError as e:
+            raise EnvError(f"gymnasium env '{self.gym_id}' is not deterministic under replay (seeded reset + the "
+                           f"same actions gave another state at step {e.step}): replay-prefix restore cannot "
+                           "be used with it") from None
+
+    def close(self) -> None:
+        self.env.close()
