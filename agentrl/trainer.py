@@ -470,6 +470,9 @@ class Trainer:
             progress.close()
             if self.logger is not None:
                 self.logger.close()
+            trouble = {k: v for k, v in self.envs.stats.items() if v}
+            if trouble and self.is_main:  # this rank's env workers over the whole run
+                self.echo("env workers: " + ", ".join(f"{v} {k}" for k, v in sorted(trouble.items())))
         if not final and (self.out_dir / "final.json").exists():  # a finished run started again: nothing new
             final = json.loads((self.out_dir / "final.json").read_text())
         if self.is_main:
