@@ -35,7 +35,8 @@ def add_parser(sub: Any) -> None:
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--max-steps", type=int, default=None)
     ck = s.add_parser("check", help="expert success and restore checks on sampled tasks")
-    ck.add_argument("env", nargs="+", help="env name(s)")
+    ck.add_argument("env", nargs="*", help="env name(s)")
+    ck.add_argument("--fast", action="store_true", help="also every env registered as fast (the pure-Python ones)")
     ck.add_argument("--tasks", type=int, default=50, help="tasks the expert plays (default 50)")
     ck.add_argument("--replay-tasks", type=int, default=20, help="tasks whose restore is checked (default 20)")
     ck.add_argument("--split", default="train", choices=SPLITS)
@@ -262,8 +263,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from agentrl.envs.check import check_env
 
+    from agentrl.envs.registry import fast_names
+
+    todo = (fast_names() if args.fast else []) + [n for n in args.env if not (args.fast and n in fast_names())]
+    if not todo:
+        raise EnvError("name the envs to check, or --fast for the fast ones")
     reports, ok = [], True
-    for name in args.env:
+    for name in todo:
         rep = check_env(name, n_expert=args.tasks, n_replay=args.replay_tasks, split=args.split, seed=args.seed,
                         env_kwargs={"max_steps": args.max_steps} if args.max_steps else None, verbose=args.verbose)
         print(rep.summary(), flush=True)

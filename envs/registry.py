@@ -18,6 +18,7 @@ class EnvSpec:
     entry: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    fast: bool = False  # pure Python, no engine or generation to start: checked by `make envs` and the tests
 
     def load_class(self) -> type[TextEnv]:
         module, _, cls = self.entry.partition(":")
@@ -27,10 +28,11 @@ class EnvSpec:
 _REGISTRY: dict[str, EnvSpec] = {}
 
 
-def register(name: str, entry: str, description: str = "", **kwargs: Any) -> None:
+def register(name: str, entry: str, description: str = "", *, fast: bool = False, **kwargs: Any) -> None:
+    """``kwargs`` are the env's default options; ``fast`` marks an env cheap enough for every quick check."""
     if name in _REGISTRY and _REGISTRY[name].entry != entry:
         raise EnvError(f"env '{name}' is already registered to {_REGISTRY[name].entry}")
-    _REGISTRY[name] = EnvSpec(name, entry, dict(kwargs), description)
+    _REGISTRY[name] = EnvSpec(name, entry, dict(kwargs), description, fast)
 
 
 def spec(name: str) -> EnvSpec:
@@ -56,14 +58,21 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-register("sokoban", "agentrl.envs.sokoban:SokobanEnv", "RAGEN Sokoban, 6x6, 1 box")
-register("sokoban-large", "agentrl.envs.sokoban:SokobanEnv", "RAGEN LargerSokoban, 8x8, 2 boxes",
+def fast_names() -> list[str]:
+    """The envs registered as fast, in registration order (the one list `make envs` and the tests use)."""
+    return [n for n, s in _REGISTRY.items() if s.fast]
+
+
+register("sokoban", "agentrl.envs.sokoban:SokobanEnv", "RAGEN Sokoban, 6x6, 1 box", fast=True)
+register("sokoban-large", "agentrl.envs.sokoban:SokobanEnv", "RAGEN LargerSokoban, 8x8, 2 boxes", fast=True,
          dim=8, num_boxes=2)
-register("sokoban-newvocab", "agentrl.envs.sokoban:SokobanEnv", "RAGEN SokobanDifferentGridVocab", vocab="new")
-register("frozenlake", "agentrl.envs.frozenlake:FrozenLakeEnv", "gymnasium FrozenLake-v1, slippery, random 4x4 maps")
-register("bandit", "agentrl.envs.bandit:BanditEnv", "RAGEN bi-arm bandit (symbolic arm names)")
+register("sokoban-newvocab", "agentrl.envs.sokoban:SokobanEnv", "RAGEN SokobanDifferentGridVocab", fast=True,
+         vocab="new")
+register("frozenlake", "agentrl.envs.frozenlake:FrozenLakeEnv", "gymnasium FrozenLake-v1, slippery, random 4x4 maps",
+         fast=True)
+register("bandit", "agentrl.envs.bandit:BanditEnv", "RAGEN bi-arm bandit (symbolic arm names)", fast=True)
 register("bandit-reversed", "agentrl.envs.bandit:BanditEnv", "bi-arm bandit with the name semantics reversed",
-         reversed=True)
+         fast=True, reversed=True)
 register("textworld", "agentrl.envs.textworld_env:TextWorldEnv", "TextWorld games generated locally (tw-make)")
 register("scienceworld", "agentrl.envs.scienceworld_env:ScienceWorldEnv", "ScienceWorld, 30 tasks (Java)")
 register("alfworld", "agentrl.envs.alfworld_env:AlfWorldEnv",

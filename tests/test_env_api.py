@@ -2,9 +2,10 @@
 import pytest
 
 from agentrl.envs import DivergenceError, EnvError, Trace, make, names, replay
+from agentrl.envs.registry import fast_names
 from agentrl.envs.replay import record, run_expert
 
-FAST = ["sokoban", "sokoban-large", "sokoban-newvocab", "frozenlake", "bandit", "bandit-reversed"]
+FAST = fast_names()
 
 
 def test_registry_lists_all_issue_envs():
