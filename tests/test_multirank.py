@@ -109,12 +109,23 @@ def test_two_rank_run_killed_mid_run_resumes_exactly(reference):
             break
         time.sleep(0.1)
     assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, mid step 2
+    # the launcher and both ranks, mid step 2 (torchrun may start the ranks in sessions of their own, so a
+    # kill of its process group alone can leave them running to the end)
+    import psutil
+
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for p in ranks:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(ranks, timeout=30)
     proc.wait()
     assert not (out / "final.json").exists()
     resumed = launch(2, args + [f"trainer.out_dir={out}"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
+    assert "resumed from" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert_same_numbers(rows(root / "w2"), rows(out), [1, 2, 3])
 
 
