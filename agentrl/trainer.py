@@ -48,29 +48,38 @@ class RunError(RuntimeError):
     """A run cannot go on for a reason outside the config (disk, permissions); one line for the user."""
 
 
-# what makes a run folder's checkpoint the same run: resuming with any of these changed is another run
-RUN_IDENTITY = ("recipe", "method", "env", "env_kwargs", "model.name", "model.lora_r", "rollout.prompt",
-                "rollout.chat_mode", "algo.estimator", "algo.level")
+# what may change when a run resumes (how long it trains, how it is evaluated and logged, where servers
+# are); any other difference from the config its checkpoint was written with makes it another run
+RESUMABLE = ("trainer.steps", "trainer.progress", "trainer.tensorboard", "trainer.wandb", "trainer.checkpoint_every",
+             "trainer.out_dir", "trainer.generator_url", "eval.")
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and k != "env_kwargs" and k != "extra":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def check_run_folder(out_dir: Path, cfg: RecipeCfg) -> None:
+    """Refuse to resume a checkpoint written with another config (anything but ``RESUMABLE`` keys)."""
     ckpt = out_dir / CHECKPOINT_LINK / "trainer.pt"
     if not ckpt.exists():
         return
     saved = torch.load(ckpt, weights_only=False).get("config")
     if not saved:  # a checkpoint from before configs were stored in it
         return
-    now = cfg.to_dict()
-
-    def get(d: dict, key: str) -> object:
-        for part in key.split("."):
-            d = d.get(part) if isinstance(d, dict) else None
-        return d
-
-    diff = [f"{k}: {get(saved, k)!r} there, {get(now, k)!r} here" for k in RUN_IDENTITY if get(saved, k) != get(now, k)]
+    was, now = _flat(saved), _flat(cfg.to_dict())
+    diff = [f"{k}: {was.get(k)!r} there, {now.get(k)!r} here" for k in sorted(set(was) | set(now))
+            if was.get(k) != now.get(k) and not k.startswith(RESUMABLE)]
     if diff:
-        raise ConfigError(f"{out_dir} holds a checkpoint of another run ({'; '.join(diff)}): resuming it would mix "
-                          "the two. Use another trainer.out_dir (--out), or delete that folder to start over")
+        shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
+        raise ConfigError(f"{out_dir} holds a checkpoint of another run ({shown}): resuming it would mix the two. "
+                          "Start a new run with another trainer.out_dir (--out), or delete that folder; only "
+                          "trainer.steps, evaluation and logging settings may change on resume")
 
 
 def seed_everything(seed: int) -> None:

@@ -305,9 +305,15 @@ def test_a_run_folder_of_another_run_is_refused_and_metrics_survive_a_torn_line(
     torch.save(dict(step=3, config=grpo.to_dict()), tmp_path / "checkpoint" / "trainer.pt")
     check_run_folder(tmp_path, grpo)  # the same run resumes
     rloo = load_config("rloo", env="frozenlake", overrides=[f"trainer.out_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"holds a checkpoint of another run \(recipe: 'grpo' there, 'rloo' here.*"
-                                          r"env: 'bandit' there, 'frozenlake' here"):
+    with pytest.raises(ConfigError, match=r"holds a checkpoint of another run \(.*env: 'bandit' there, 'frozenlake' "
+                                          r"here.*recipe: 'grpo' there, 'rloo' here"):
         check_run_folder(tmp_path, rloo)
+    lr = load_config("grpo", env="bandit", overrides=[f"trainer.out_dir={tmp_path}", "optim.lr=3e-4"])
+    with pytest.raises(ConfigError, match=r"\(optim.lr: 5e-05 there, 0.0003 here\)"):
+        check_run_folder(tmp_path, lr)
+    longer = load_config("grpo", env="bandit", overrides=[f"trainer.out_dir={tmp_path}", "trainer.steps=99",
+                                                          "eval.tasks=7"])
+    check_run_folder(tmp_path, longer)  # training on, or evaluating otherwise, is the same run
     rows = "".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(5))
     (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 5, "x"')  # killed mid-write
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
