@@ -23,13 +23,16 @@ def test_the_parser_takes_any_text(text, tag, budget):
     assert all(clean(a) for a in parse_turn(f"<{tag}>{text}</{tag}>", tag, budget).actions)
 
 
+ENGINE = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
 @pytest.mark.parametrize("name", ["sokoban", "frozenlake", "bandit", "webshop",
-                                  pytest.param("textworld", marks=[pytest.mark.slow, pytest.mark.timeout(600)])])
+                                  *(pytest.param(n, marks=ENGINE) for n in ("textworld", "alfworld", "scienceworld"))])
 def test_every_env_steps_through_any_text(name):
     env = make(name)
     task = env.tasks("train")[0].task_id
 
-    @settings(max_examples=60 if name == "textworld" else 150, deadline=None,
+    @settings(max_examples=30 if name in ("textworld", "alfworld", "scienceworld") else 150, deadline=None,
               suppress_health_check=[HealthCheck.too_slow])
     @given(TEXT)
     def step_any(text):
