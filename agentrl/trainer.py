@@ -73,8 +73,9 @@ def check_run_folder(out_dir: Path, cfg: RecipeCfg) -> None:
     if not saved:  # a checkpoint from before configs were stored in it
         return
     was, now = _flat(saved), _flat(cfg.to_dict())
-    diff = [f"{k}: {was.get(k)!r} there, {now.get(k)!r} here" for k in sorted(set(was) | set(now))
-            if was.get(k) != now.get(k) and not k.startswith(RESUMABLE)]
+    # keys only one side has come from a code change (a new option at its default), not from the user
+    diff = [f"{k}: {was[k]!r} there, {now[k]!r} here" for k in sorted(set(was) & set(now))
+            if was[k] != now[k] and not k.startswith(RESUMABLE)]
     if diff:
         shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
         raise ConfigError(f"{out_dir} holds a checkpoint of another run ({shown}): resuming it would mix the two. "
