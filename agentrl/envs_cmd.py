@@ -265,7 +265,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     from agentrl.envs.registry import fast_names
 
-    todo = (fast_names() if args.fast else []) + [n for n in args.env if not (args.fast and n in fast_names())]
+    todo = list(dict.fromkeys((fast_names() if args.fast else []) + args.env))
     if not todo:
         raise EnvError("name the envs to check, or --fast for the fast ones")
     reports, ok = [], True

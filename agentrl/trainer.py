@@ -277,7 +277,7 @@ class Trainer:
 
     def update(self, samples: list[Sample], loss_fn: "LossFn", need_values: bool = False) -> dict[str, float]:
         batch = collate(samples, self.engine.pad_id)
-        if self.needs_reference:
+        if self.cfg.algo.kl != "none" and self.cfg.algo.kl_coef > 0:  # only the loss's KL term reads them
             batch.ref_logprobs = self.engine.ref_logprobs(batch, self.cfg.rollout.temperature)
         t = time.perf_counter()
         stats: dict[str, float] = {}

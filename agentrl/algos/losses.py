@@ -46,6 +46,12 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
     return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1)
 
 
+def _centred_cov(logp: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(logp - mean logp) * (A - mean A) of each valid token, means over the valid tokens (Cui et al.)."""
+    lp, a = logp.detach()[valid], adv.detach()[valid]
+    return (lp - lp.mean()) * (a - a.mean())
+
+
 def clip_cov_mask(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip_ratio: float = 2e-4,
                   bounds: tuple[float, float] = (1.0, 5.0), generator: torch.Generator | None = None) -> torch.Tensor:
     """Clip-Cov (Cui et al., 2025): detach a random ``clip_ratio`` fraction of the tokens whose centred
@@ -56,8 +62,7 @@ def clip_cov_mask(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cli
     keep = mask.clone().to(logp.dtype)
     if n == 0:
         return keep
-    lp, a = logp.detach()[valid], adv.detach()[valid]
-    cov = (lp - lp.mean()) * (a - a.mean())
+    cov = _centred_cov(logp, adv, valid)
     candidates = torch.nonzero((cov > bounds[0]) & (cov < bounds[1]))[:, 0]
     k = min(len(candidates), max(1, int(clip_ratio * n))) if len(candidates) else 0
     if k:
@@ -148,8 +153,7 @@ def top_cov_mask(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, rati
     n = int(valid.sum())
     if n == 0 or ratio <= 0:
         return out
-    lp, a = logp.detach()[valid], adv.detach()[valid]
-    cov = (lp - lp.mean()) * (a - a.mean())
+    cov = _centred_cov(logp, adv, valid)
     k = max(1, int(ratio * n))
     flat = torch.zeros(n, dtype=torch.bool)
     flat[torch.topk(cov, k).indices] = True

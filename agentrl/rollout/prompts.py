@@ -46,37 +46,34 @@ def listed_actions(admissible: list[str] | None, history: list[tuple[str, str]],
 
 
 def compact_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
-                 admissible: list[str] | None, history_len: int = 2, split_tried: bool = False,
-                 numbered: bool = False) -> str:
+                 admissible: list[str] | None, history_len: int = 2, prompt: str = "compact") -> str:
     """The ``react`` template's content in fewer tokens (``rollout.prompt: compact``): the task, the actions
     taken before the history window (a few tokens each: where the agent has been), the window's
     observations and actions, the observation and the admissible actions, without boilerplate.
 
-    ``split_tried`` (``rollout.prompt: compact_tried``): instead of the earlier actions, every action taken
+    ``prompt: compact_tried``: instead of the earlier actions, every action taken
     so far once, in first-taken order ("Tried:"), and only the admissible actions not among them
     ("Actions:"): "where have I not been yet" is read off a list rather than inferred from the history.
-    ``numbered`` (``rollout.prompt: numbered``): the same, every admissible action numbered (untried ones
+    ``prompt: numbered``: the same, every admissible action numbered (untried ones
     first) and the answer is a number: one or two tokens to choose, and no action text to copy from the
     history."""
     window = history[-history_len:] if history_len > 0 else []
     earlier = history[:len(history) - len(window)]
     lines = [f"Task: {instruction}", f"Step {step + 1}."]
     tried = list(dict.fromkeys(a for _, a in history))
-    if (split_tried or numbered) and tried:
+    if prompt != "compact" and tried:
         lines.append("Tried: " + " | ".join(tried))
     elif earlier:
         lines.append("Earlier actions: " + " | ".join(a for _, a in earlier))
     lines += [f"{o}\n> {a}" for o, a in window]
     lines.append(obs)
     if admissible:
-        if numbered:
-            listed = listed_actions(admissible, history, "numbered")
+        listed = listed_actions(admissible, history, prompt)  # compact_tried: a tried one is on "Tried:"
+        if prompt == "numbered":
             lines.append("Actions: " + " | ".join(f"{k + 1}: {a}" for k, a in enumerate(listed)))
             lines.append(f"Answer with <{spec.answer_tag}>the number of one action</{spec.answer_tag}>.")
             return "\n".join(lines)
-        if split_tried:  # a tried action stays selectable: it is on the "Tried:" line
-            admissible = listed_actions(admissible, history, "compact_tried")
-        lines.append("Actions: " + " | ".join(admissible))
+        lines.append("Actions: " + " | ".join(listed))
     lines.append(f"Answer with <{spec.answer_tag}>one action</{spec.answer_tag}>.")
     return "\n".join(lines)
 
@@ -106,8 +103,7 @@ def step_messages(spec: PromptSpec, instruction: str, obs: str, history: list[tu
                 {"role": "user", "content": ragen_user(spec, obs, admissible) + tail}]
     if prompt != "paper":
         return [{"role": "user", "content": compact_user(spec, instruction, obs, history, step, admissible,
-                                                         history_len, prompt == "compact_tried",
-                                                         prompt == "numbered") + tail}]
+                                                         history_len, prompt) + tail}]
     return [{"role": "user", "content": react_user(spec, instruction, obs, history, step, admissible, history_len)
              + tail}]
 
