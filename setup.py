@@ -32,6 +32,8 @@ setup(
         # Learner extras: LoRA and DeepSpeed ZeRO (runs on CPU with gloo too). Install torch first.
         "train": ["peft>=0.15", "deepspeed>=0.16"],
         "dev": ["pytest>=8", "pytest-timeout>=2", "ruff>=0.15", "hypothesis>=6.100"],
+        # Outside env suites behind the Gymnasium adapter: `env: gem:<id>`, `textarena:<id>`, `rg:<dataset>`
+        "suites": ["gem-llm==0.1.0", "textarena==0.7.4", "reasoning-gym==0.1.23"],
         "wandb": ["wandb"],  # trainer.wandb=true; offline unless WANDB_MODE says otherwise
     },
     entry_points={"console_scripts": ["agentrl=agentrl.cli:main"]},

@@ -27,6 +27,8 @@ def add_parser(sub: Any) -> None:
     ls = s.add_parser("list", help="registered envs with task counts per split")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ls.add_argument("--only", nargs="*", help="only these env names")
+    ls.add_argument("--suite", choices=["gem", "textarena", "rg"],
+                    help="every env id an outside suite registers (GEM, TextArena, reasoning-gym), one per line")
     pl = s.add_parser("play", help="play one task by hand", epilog=PLAY_HELP,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     pl.add_argument("env", help="env name (see `agentrl envs list`)")
@@ -61,6 +63,8 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.envs_cmd in (None, "list"):
+        if getattr(args, "suite", None):
+            return cmd_list_suite(args.suite)
         return cmd_list(getattr(args, "only", None), getattr(args, "json", False))
     if args.envs_cmd == "play":
         return cmd_play(args)
@@ -86,6 +90,8 @@ def cmd_list(only: list[str] | None, as_json: bool) -> int:
             rows.append(dict(env=name, description=spec.description, restore=restore, categories=len(cats), **counts))
         except Exception as e:  # an engine that cannot start here is reported, not fatal for the listing
             rows.append(dict(env=name, description=spec.description, error=f"{type(e).__name__}: {e}"))
+    if not only:
+        rows += _outside_rows()
     if as_json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -103,6 +109,42 @@ def cmd_list(only: list[str] | None, as_json: bool) -> int:
             table.add_row(r["env"], str(r["train"]), str(r["valid"]), str(r["test"]), str(r["categories"] or "-"),
                           r["restore"], r["description"])
     Console(width=None if sys.stdout.isatty() else 130).print(table)
+    return 0
+
+
+SUITE_NAMES = {"gem": "GEM", "textarena": "TextArena", "rg": "reasoning-gym"}
+
+
+def _outside_rows() -> list[dict[str, Any]]:
+    """One row per way in for outside envs (replay-prefix restore, 1000 seeded tasks per split)."""
+    from agentrl.envs.suites import SUITES, suite_ids
+
+    rows = [dict(env="gymnasium:<id>", train=1000, valid=1000, test=1000, categories=0, restore="replay",
+                 description="any Gymnasium env with text observations and actions")]
+    for suite, (_, package) in SUITES.items():
+        row = dict(env=f"{suite}:<id>", train=1000, valid=1000, test=1000, categories=0, restore="replay")
+        try:
+            ids = suite_ids(suite)
+            example = next((i for i in ids if "GuessTheNumber" in i or i == "basic_arithmetic"), ids[0])
+            row["description"] = (f"{SUITE_NAMES[suite]}: {len(ids)} ids, e.g. {suite}:{example} "
+                                  f"(agentrl envs list --suite {suite})")
+        except ImportError:
+            row = dict(env=f"{suite}:<id>", description=SUITE_NAMES[suite],
+                       error=f"not installed: pip install -e '.[suites]' ({package})")
+        rows.append(row)
+    return rows
+
+
+def cmd_list_suite(suite: str) -> int:
+    from agentrl.envs.suites import SUITES, suite_ids
+
+    try:
+        ids = suite_ids(suite)
+    except ImportError:
+        print(f"error: {SUITES[suite][1]} is not installed: pip install -e '.[suites]'", file=sys.stderr)
+        return 1
+    for i in ids:
+        print(f"{suite}:{i}")
     return 0
 
 

@@ -87,6 +87,10 @@ def run_eval(args: argparse.Namespace) -> int:
     finally:
         trainer.close()
     if trainer.is_main:
+        with open(cfg.out_dir / "eval_episodes.jsonl", "w") as f:  # per-episode results, for paired comparisons
+            for ep in trainer.eval_episodes:
+                f.write(json.dumps(dict(task_id=ep.task_id, won=bool(ep.won), reward=ep.total_reward,
+                                        turns=len(ep.turns))) + "\n")
         print(json.dumps(res, indent=1))
     return 0
 

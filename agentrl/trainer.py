@@ -120,6 +120,7 @@ class Trainer:
         self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict()) \
             if self.is_main else None
         self._tasks = None
+        self.eval_episodes: list[Episode] = []
         self._rollout_stats: dict[str, float] = {}
         self._sync_stats: dict[str, float] = {}  # the last server weight sync (time, check), logged per step
 
@@ -344,6 +345,7 @@ class Trainer:
         ids = self.task_ids(split)[:n_tasks]
         starts = [Start(t, 1000 + i, f"eval:{t}") for i, t in enumerate(ids) for _ in range(samples)]
         eps = self.rollout(starts, temperature=e.temperature if temperature is None else temperature)
+        self.eval_episodes = eps  # the last evaluation's episodes, for per-task reports (agentrl eval)
         out = episode_diagnostics(eps, lambda ep: float(ep.won), prefix="eval/")
         by_task: dict[str, list[bool]] = {}
         for ep in eps:

@@ -26,6 +26,12 @@ class EnvSpec:
 
 
 _REGISTRY: dict[str, EnvSpec] = {}
+# outside suites (``envs/suites.py``): GEM, TextArena and reasoning-gym score a solved task 1.0
+SUITE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gem": {"win_reward": 1.0, "expert": "sample"},
+    "textarena": {"win_reward": 1.0},
+    "rg": {"win_reward": 1.0, "max_steps": 1},
+}
 
 
 def register(name: str, entry: str, description: str = "", *, fast: bool = False, **kwargs: Any) -> None:
@@ -36,10 +42,15 @@ def register(name: str, entry: str, description: str = "", *, fast: bool = False
 
 
 def spec(name: str) -> EnvSpec:
-    """A registered name, ``"gymnasium:<id>"`` (any Gymnasium text env, ``envs/from_gymnasium.py``), or a
+    """A registered name, ``"gymnasium:<id>"`` (any Gymnasium text env, ``envs/from_gymnasium.py``),
+    ``"gem:<id>"``/``"textarena:<id>"``/``"rg:<dataset>"`` (outside suites, ``envs/suites.py``), or a
     ``"package.module:EnvClass"`` path for an env that is not registered."""
     if name.startswith("gymnasium:"):
         return EnvSpec(name, "agentrl.envs.from_gymnasium:GymnasiumTextEnv", {"gym_id": name.split(":", 1)[1]})
+    suite, _, inner = name.partition(":")
+    if suite in SUITE_DEFAULTS and inner:
+        return EnvSpec(name, "agentrl.envs.from_gymnasium:GymnasiumTextEnv",
+                       {"gym_id": inner, "suite": suite, **SUITE_DEFAULTS[suite]})
     if name not in _REGISTRY and ":" in name:
         return EnvSpec(name, name)
     if name not in _REGISTRY:
