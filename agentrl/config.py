@@ -45,6 +45,8 @@ class RolloutCfg:
     max_new_tokens: int = 48
     require_think: bool = False
     format_penalty: float = -0.1
+    max_actions_per_turn: int = 0  # actions one response may take (0: the env's own, e.g. Sokoban 1)
+    max_episode_actions: int = 0  # actions an episode may take in all, then it is truncated (0: no cap)
     # per turn whose actions changed nothing (same env fingerprint before and after); a shaping term
     ineffective_penalty: float = 0.0
     show_admissible: bool = True

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
     from agentrl.trainer import Trainer
 
 
-def answer_text(spec: Any, action: str) -> str:
-    return f"<{spec.answer_tag}>{action}</{spec.answer_tag}>"
+def answer_text(spec: Any, action: str, think: bool = False) -> str:
+    """The response a demonstration teaches. ``think``: with ``rollout.require_think`` the format needs a
+    think block; the expert has no reasoning to put in it, so it stays empty rather than invented."""
+    return ("<think></think>" if think else "") + f"<{spec.answer_tag}>{action}</{spec.answer_tag}>"
 
 
 def _answer(cfg: Any, action: str, admissible: list[str] | None, history: list[tuple[str, str]]) -> str:
@@ -110,7 +112,7 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
         for k, (label, executed) in enumerate(zip(labels, trace.actions)):
             admissible = infos[k].get("admissible_actions") if cfg.show_admissible else None
             prompt = first_prompt_ids(tok, cfg, spec, instruction, observations[k], history, k, admissible)
-            target = tok(answer_text(spec, _answer(cfg, label, admissible, history)),
+            target = tok(answer_text(spec, _answer(cfg, label, admissible, history), cfg.require_think),
                          add_special_tokens=False)["input_ids"] + eos
             samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}))
             history.append((observations[k], executed))

@@ -218,7 +218,8 @@ class Trainer:
         return RolloutConfig(max_turns=max_turns or r.max_turns, history_len=r.history_len, chat_mode=r.chat_mode,
                              require_think=r.require_think, format_penalty=r.format_penalty,
                              ineffective_penalty=r.ineffective_penalty,
-                             show_admissible=r.show_admissible, prompt=r.prompt,
+                             max_actions_per_turn=r.max_actions_per_turn or None,
+                             max_episode_actions=r.max_episode_actions, show_admissible=r.show_admissible, prompt=r.prompt,
                              sampling=SamplingParams(temperature=r.temperature if temperature is None else temperature,
                                                      top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=stops,
                                                      seed=self.rng.randrange(2**31)))

@@ -228,3 +228,45 @@ def test_leafe_rollback_restores_the_recorded_observation_and_cf_excludes_experi
             assert "SECRET-HINT" not in trainer.tokenizer.decode(out.turns[1].prompt_ids)  # only at tau
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("env", ["bandit", "sokoban", "frozenlake"])
+def test_starpo_uses_ragens_settings(env):
+    """RAGEN B.2: the env's own rewards, a -0.1 format penalty, think-then-answer, 5 turns, 5 actions a turn
+    and 10 an episode, one sampling round, k1 KL in the reward only; evaluation on 256 levels at T = 0.5."""
+    for recipe in ("starpo", "starpo_s"):
+        c = load_config(recipe, env=env)
+        r, a, e = c.rollout, c.algo, c.eval
+        assert (a.reward, r.format_penalty, r.require_think, r.max_turns, r.max_episode_actions) == \
+            ("env_return", -0.1, True, 5, 10)
+        assert r.fill_groups == 0 and (e.tasks, e.temperature) == (256, 0.5) and a.entropy_coef == 0.001
+        assert a.kl == "none"
+    assert load_config("starpo", env=env).algo.kl_reward_coef == 0.001
+    assert load_config("starpo_s", env=env).algo.kl_reward_coef == 0.0
+
+
+def test_the_episode_action_budget_truncates_the_episode(tiny_generator):
+    from agentrl.envs.pool import InProcessEnvs
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+    from agentrl.types import SamplingParams
+    from tests.test_generation import ScriptedGenerator
+
+    tok = tiny_generator.tokenizer
+    # four moves a turn that never finish a level (left-right shuffles): only the budget ends the episode
+    gen = ScriptedGenerator(tok, "<think></think><answer>Left || Right || Left || Right</answer>")
+    cfg = RolloutConfig(max_turns=5, sampling=SamplingParams(max_new_tokens=32), max_episode_actions=10)
+    ep = RolloutEngine(gen, tok, InProcessEnvs("sokoban", 1), "sokoban", cfg).run([Start("train/00002")])[0]
+    assert [len(t.actions) for t in ep.turns] == [4, 4, 2] and ep.truncated
+    cfg.max_episode_actions = 0
+    ep = RolloutEngine(gen, tok, InProcessEnvs("sokoban", 1), "sokoban", cfg).run([Start("train/00002")])[0]
+    assert [len(t.actions) for t in ep.turns] == [4] * 5
+
+
+def test_think_demonstrations_pass_the_think_format():
+    from agentrl.envs.base import PromptSpec
+    from agentrl.rollout.parsing import parse_turn
+    from agentrl.sft import answer_text
+
+    spec = PromptSpec("", "", answer_tag="answer")
+    assert parse_turn(answer_text(spec, "Up", think=True), "answer", require_think=True).valid
+    assert not parse_turn(answer_text(spec, "Up"), "answer", require_think=True).valid

@@ -45,9 +45,10 @@ def test_baseline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
         assert "all_zero_groups" in rows[1] and "group_entropy_bits" in rows[1] and "success" in rows[1]
     if recipe in ("ppo", "starpo_s"):
         assert "loss" in rows[1] and "grad_norm" in rows[1]
-    if recipe == "starpo":  # no group filter; its KL to the frozen reference (the warm start) is in the loss,
-        # 0 at the first update (the policy is the reference), not after it
-        assert "filtered_zero_variance" not in rows[1] and "kl" in rows[1] and rows[2]["kl"] != 0
+    if recipe == "starpo":  # no group filter; its k1 KL to the frozen reference (the warm start) is a reward
+        # penalty, ~0 before the first update (the policy is the reference), not after it
+        assert "filtered_zero_variance" not in rows[1] and rows[1]["kl_reward_coef"] == 0.001
+        assert abs(rows[2]["kl_episode"]) > abs(rows[1]["kl_episode"])
     if recipe == "grpo":  # zero-variance groups are dropped; the untrained tiny model fails all 4 episodes
         # of a round, so the Sokoban overlay's dynamic sampling rolls out all its rounds
         r = rows[1]

@@ -38,6 +38,7 @@ class RolloutConfig:
     # a wall, "Nothing happens." (RAGEN logs such actions as not effective)
     ineffective_penalty: float = 0.0
     max_actions_per_turn: int | None = None  # default: the env's PromptSpec
+    max_episode_actions: int = 0  # the episode is truncated once it has taken this many actions (0: no cap)
     show_admissible: bool = True
     prompt: str = "paper"  # "paper": the env's template as its paper writes it | "compact": the same content,
     # fewer tokens | "compact_tried": compact, with the actions tried so far listed apart | "numbered": those
@@ -212,7 +213,8 @@ class RolloutEngine:
             turns[i] = turn
             self.stats["generated_tokens"] += len(out.ids)
             if parsed.valid:
-                pending[i] = list(parsed.actions)
+                cap = self.cfg.max_episode_actions
+                pending[i] = list(parsed.actions)[:cap - sl.env_steps] if cap else list(parsed.actions)
             else:
                 turn.reward += self.cfg.format_penalty
         # Step action k of every slot together; a slot stops at its first terminal step.
@@ -255,3 +257,5 @@ class RolloutEngine:
             sl.obs = turn.observation
             if turn.done:
                 sl.done = True
+            elif self.cfg.max_episode_actions and sl.env_steps >= self.cfg.max_episode_actions:
+                sl.done, sl.ep.truncated = True, True  # RAGEN's per-episode action budget is spent
