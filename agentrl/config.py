@@ -308,9 +308,13 @@ def _check_names(cfg: RecipeCfg) -> None:
                           f"{', '.join(ESTIMATORS.names())}")
     if cfg.algo.loss not in LOSSES:
         raise ConfigError(f"bad value for 'algo.loss': {cfg.algo.loss!r}; allowed: {', '.join(LOSSES.names())}")
-    if ESTIMATORS.get(cfg.algo.estimator).needs_values and cfg.algo.level == "trajectory":
+    est = ESTIMATORS.get(cfg.algo.estimator)
+    if est.needs_values and not est.token_level and cfg.algo.level == "trajectory":
         raise ConfigError(f"'algo.estimator: {cfg.algo.estimator}' trains a critic on turns: it needs "
-                          "'algo.level: turn' (a critic over whole full-chat episodes is not built)")
+                          "'algo.level: turn' (for a critic over whole full-chat episodes use gae_token)")
+    if est.token_level and (cfg.algo.level != "trajectory" or cfg.rollout.chat_mode != "full"):
+        raise ConfigError(f"'algo.estimator: {cfg.algo.estimator}' is token-level GAE over whole multi-turn "
+                          "episodes: it needs 'algo.level: trajectory' and 'rollout.chat_mode: full'")
     for f in cfg.algo.filters:
         if f not in FILTERS:
             raise ConfigError(f"bad value in 'algo.filters': {f!r}; allowed: {', '.join(FILTERS.names())}")

@@ -15,7 +15,7 @@ from agentrl.algos.advantages import ESTIMATORS, AdvantageInput, Estimator
 from agentrl.algos.filters import FILTERS, FilterContext, informative_groups
 from agentrl.algos.kl_control import KLController
 from agentrl.algos.losses import ppo_objective, value_loss
-from agentrl.learner.batch import Sample, collate, episode_sample, turn_sample
+from agentrl.learner.batch import Sample, collate, episode_sample, turn_sample, with_token_targets
 from agentrl.registry import Registry
 from agentrl.rollout.engine import Start
 from agentrl.types import Episode
@@ -126,7 +126,10 @@ class Recipe:
                         where.append((n, k))
         if self.kl_ctl is not None and samples:
             stats.update(self._kl_penalty(trainer, x, samples, where))
-        if est.needs_values:
+        if est.token_level:  # the critic's value before every generated token of each full-chat episode
+            x.token_values = trainer.token_values(samples)
+            x.turn_tokens = [[len(t.gen_ids) for t in e.turns] for e in kept]
+        elif est.needs_values:
             # a turn without generated tokens has no value estimate; it keeps 0 (it is not trained on)
             x.values = [[0.0] * len(e.turns) for e in kept]
             for (n, k), v in zip(where, trainer.values(samples)):
@@ -135,6 +138,8 @@ class Recipe:
         for i, (s, (n, k)) in enumerate(zip(samples, where)):
             if k < 0:
                 samples[i] = episode_sample(kept[n], out.per_turn[n], s.meta)
+                if out.per_token is not None:
+                    with_token_targets(samples[i], out.per_token[n], out.token_returns[n], x.token_values[n])
                 continue
             a = out.per_turn[n][k]
             if algo.turn_weight == "episode":  # every trajectory weighs the same, however many turns it took

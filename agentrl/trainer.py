@@ -219,7 +219,8 @@ class Trainer:
                              require_think=r.require_think, format_penalty=r.format_penalty,
                              ineffective_penalty=r.ineffective_penalty,
                              max_actions_per_turn=r.max_actions_per_turn or None,
-                             max_episode_actions=r.max_episode_actions, show_admissible=r.show_admissible, prompt=r.prompt,
+                             max_episode_actions=r.max_episode_actions,
+                             show_admissible=r.show_admissible, prompt=r.prompt,
                              sampling=SamplingParams(temperature=r.temperature if temperature is None else temperature,
                                                      top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=stops,
                                                      seed=self.rng.randrange(2**31)))
@@ -315,6 +316,13 @@ class Trainer:
         batch = collate(samples, self.engine.pad_id)
         _, vals = self.engine.logprobs(batch, values=True)
         return [float(vals[i, s.loss_mask.index(1) - 1]) for i, s in enumerate(samples)]
+
+    def token_values(self, samples: list[Sample]) -> list[list[float]]:
+        """Critic value before every generated token of each sample, in order (token-level GAE): the value
+        head's output at the position that predicts the token."""
+        batch = collate(samples, self.engine.pad_id)
+        _, vals = self.engine.logprobs(batch, values=True)
+        return [[float(vals[b, i - 1]) for i, m in enumerate(s.loss_mask) if m] for b, s in enumerate(samples)]
 
     def sync_weights(self) -> None:
         """After an update the generator must sample from the new policy (see ``Generator.receive``:

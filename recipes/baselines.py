@@ -2,5 +2,5 @@
 prompt mode), so they share the base recipe and differ in their YAML files."""
 from agentrl.recipe import RECIPES, Recipe
 
-for _name in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "gigpo", "starpo", "starpo_s"):
+for _name in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "gigpo", "starpo", "starpo_s", "starpo_ppo"):
     RECIPES.register(_name)(Recipe)

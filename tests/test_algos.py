@@ -53,6 +53,42 @@ def test_gae_by_hand():
     assert adv_p[0].tolist() == pytest.approx([0.0 + 0.6 - 0.5 + (1.0 - 0.6), 1.0 - 0.6, 0.0])
 
 
+def test_token_level_gae_over_a_multi_turn_episode_by_hand():
+    """StarPO-PPO: one episode, turns of 2 and 3 generated tokens, turn rewards 0.2 and 1.0 on each turn's
+    last token, a value per token; env tokens are not in the sequence."""
+    x = AdvantageInput(torch.tensor([1.2]), ["a"], [[0.2, 1.0]], [[0.2, 1.0]], gamma=0.9, lam=0.8,
+                       token_values=[[0.1, 0.2, 0.3, 0.4, 0.5]], turn_tokens=[[2, 3]])
+    out = ESTIMATORS.get("gae_token")(x)
+    # deltas r + 0.9 v' - v, then A_t = delta_t + 0.72 A_{t+1}
+    a4 = 1.0 - 0.5
+    a3 = (0.9 * 0.5 - 0.4) + 0.72 * a4
+    a2 = (0.9 * 0.4 - 0.3) + 0.72 * a3
+    a1 = (0.2 + 0.9 * 0.3 - 0.2) + 0.72 * a2
+    a0 = (0.9 * 0.2 - 0.1) + 0.72 * a1
+    assert out.per_token[0] == pytest.approx([a0, a1, a2, a3, a4])  # 0.4585, 0.5257, 0.3552, 0.41, 0.5
+    assert out.token_returns[0] == pytest.approx([a0 + .1, a1 + .2, a2 + .3, a3 + .4, a4 + .5])
+    assert out.per_turn[0] == pytest.approx([a0, a2])  # each turn's first token, for the logs
+    with pytest.raises(ValueError, match="per-token values"):
+        ESTIMATORS.get("gae_token")(AdvantageInput(torch.tensor([1.0]), ["a"], [[1.0]], [[1.0]]))
+
+
+def test_token_targets_land_on_generated_tokens_only():
+    from agentrl.learner.batch import collate, episode_sample, with_token_targets
+
+    # a full-chat episode: turn 2's prompt holds turn 1's prompt and generation, then env tokens 7, 8
+    t1 = Turn([1, 2], [3, 4], [-0.1, -0.2], "", [], True, "", 0.0, False, "stop")
+    t2 = Turn([1, 2, 3, 4, 7, 8], [5, 6, 9], [-0.3, -0.4, -0.5], "", [], True, "", 1.0, True, "stop")
+    ep = Episode("sokoban", "train/00000", 0, turns=[t1, t2])
+    s = with_token_targets(episode_sample(ep, [0.0, 0.0]), [1, 2, 3, 4, 5], [10, 20, 30, 40, 50], [.1, .2, .3, .4, .5])
+    assert s.loss_mask == s.value_mask == [0, 0, 1, 1, 0, 0, 1, 1, 1]
+    assert s.advantages == [0, 0, 1, 2, 0, 0, 3, 4, 5] and s.returns == [0, 0, 10, 20, 0, 0, 30, 40, 50]
+    b = collate([s], 0)  # on targets: position i predicts token i + 1
+    assert b.value_mask[0].tolist() == b.loss_mask[0].tolist() == [0, 1, 1, 0, 0, 1, 1, 1]
+    assert b.returns[0].tolist() == [0, 10, 20, 0, 0, 30, 40, 50]
+    with pytest.raises(ValueError, match="5 generated tokens but 4 advantages"):
+        with_token_targets(episode_sample(ep, [0.0, 0.0]), [1, 2, 3, 4], [1] * 5, [1] * 5)
+
+
 def test_gigpo_step_groups_by_hand():
     # two trajectories of one group pass the same anchor state "s1" at steps 1 and 0
     step_rewards = [[0.0, 0.0, 1.0], [0.0, 0.0]]

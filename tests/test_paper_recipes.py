@@ -270,3 +270,11 @@ def test_think_demonstrations_pass_the_think_format():
     spec = PromptSpec("", "", answer_tag="answer")
     assert parse_turn(answer_text(spec, "Up", think=True), "answer", require_think=True).valid
     assert not parse_turn(answer_text(spec, "Up"), "answer", require_think=True).valid
+
+
+def test_starpo_ppo_is_token_level_gae_on_full_chat_episodes():
+    c = load_config("starpo_ppo", env="sokoban")
+    assert (c.algo.estimator, c.algo.level, c.rollout.chat_mode, c.algo.gamma, c.algo.lam) == \
+        ("gae_token", "trajectory", "full", 1.0, 1.0)
+    with pytest.raises(ConfigError, match="token-level GAE over whole multi-turn episodes"):
+        load_config("starpo_ppo", env="sokoban", overrides=["rollout.chat_mode=window", "algo.level=turn"])

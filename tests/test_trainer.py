@@ -7,7 +7,8 @@ import pytest
 
 from agentrl.config import ConfigError, load_config
 
-BASELINES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "gigpo", "starpo", "starpo_s", "sft", "rft", "eval"]
+BASELINES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "gigpo", "starpo", "starpo_s", "starpo_ppo", "sft",
+             "rft", "eval"]
 
 
 def small(tmp_path, model_dir, *extra):
@@ -45,6 +46,8 @@ def test_baseline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
         assert "all_zero_groups" in rows[1] and "group_entropy_bits" in rows[1] and "success" in rows[1]
     if recipe in ("ppo", "starpo_s"):
         assert "loss" in rows[1] and "grad_norm" in rows[1]
+    if recipe == "starpo_ppo":  # the token-level critic trains with the policy
+        assert any(r.get("value_loss", 0) > 0 for r in rows[1:])
     if recipe == "starpo":  # no group filter; its k1 KL to the frozen reference (the warm start) is a reward
         # penalty, ~0 before the first update (the policy is the reference), not after it
         assert "filtered_zero_variance" not in rows[1] and rows[1]["kl_reward_coef"] == 0.001

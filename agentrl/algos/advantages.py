@@ -35,6 +35,10 @@ class AdvantageInput:
     step_rewards: Sequence[Sequence[float]]  # each turn's env reward plus shaping penalties
     anchors: Sequence[Sequence[str]] | None = None  # env fingerprint before each turn (needs_anchors)
     values: Sequence[Sequence[float]] | None = None  # the critic's value before each turn (needs_values)
+    # token-level estimators: the critic's value before each generated token of an episode (in order, env
+    # tokens left out), and how many tokens each turn generated
+    token_values: Sequence[Sequence[float]] | None = None
+    turn_tokens: Sequence[Sequence[int]] | None = None
     gamma: float = 1.0
     lam: float = 1.0
     step_weight: float = 1.0  # GiGPO's weight of the step-level advantage
@@ -45,6 +49,9 @@ class AdvantageInput:
 class Advantages:
     per_turn: list[list[float]]  # one advantage per turn of every episode
     returns: list[list[float]] | None = None  # value targets per turn (estimators with a critic)
+    # token-level estimators: per episode, one advantage and one value target per generated token
+    per_token: list[list[float]] | None = None
+    token_returns: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,23 +60,28 @@ class Estimator:
     fn: Callable[[AdvantageInput], Advantages]
     needs_values: bool = False  # the trainer builds a value head and fills ``values``
     needs_anchors: bool = False  # the recipe fills ``anchors`` from the env's fingerprints
+    token_level: bool = False  # a critic over every generated token of a full-chat episode (trajectory level)
 
     def __call__(self, x: AdvantageInput) -> Advantages:
-        if self.needs_values and x.values is None:
+        if self.token_level and (x.token_values is None or x.turn_tokens is None):
+            raise ValueError(f"estimator '{self.name}' needs the critic's per-token values")
+        if self.needs_values and not self.token_level and x.values is None:
             raise ValueError(f"estimator '{self.name}' needs the critic's values")
         if self.needs_anchors and x.anchors is None:
             raise ValueError(f"estimator '{self.name}' needs per-turn anchor states")
         out = self.fn(x)
         if x.whiten:
             out.per_turn = whitened(out.per_turn)
+            if out.per_token is not None:
+                out.per_token = whitened(out.per_token)
         return out
 
 
-def estimator(name: str, needs_values: bool = False, needs_anchors: bool = False
+def estimator(name: str, needs_values: bool = False, needs_anchors: bool = False, token_level: bool = False
               ) -> Callable[[Callable[[AdvantageInput], Advantages]], Callable[[AdvantageInput], Advantages]]:
     """Register ``fn(AdvantageInput) -> Advantages`` as ``algo.estimator: name``."""
     def deco(fn: Callable[[AdvantageInput], Advantages]) -> Callable[[AdvantageInput], Advantages]:
-        ESTIMATORS.register(name)(Estimator(name, fn, needs_values, needs_anchors))
+        ESTIMATORS.register(name)(Estimator(name, fn, needs_values or token_level, needs_anchors, token_level))
         return fn
     return deco
 
@@ -211,6 +223,30 @@ def _gae(x: AdvantageInput) -> Advantages:
         per_turn.append(adv[0].tolist())
         returns.append(ret[0].tolist())
     return Advantages(per_turn, returns)
+
+
+@estimator("gae_token", token_level=True)
+def _gae_token(x: AdvantageInput) -> Advantages:
+    """RAGEN's StarPO-PPO: GAE over every generated token of the whole multi-turn episode, env tokens left
+    out (they are not actions), each turn's reward on its last generated token, a value per token."""
+    per_turn, per_token, returns = [], [], []
+    for tr, counts, v in zip(x.turn_rewards, x.turn_tokens, x.token_values):
+        if not v:
+            per_turn.append([0.0] * len(tr))
+            per_token.append([])
+            returns.append([])
+            continue
+        rewards, end = [0.0] * len(v), 0
+        for r, c in zip(tr, counts):
+            end += c
+            rewards[max(end, 1) - 1] += r  # a turn that generated nothing: on the nearest generated token
+        adv, ret = gae(torch.tensor([rewards], dtype=torch.float64), torch.tensor([list(v)], dtype=torch.float64),
+                       x.gamma, x.lam)
+        per_token.append(adv[0].tolist())
+        returns.append(ret[0].tolist())
+        starts = [sum(counts[:k]) for k in range(len(counts))]  # each turn's first token (for per-turn logs)
+        per_turn.append([per_token[-1][s] if c else 0.0 for s, c in zip(starts, counts)])
+    return Advantages(per_turn, per_token=per_token, token_returns=returns)
 
 
 def discounted_returns(step_rewards: Sequence[float], gamma: float) -> list[float]:

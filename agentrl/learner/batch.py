@@ -62,6 +62,21 @@ def episode_sample(ep: Episode, turn_advantages: Sequence[float], meta: dict | N
     return Sample(ids, mask, lp, adv, meta=dict(meta or {}))
 
 
+def with_token_targets(s: Sample, advantages: Sequence[float], returns: Sequence[float],
+                       values: Sequence[float]) -> Sample:
+    """Per-token advantages and critic targets on a sample's generated tokens, in order (token-level GAE).
+    Each value sits at its token's position, like the loss mask (``collate`` shifts both onto targets)."""
+    where = [i for i, m in enumerate(s.loss_mask) if m]
+    if not len(where) == len(advantages) == len(returns) == len(values):
+        raise ValueError(f"{len(where)} generated tokens but {len(advantages)} advantages, {len(returns)} returns, "
+                         f"{len(values)} values")
+    n = len(s.ids)
+    s.advantages, s.returns, s.old_values, s.value_mask = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
+    for i, a, r, v in zip(where, advantages, returns, values):
+        s.advantages[i], s.returns[i], s.old_values[i], s.value_mask[i] = a, r, v, 1
+    return s
+
+
 @dataclass
 class TokenBatch:
     input_ids: torch.Tensor  # (B, T)
