@@ -7,7 +7,8 @@ replay buffer D is not full, trajectories with a positive group advantage enter 
 plain on-policy. Once D is full, every stored trajectory's advantage is recalibrated to R - P50(D_R)
 (eq. 2), only those with A^ > 0 and A~ > 0 are kept (eq. 3), and one update maximizes
 J_GRPO + gamma * J_SIL (eq. 5, gamma warms up by eq. 13) with covariance-based token clipping on the
-self-imitation rows only (eq. 18-21); then D is emptied.
+self-imitation rows only (eq. 18-21: covariance centred on the trajectory's group, a budget of lambda x
+its tokens per trajectory, chosen once per update); then D is emptied.
 
 One batch carries both terms: replay rows are tagged, their advantages are gamma * A~ and their
 old log-probs are recomputed under the current policy just before the update (as verl recomputes
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentrl.algos.losses import clip_cov_mask
 from agentrl.buffers.sil import BaselineBuffer, SILBuffer, SILEntry, dual_filter
 from agentrl.schema import ConfigError
 from agentrl.curriculum.schedules import cosine_decay, cosine_warmup
@@ -61,12 +61,37 @@ def intrinsic_reward(ep: Episode, mu: float, unit: float = 0.1, fmt: float = 0.1
     return outcome + mu * min(1.0, unit * n_tool) + (fmt if fmt_ok else 0.0)
 
 
-def covariance_bounds(samples: list[Sample], low_top: float = 0.2, high_top: float = 0.0002) -> tuple[float, float]:
-    """(omega_lb, omega_ub): the mean centred covariance (logp - mean)(A - mean) of the top ``low_top``
-    and top ``high_top`` shares of the samples' target tokens (appendix A.12)."""
-    lp = torch.tensor([v for s in samples for v, m in zip(s.old_logprobs, s.loss_mask) if m])
-    adv = torch.tensor([v for s in samples for v, m in zip(s.advantages, s.loss_mask) if m])
-    cov = ((lp - lp.mean()) * (adv - adv.mean())).sort(descending=True).values
+def sil_covariances(trajectories: list[tuple[list[Sample], float, float | None]]) -> list[torch.Tensor]:
+    """Eq. 21 for every generated token of each self-imitation trajectory: (log pi - its group's mean
+    log pi) x (A~ - its group's mean A~). A trajectory is (its samples with current log-probs, R - group
+    mean R, which is A~ minus the group's mean A~ since the shared baseline cancels, the group's mean
+    log-prob). Without group statistics (entries from older checkpoints) the batch's means stand in."""
+    flat = [torch.tensor([v for s in samples for v, m in zip(s.old_logprobs, s.loss_mask) if m])
+            for samples, _, _ in trajectories]
+    every = torch.cat(flat) if flat else torch.zeros(0)
+    batch_lp = float(every.mean()) if len(every) else 0.0
+    out = []
+    for lp, (_, centred_adv, group_lp) in zip(flat, trajectories):
+        out.append((lp - (batch_lp if group_lp is None else group_lp)) * centred_adv)
+    return out
+
+
+def covariance_clip(covs: list[torch.Tensor], bounds: tuple[float, float], ratio: float,
+                    generator: torch.Generator | None = None) -> list[list[int]]:
+    """Eq. 19-20: per trajectory, tokens drawn uniformly among those with lb <= Cov <= ub, up to a budget
+    of ``ratio`` x its tokens (at least one when it has a candidate); returns their indices per trajectory."""
+    out = []
+    for cov in covs:
+        candidates = torch.nonzero((cov >= bounds[0]) & (cov <= bounds[1]))[:, 0]
+        k = min(len(candidates), max(1, round(ratio * len(cov)))) if len(candidates) and ratio > 0 else 0
+        out.append(sorted(candidates[torch.randperm(len(candidates), generator=generator)[:k]].tolist()) if k else [])
+    return out
+
+
+def covariance_bounds(covs: list[torch.Tensor], low_top: float = 0.2, high_top: float = 0.0002) -> tuple[float, float]:
+    """(omega_lb, omega_ub): the mean covariance of the top ``low_top`` and top ``high_top`` shares of the
+    tokens (appendix A.12)."""
+    cov = torch.cat(covs).sort(descending=True).values
     n = len(cov)
     lb = float(cov[:max(1, math.ceil(low_top * n))].mean())
     ub = float(cov[:max(1, math.ceil(high_top * n))].mean())
@@ -85,6 +110,7 @@ class SPEAR(Recipe):
         self.baseline = BaselineBuffer(self.p.baseline_size)
         self.t = 0  # training iteration, for the schedules
         self.bounds: tuple[float, float] | None = tuple(self.p.cov_bounds) if self.p.cov_bounds else None
+        self.cov_masked = 0  # tokens the last update's covariance clipping took out
 
     def mu(self) -> float:
         return cosine_decay(self.t, self.p.decay_steps)
@@ -97,21 +123,14 @@ class SPEAR(Recipe):
             return super().reward(ep)
         return intrinsic_reward(ep, self.mu(), self.p.tool_call_unit, self.p.format_reward)
 
-    def policy_mask(self, mb: Any, out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Covariance clipping (eq. 18-21) on the self-imitation rows only."""
-        mask = mb.loss_mask
-        if self.p.cov_ratio and self.bounds and mb.tags is not None and bool((mb.tags == SIL_TAG).any()):
-            sil_rows = (mb.tags == SIL_TAG).to(mask.dtype)[:, None]
-            keep_sil = clip_cov_mask(out["logp"], mb.advantages, mask * sil_rows, self.p.cov_ratio, self.bounds)
-            mask = mask * (1 - sil_rows) + keep_sil * sil_rows
-        return mask, {"sil_cov_masked": float((mb.loss_mask - mask).sum())}
-
     def _sil_samples(self, trainer: "Trainer", kept: list[tuple[SILEntry, float]], gamma: float) -> list[Sample]:
-        out = []
+        out: list[Sample] = []
+        spans = []  # (first sample, end) of each kept trajectory in ``out``
         per_episode = self.cfg.algo.turn_weight == "episode" and self.cfg.algo.level == "turn"
         for entry, recal in kept:
             # weighed like the on-policy rows: per turn, the trajectory's advantage over its number of turns
             n_turns = len(entry.samples) if per_episode else 1
+            spans.append((len(out), len(out) + len(entry.samples)))
             for s in entry.samples:
                 adv = [gamma * recal / n_turns if m else 0.0 for m in s.loss_mask]
                 out.append(Sample(s.ids, s.loss_mask, list(s.old_logprobs), adv, meta=dict(s.meta, sil=True),
@@ -122,9 +141,28 @@ class SPEAR(Recipe):
                 n = len(s.ids)
                 row = [0.0] + lp[b, :n - 1].tolist()
                 s.old_logprobs = [v if m else 0.0 for v, m in zip(row, s.loss_mask)]
-            if self.bounds is None:
-                self.bounds = covariance_bounds(out)
+            self._clip_by_covariance(trainer, [(out[a:b], entry) for (a, b), (entry, _) in zip(spans, kept)])
         return out
+
+    def _clip_by_covariance(self, trainer: "Trainer", trajectories: list[tuple[list[Sample], SILEntry]]) -> None:
+        """Eq. 18-21, once per update with the log-probs of the policy about to be updated: the chosen
+        high-covariance tokens leave the loss (their mask is cleared)."""
+        # A~ - group mean A~ = R - group mean R; older entries without group statistics use their A^
+        covs = sil_covariances([(samples, e.adv if e.group_reward is None else e.reward - e.group_reward,
+                                 e.group_logp) for samples, e in trajectories])
+        if self.bounds is None:
+            self.bounds = covariance_bounds(covs)
+        self.cov_masked = 0
+        if not self.p.cov_ratio:
+            return
+        gen = torch.Generator().manual_seed(trainer.rng.randrange(2**31))
+        for (samples, _), chosen in zip(trajectories, covariance_clip(covs, self.bounds, self.p.cov_ratio, gen)):
+            where = [(s, i) for s in samples for i, m in enumerate(s.loss_mask) if m]
+            for j in chosen:
+                s, i = where[j]
+                s.loss_mask = list(s.loss_mask)
+                s.loss_mask[i], s.advantages[i], s.old_logprobs[i] = 0, 0.0, 0.0
+            self.cov_masked += len(chosen)
 
     def step(self, trainer: "Trainer") -> dict[str, float]:
         self.t = trainer.step + 1  # t_iter of eq. 13-14 counts from 1 (the logged step)
@@ -133,9 +171,11 @@ class SPEAR(Recipe):
     def extra_samples(self, trainer: "Trainer", episodes: list[Episode], samples: list[Sample],
                       metrics: dict[str, float]) -> list[Sample]:
         groups: dict[str, list[float]] = defaultdict(list)
+        group_lp: dict[str, list[float]] = defaultdict(list)  # every generated token's log-prob, per group
         for e in episodes:
             if not e.dropped:
                 groups[e.group_id].append(self.reward(e))
+                group_lp[e.group_id].extend(lp for t in e.turns for lp in t.gen_logprobs)
         for rs in groups.values():  # algorithm 1, line 19
             self.baseline.add(sum(rs) / len(rs))
         sil_samples: list[Sample] = []
@@ -146,12 +186,16 @@ class SPEAR(Recipe):
                 by_episode[s.meta["episode"]].append(s)
             for group in by_episode.values():
                 adv = next((a for a, m in zip(group[0].advantages, group[0].loss_mask) if m), 0.0)
-                self.sil.add(SILEntry(group, group[0].meta["reward"], adv, trainer.step))
+                g = group[0].meta["group"]
+                rs, lps = groups.get(g, []), group_lp.get(g, [])
+                self.sil.add(SILEntry(group, group[0].meta["reward"], adv, trainer.step,
+                                      sum(rs) / len(rs) if rs else None, sum(lps) / len(lps) if lps else None))
         else:
             drained = self.sil.drain()
             kept = dual_filter(drained, self.baseline.p50())
             sil_samples = self._sil_samples(trainer, kept, gamma) if gamma > 0 else []
-            metrics.update(sil_trajectories=float(len(kept)), sil_dropped=float(len(drained) - len(kept)))
+            metrics.update(sil_trajectories=float(len(kept)), sil_dropped=float(len(drained) - len(kept)),
+                           sil_cov_masked=float(self.cov_masked if sil_samples else 0))
         if self.bounds:
             metrics.update(cov_bound_low=self.bounds[0], cov_bound_high=self.bounds[1])
         metrics.update(sil_buffer=float(len(self.sil.entries)), sil_gamma=gamma, tool_mu=self.mu(),

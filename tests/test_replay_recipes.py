@@ -2,6 +2,7 @@
 import math
 
 import pytest
+import torch
 
 from agentrl.buffers.sil import BaselineBuffer, SILBuffer, SILEntry, dual_filter
 from agentrl.buffers.success import SuccessBuffer
@@ -128,33 +129,24 @@ def test_spear_intrinsic_reward_eq6():
     assert intrinsic_reward(ep, mu=1.0) == pytest.approx(2.0)
 
 
-def test_spear_loss_masks_high_covariance_tokens_only_on_replay_rows():
-    from agentrl.learner.batch import Sample, collate
-    from agentrl.recipes.spear import SPEAR, SIL_TAG
-    from agentrl.config import load_config
-
-    cfg = load_config("spear", overrides=["extra.cov_ratio=0.5", "extra.cov_bounds=[0.01, 100.0]"])
-    recipe = SPEAR(cfg)
-    fn = recipe.loss_fn(None)
-    on = Sample([1, 2, 3, 4], [0, 1, 1, 1], [0.0, -1.0, -2.0, -0.5], [0.0, 1.0, 1.0, 1.0])
-    sil = Sample([1, 2, 3, 4], [0, 1, 1, 1], [0.0, -1.0, -2.0, -0.5], [0.0, 2.0, 0.5, 1.0], tag=SIL_TAG)
-    mb = collate([on, sil], pad_id=0)
-    logp = mb.old_logprobs.clone()
-    _, stats = fn(mb, dict(logp=logp))
-    assert stats["sil_cov_masked"] >= 1  # some replay tokens masked ...
-    mb_on = collate([on, on], pad_id=0)
-    _, stats_on = fn(mb_on, dict(logp=mb_on.old_logprobs.clone()))
-    assert stats_on["sil_cov_masked"] == 0  # ... never on-policy ones
-
-
-def test_spear_covariance_bounds_from_the_first_batch():
+def test_spear_covariance_is_centred_on_the_group_with_a_budget_per_trajectory():
+    """Eq. 19-21 by hand: trajectory A (R 1, its group's mean R 0.5, mean log-prob -1) has two turns of two
+    tokens; trajectory B (R 1, group mean 1) has centred advantage 0, so no covariance and nothing clipped."""
     from agentrl.learner.batch import Sample
-    from agentrl.recipes.spear import covariance_bounds
+    from agentrl.recipes.spear import covariance_bounds, covariance_clip, sil_covariances
 
-    s = Sample([0, 1, 2, 3, 4], [0, 1, 1, 1, 1], [0.0, -1.0, -2.0, -3.0, -4.0], [0.0, 1.0, 2.0, 3.0, 4.0])
-    # lp - mean = [1.5, .5, -.5, -1.5], A - mean = [-1.5, -.5, .5, 1.5]: cov = [-2.25, -.25, -.25, -2.25]
-    lb, ub = covariance_bounds([s], low_top=0.5, high_top=0.25)
-    assert lb == pytest.approx(-0.25) and ub == pytest.approx(-0.25 + 1e-6)
+    a1 = Sample([1, 2, 3], [0, 1, 1], [0.0, -0.5, -2.0], [0.0, 1.0, 1.0])
+    a2 = Sample([1, 2, 3], [0, 1, 1], [0.0, 0.0, -1.0], [0.0, 1.0, 1.0])
+    b = Sample([1, 2], [0, 1], [0.0, -3.0], [0.0, 1.0])
+    covs = sil_covariances([([a1, a2], 1.0 - 0.5, -1.0), ([b], 1.0 - 1.0, -1.0)])
+    # (lp + 1) x 0.5 over A's four tokens in order; 0 for B
+    assert covs[0].tolist() == pytest.approx([0.25, -0.5, 0.5, 0.0]) and covs[1].tolist() == [0.0]
+    gen = torch.Generator().manual_seed(0)
+    chosen = covariance_clip(covs, (0.1, 1.0), ratio=0.25, generator=gen)
+    assert len(chosen[0]) == 1 and chosen[0][0] in (0, 2) and chosen[1] == []  # budget round(0.25 x 4) = 1
+    assert covariance_clip(covs, (0.1, 1.0), ratio=1.0, generator=gen)[0] == [0, 2]  # never outside the band
+    # bounds from the first batch (appendix A.12): the mean of the top 40% and of the top 20% of the tokens
+    assert covariance_bounds(covs, low_top=0.4, high_top=0.2) == pytest.approx((0.375, 0.5))
 
 
 def test_crps_step_metrics_cover_every_dynamic_sampling_round():
@@ -192,10 +184,12 @@ def test_spear_self_imitation_rows_weigh_like_on_policy_rows_per_turn():
     from agentrl.learner.batch import turn_sample
     from agentrl.recipes.spear import SPEAR
 
-    recipe = SPEAR(load_config("spear", env="sokoban"))  # turn level, turn_weight: episode
+    # turn level, turn_weight: episode; no covariance clipping here (the test above covers it)
+    recipe = SPEAR(load_config("spear", env="sokoban", overrides=["extra.cov_ratio=0"]))
     rows = [turn_sample([1, 2], [3, 4], [0.0, 0.0], 0.0), turn_sample([1, 2, 3, 4, 5], [6], [0.0], 0.0)]
     engine = SimpleNamespace(pad_id=0, logprobs=lambda b, t=1.0: torch.zeros_like(b.old_logprobs))
-    out = recipe._sil_samples(SimpleNamespace(engine=engine), [(SILEntry(rows, 1.0, 0.8), 0.6)], gamma=1.0)
+    trainer = SimpleNamespace(engine=engine, rng=__import__("random").Random(0))
+    out = recipe._sil_samples(trainer, [(SILEntry(rows, 1.0, 0.8), 0.6)], gamma=1.0)
     # a two-turn trajectory with recalibrated advantage 0.6: 0.3 on every target token of each turn
     assert [[a for a, m in zip(s.advantages, s.loss_mask) if m] for s in out] == [[0.3, 0.3], [0.3]]
 

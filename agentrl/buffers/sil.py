@@ -19,6 +19,10 @@ class SILEntry:
     reward: float  # R
     adv: float  # A^, the group advantage when collected
     step: int = 0
+    # the trajectory's group when it was rolled out (eq. 21 centres over the group): the mean reward of its
+    # G rollouts and the mean log-prob of their generated tokens; None in entries from older checkpoints
+    group_reward: float | None = None
+    group_logp: float | None = None
 
 
 @dataclass
