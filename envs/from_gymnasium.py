@@ -111,7 +111,8 @@ def _make(suite: str, gym_id: str, kwargs: dict[str, Any]) -> Any:
         raise
     except Exception as e:
         label = f"env '{name}'" if suite else f"gymnasium env '{name}'"
-        raise EnvError(f"{label} cannot be made: {type(e).__name__}: {e}") from None
+        why = " ".join(str(e).replace("*", " ").split())[:300]  # one line, however the package words it
+        raise EnvError(f"{label} cannot be made: {type(e).__name__}: {why}") from None
 
 
 def _expert(gym_id: str, expert: str, env: Any) -> Callable[[], str] | None:

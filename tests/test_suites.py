@@ -90,6 +90,15 @@ def test_suite_errors_are_one_line_naming_the_env():
     pytest.importorskip("gem")
     with pytest.raises(EnvError, match="env 'gem:game:NoSuchGame-v0' cannot be made"):
         make("gem:game:NoSuchGame-v0")
+    # an id whose data is a download away (NLTK's word list): one line, whatever the package printed
+    nltk = pytest.importorskip("nltk")
+    pytest.importorskip("textarena")
+    try:
+        nltk.data.find("corpora/words")
+    except LookupError:
+        with pytest.raises(EnvError, match="env 'textarena:Wordle-v0-raw' cannot be made") as e:
+            make("textarena:Wordle-v0-raw")
+        assert "\n" not in str(e.value)
     with pytest.raises(EnvError, match="expert 'sample' needs an env with sample_action"):
         make("rg:basic_arithmetic", expert="sample")
 
