@@ -99,24 +99,33 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     Full-history runs are trained turn by turn on windowed prompts (a documented simplification)."""
     cfg = trainer.rollout_config()
     tok = trainer.tokenizer
-    eos = [tok.eos_token_id]
     ids = trainer.task_ids(split)
     rng = random.Random(trainer.cfg.trainer.seed + 17)
     jobs = [(task_id, rng.randrange(2**31)) for task_id in rng.sample(ids, min(n_episodes, len(ids)))]
     samples, wins = [], 0
     s = trainer.cfg.sft
-    for (task_id, _), (trace, observations, infos, labels, spec, instruction) in zip(
-            jobs, expert_demos(trainer.cfg.env, trainer.cfg.env_kwargs, jobs, s.workers, s.noise)):
-        wins += bool(infos[-1].get("won"))
-        history: list[tuple[str, str]] = []
-        for k, (label, executed) in enumerate(zip(labels, trace.actions)):
-            admissible = infos[k].get("admissible_actions") if cfg.show_admissible else None
-            prompt = first_prompt_ids(tok, cfg, spec, instruction, observations[k], history, k, admissible)
-            target = tok(answer_text(spec, _answer(cfg, label, admissible, history), cfg.require_think),
-                         add_special_tokens=False)["input_ids"] + eos
+    for (task_id, _), demo in zip(jobs, expert_demos(trainer.cfg.env, trainer.cfg.env_kwargs, jobs, s.workers,
+                                                    s.noise)):
+        wins += bool(demo[2][-1].get("won"))
+        for prompt, target in demo_turns(tok, cfg, demo):
             samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}))
-            history.append((observations[k], executed))
     return samples, wins / max(1, n_episodes)
+
+
+def demo_turns(tok: Any, cfg: Any, demo: tuple) -> list[tuple[list[int], list[int]]]:
+    """One demonstration (``expert_demos``'s tuple) as the policy would see and answer it, turn by turn:
+    (windowed prompt ids, the expert's response ids)."""
+    trace, observations, infos, labels, spec, instruction = demo
+    eos = [tok.eos_token_id]
+    out, history = [], []
+    for k, (label, executed) in enumerate(zip(labels, trace.actions)):
+        admissible = infos[k].get("admissible_actions") if cfg.show_admissible else None
+        prompt = first_prompt_ids(tok, cfg, spec, instruction, observations[k], history, k, admissible)
+        target = tok(answer_text(spec, _answer(cfg, label, admissible, history), cfg.require_think),
+                     add_special_tokens=False)["input_ids"] + eos
+        out.append((prompt, target))
+        history.append((observations[k], executed))
+    return out
 
 
 def sft_batches(samples: list[Sample], batch_size: int, rng: random.Random, by_length: bool = False) -> list[list[int]]:

@@ -1,10 +1,10 @@
-"""RRO (rising-reward trajectories, Monte Carlo process rewards, DPO) and the ``ipr`` baseline.
+"""RRO (rising-reward trajectories, Monte Carlo process rewards, DPO); its IPR baseline is ``recipes/ipr.py``.
 
 Collect: from the current (SFT) policy, walk each sampled training task step by step. At a step, draw
 action candidates one at a time; a candidate's process reward is the mean outcome of ``mc_rollouts``
 rollouts of the policy from the state after it (restore, act, roll out); RRO stops drawing as soon as a
 candidate's reward reaches the previous step's (r_t >= r_{t-1}; r_0 is the Monte Carlo value of the
-initial state) or ``max_candidates`` are drawn; IPR always draws ``max_candidates``. The pair is the
+initial state) or ``max_candidates`` are drawn (``fixed_candidates``: always that many). The pair is the
 highest- vs the lowest-reward candidate (kept when they differ), and the walk continues with the highest.
 Fit: DPO on the pairs, the policy before the fit being the reference.
 """
@@ -166,4 +166,3 @@ class RRO(Recipe):
 
 
 RECIPES.register("rro")(RRO)
-RECIPES.register("ipr")(RRO)

@@ -118,8 +118,9 @@ def test_offline_recipe_runs_end_to_end(recipe, tiny_model_dir, tmp_path):
         assert "eval/pass@2" in final
     if recipe in ("rro", "ipr"):
         assert rows[1]["candidates_per_step"] >= 1
-        if recipe == "ipr":
-            assert rows[1]["candidates_per_step"] == 2
+        if recipe == "ipr":  # K candidates at every expert step, the three terms fitted
+            assert rows[1]["candidates_per_step"] == 2 and rows[1]["ipr_expert_trajectories"] >= 1
+            assert "outcome_dpo_pairs" in rows[1] and "dpo_pairs" in rows[1] and "sft_loss_first" in rows[1]
 
 
 def test_rro_stopping_rule_and_pair_selection_on_scripted_rewards():
@@ -153,6 +154,33 @@ def test_dpo_loss_against_a_hand_computed_value():
     m2 = 0.5 * ((-2.0 + 2.0) - (-1.0 + 1.5))  # -0.25
     expected = -(math.log(1 / (1 + math.exp(-m1))) + math.log(1 / (1 + math.exp(-m2)))) / 2
     assert float(loss) == pytest.approx(expected) and stats["accuracy"] == 0.5
+
+
+def test_trajectory_dpo_sums_each_side_over_its_turns():
+    """IPR's outcome-level pairs: a side's log-prob is the sum over its turns; shorter sides are padded with
+    rows that hold no target, so every pair is one block of rows."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from agentrl.algos.losses import dpo_loss
+    from agentrl.dpo import PreferencePair, TrajectoryPair, dpo_loss_fn, pair_rows
+    from agentrl.learner.batch import collate
+
+    traj = TrajectoryPair([([1, 2], [3]), ([1, 2, 3, 4], [5, 6])], [([1, 2], [7, 8])])
+    step = PreferencePair([1], [2], [3])
+    rows, width = pair_rows([traj, step])
+    assert width == 2 and len(rows) == 8
+    assert [sum(r.loss_mask) for r in rows] == [1, 2, 2, 0, 1, 0, 1, 0]  # chosen x2, rejected x2, per pair
+    b = collate(rows, 0)
+    logp = -0.5 * torch.ones_like(b.loss_mask, dtype=torch.float)  # every target token: log-prob -0.5
+    b.ref_logprobs = -1.0 * b.loss_mask.float()
+    loss, stats = dpo_loss_fn(0.1, width)(b, dict(logp=logp))
+    # traj: chosen 3 tokens (-1.5 vs ref -3), rejected 2 (-1 vs -2); step: 1 token each side
+    expected, _ = dpo_loss(torch.tensor([-1.5, -0.5]), torch.tensor([-1.0, -0.5]), torch.tensor([-3.0, -1.0]),
+                           torch.tensor([-2.0, -1.0]), 0.1)
+    assert float(loss) == pytest.approx(float(expected))
+    assert SimpleNamespace(**stats).accuracy == 0.5  # the trajectory pair's margin is positive, the step's 0
 
 
 def test_leafe_reflection_parsing_bfs_budget_and_depth():
