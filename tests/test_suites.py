@@ -103,6 +103,22 @@ def test_suite_errors_are_one_line_naming_the_env():
         make("rg:basic_arithmetic", expert="sample")
 
 
+def test_a_missing_suite_package_is_a_one_line_error_saying_what_to_install(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def without_gem(name, *a, **k):
+        if name == "gem" or name.startswith("gem."):
+            raise ImportError("No module named 'gem'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", without_gem)
+    with pytest.raises(EnvError, match=r"env 'gem:game:GuessTheNumber-v0-easy' needs the gem-llm package: "
+                                       r"pip install -e '\.\[suites\]'"):
+        make("gem:game:GuessTheNumber-v0-easy")
+
+
 def test_envs_list_shows_the_suites_with_their_restore_mode(capsys):
     from agentrl.cli import main
 
