@@ -34,11 +34,14 @@ def fingerprint(trainer):
 
 
 def dpo_pairs():
-    from agentrl.dpo import PreferencePair
+    """Six one-turn pairs and two whole-trajectory pairs (IPR's outcome level: sides of 2 and 1 turns)."""
+    from agentrl.dpo import PreferencePair, TrajectoryPair
 
     g = torch.Generator().manual_seed(5)
     ids = lambda n: torch.randint(3, 200, (n,), generator=g).tolist()  # noqa: E731
-    return [PreferencePair(ids(12 + k), ids(3 + k % 3), ids(4 + k % 2)) for k in range(6)]
+    steps = [PreferencePair(ids(12 + k), ids(3 + k % 3), ids(4 + k % 2)) for k in range(6)]
+    trajs = [TrajectoryPair([(ids(10), ids(3)), (ids(14), ids(2))], [(ids(10), ids(4))]) for _ in range(2)]
+    return steps[:3] + trajs[:1] + steps[3:] + trajs[1:]
 
 
 def main(model_dir, out_root, names):
