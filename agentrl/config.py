@@ -129,6 +129,11 @@ class SFTCfg:
     # the expert's action as its target, so the policy also learns to get back on track
     noise: float = 0.0
     group_by_length: bool = False  # batches of similar prompt lengths (less padding; another shuffle)
+    # > epochs: after pass `epochs`, keep making passes (up to this many) while greedy success on
+    # `select_tasks` tasks of `select_split` rises; never the evaluation split, so RL's held-out stays unseen
+    max_epochs: int = 0
+    select_split: Literal["train", "valid", "test"] = "test"
+    select_tasks: int = 200
 
 
 @dataclass
@@ -328,6 +333,14 @@ def _check_names(cfg: RecipeCfg) -> None:
         raise ConfigError(f"eval.samples={cfg.eval.samples} at eval.temperature={cfg.eval.temperature}: greedy "
                           "samples are all the same, so pass@k would equal pass@1; set eval.temperature "
                           "(e.g. eval.temperature=1.0, independent samples from the policy) or eval.samples=1")
+    s = cfg.sft
+    if s.max_epochs > s.epochs:
+        if s.select_split == cfg.eval.split:
+            raise ConfigError(f"sft.select_split={s.select_split} is also eval.split: choosing the warm start's "
+                              "passes on the evaluation tasks would leak them; pick another split")
+        if s.schedule != "constant":
+            raise ConfigError(f"sft.max_epochs={s.max_epochs} with sft.schedule={s.schedule}: a decaying lr "
+                              "needs a known number of passes; use sft.schedule=constant or drop sft.max_epochs")
     if cfg.rollout.max_rounds < 1 or cfg.rollout.fill_groups < 0:
         raise ConfigError(f"bad value for 'rollout.max_rounds' ({cfg.rollout.max_rounds}) or 'rollout.fill_groups' "
                           f"({cfg.rollout.fill_groups}); allowed: max_rounds >= 1, fill_groups >= 0")

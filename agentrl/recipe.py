@@ -50,8 +50,24 @@ class Recipe:
 
         s = self.cfg.sft
         samples, expert_success = expert_samples(trainer, s.demos)
-        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule, s.group_by_length)
+        scores: list[float] = []
+
+        def rising(passes: int) -> bool:
+            """After pass ``passes`` (>= sft.epochs): another pass only if greedy success on the selection
+            tasks beat every earlier pass's."""
+            won = trainer.evaluate(s.select_tasks, 1, s.select_split, temperature=0.0)["eval/success"]
+            go_on = not scores or won > max(scores)
+            scores.append(won)
+            trainer.echo(f"sft pass {passes}: greedy success {won:.3f} on {s.select_tasks} {s.select_split} "
+                         f"tasks, {'another pass' if go_on else 'stopping'}")
+            return go_on
+
+        select = s.max_epochs > s.epochs
+        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule, s.group_by_length,
+                        max_epochs=s.max_epochs, keep_going=rising if select else None)
         stats["expert_success"] = expert_success
+        for i, won in enumerate(scores):
+            stats[f"sft_select_success/pass{s.epochs + i}"] = won
         # The SFT-only policy, kept next to the checkpoints: RL's before/after can then be measured with
         # any evaluation (`agentrl eval --model RUN/warm_start`), not only the run's own.
         trainer.engine.export_weights(trainer.out_dir / "warm_start")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from agentrl.algos.losses import sft_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
@@ -163,10 +163,13 @@ def term_weighted(rows: list[Sample], weights: dict[str, float]) -> list[Sample]
 
 def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None,
             schedule: str = "constant", by_length: bool = False,
-            term_weights: dict[str, float] | None = None) -> dict[str, float]:
+            term_weights: dict[str, float] | None = None, max_epochs: int = 0,
+            keep_going: Callable[[int], bool] | None = None) -> dict[str, float]:
     """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes, lr per ``schedule``.
     ``term_weights``: the loss is sum_g w_g x the token-mean NLL of term g's rows (``meta["sft_term"]``),
-    each term normalized by its own tokens (LEAFE's L_cf + beta L_reh)."""
+    each term normalized by its own tokens (LEAFE's L_cf + beta L_reh). With ``keep_going``, passes go on
+    past ``epochs`` (up to ``max_epochs``) while ``keep_going(passes done)`` says so; it is asked after
+    pass ``epochs`` and every pass after it, with the generator already holding that pass's weights."""
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
     saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
@@ -179,7 +182,8 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     losses = []
     n_batches = (len(samples) + batch_size - 1) // batch_size
     t0 = time.perf_counter()
-    for epoch in range(epochs):
+    passes = 0
+    for epoch in range(max(epochs, max_epochs) if keep_going else epochs):
         for b, rows in enumerate(sft_batches(samples, batch_size, rng, by_length), start=1):
             if schedule != "constant":
                 set_lr(eng, base_lr * lr_factor(epoch * n_batches + b - 1, epochs * n_batches, schedule))
@@ -189,8 +193,13 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
             if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
                 trainer.echo(f"sft pass {epoch + 1}/{epochs}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
                              f"{time.perf_counter() - t0:.0f}s")
+        passes = epoch + 1
+        if keep_going is not None and passes >= epochs and passes < max_epochs:
+            trainer.sync_weights()
+            if not keep_going(passes):
+                break
     if saved is not None:
         restore_lr(eng, saved)
     trainer.sync_weights()
     return {"sft_loss_first": losses[0] if losses else 0.0, "sft_loss_last": losses[-1] if losses else 0.0,
-            "sft_samples": float(len(samples))}
+            "sft_samples": float(len(samples)), "sft_passes": float(passes)}

@@ -233,6 +233,30 @@ def test_sft_linear_schedule_decays_the_lr_to_zero_by_the_last_step(tiny_model_d
         pytest.approx(1e-4)
 
 
+def test_sft_keeps_making_passes_while_asked_and_at_most_max_epochs(tiny_model_dir):
+    """sft.max_epochs: keep_going is asked after pass `epochs` and each pass after it, with the generator
+    synced first; a False stops there, and max_epochs caps the passes without a last question."""
+    from types import SimpleNamespace
+
+    from agentrl.sft import fit_sft
+
+    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
+    events = []
+    trainer = SimpleNamespace(engine=eng, cfg=SimpleNamespace(trainer=SimpleNamespace(seed=0)),
+                              sync_weights=lambda: events.append("sync"), echo=print)
+    step = eng.step
+    eng.step = lambda *a, **k: events.append("step") or step(*a, **k)
+    answers = iter([True, True, False])
+    stats = fit_sft(trainer, _samples(n=4), epochs=2, batch_size=2, max_epochs=9,
+                    keep_going=lambda passes: events.append(passes) or next(answers))
+    assert stats["sft_passes"] == 4
+    assert events == ["step"] * 4 + ["sync", 2] + ["step"] * 2 + ["sync", 3] + ["step"] * 2 + ["sync", 4, "sync"]
+    events.clear()
+    stats = fit_sft(trainer, _samples(n=4), epochs=1, batch_size=4, max_epochs=3,
+                    keep_going=lambda passes: events.append(passes) or True)
+    assert stats["sft_passes"] == 3 and [e for e in events if isinstance(e, int)] == [1, 2]
+
+
 def test_shared_prefix_len_counts_only_real_tokens():
     from agentrl.learner.engine import batch_prefix_len
     from agentrl.prefix import shared_prefix_len

@@ -82,6 +82,30 @@ def test_run_killed_after_its_warm_start_keeps_it(tiny_model_dir, tmp_path):
     assert [r["step"] for r in rows] == [0, 1] and "sft_loss_last" in rows[0] and "sft_loss_last" not in rows[1]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sft_passes_go_on_while_selection_success_rises(tiny_model_dir, tmp_path):
+    """sft.max_epochs: after sft.epochs passes, greedy success on the selection split is read after every
+    pass; the passes stop at the first that does not beat the best so far."""
+    run(load_config("grpo", env="sokoban", overrides=small(
+        tmp_path, tiny_model_dir, "trainer.steps=0", "sft.max_epochs=4", "sft.select_tasks=2")))
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    scores = [row[f"sft_select_success/pass{p}"] for p in range(1, 5) if f"sft_select_success/pass{p}" in row]
+    passes = int(row["sft_passes"])
+    assert 2 <= passes <= 4 and len(scores) == min(passes, 3)
+    assert all(b > a for a, b in zip(scores, scores[1:-1] if passes < 4 else scores[1:]))
+    if passes < 4:
+        assert scores[-1] <= max(scores[:-1])
+
+
+def test_sft_selection_must_not_read_the_evaluation_split():
+    with pytest.raises(ConfigError, match=r"sft.select_split=valid is also eval.split"):
+        load_config("grpo", overrides=["sft.max_epochs=6", "sft.select_split=valid"])
+    with pytest.raises(ConfigError, match=r"sft.max_epochs=6 with sft.schedule=linear"):
+        load_config("grpo", overrides=["sft.max_epochs=6", "sft.schedule=linear"])
+    assert load_config("grpo", overrides=["sft.max_epochs=6"]).sft.select_split == "test"
+
+
 def test_unknown_key_and_bad_value_fail_fast_with_the_key_named():
     with pytest.raises(ConfigError, match=r"unknown key 'rollout.max_turn'; allowed: .*max_turns"):
         load_config("grpo", overrides=["rollout.max_turn=3"])
