@@ -8,7 +8,8 @@ from agentrl.metrics import read_metrics
 PANELS = [("eval/success", "held-out success"), ("success", "rollout success"),
           ("in_group_reward_std", "in-group reward std"), ("all_zero_groups", "all-zero group fraction"),
           ("group_entropy_bits", "group reward entropy (bits)"), ("entropy", "token entropy"),
-          ("grad_norm", "gradient norm"), ("response_tokens", "response tokens / turn")]
+          ("grad_norm", "gradient norm"), ("response_tokens", "response tokens / turn"),
+          ("reward_mean", "rollout reward (mean)")]
 
 # CRPS's mechanism (recipes/crps.py logs these): a third row when a run has a success buffer
 CRPS_PANELS = [("buffer_size", "success buffer entries"), ("replay_groups", "replay groups / step"),
@@ -24,7 +25,10 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
     runs = {run: read_metrics(run) for run in run_dirs}
     crps = any("buffer_size" in r for rows in runs.values() for r in rows)
     panels = PANELS + (CRPS_PANELS if crps else [])
-    fig, axes = plt.subplots(len(panels) // 4, 4, figsize=(16, 3.5 * (len(panels) // 4)))
+    n_rows = -(-len(panels) // 4)
+    fig, axes = plt.subplots(n_rows, 4, figsize=(16, 3.5 * n_rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     for run, rows in runs.items():
         for ax, (key, title) in zip(axes.flat, panels):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
