@@ -109,7 +109,7 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
         wins += bool(demo[2][-1].get("won"))
         for prompt, target in demo_turns(tok, cfg, demo):
             samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}))
-    return samples, wins / max(1, n_episodes)
+    return samples, wins / max(1, len(jobs))  # fewer tasks than asked for: each is played once
 
 
 def demo_turns(tok: Any, cfg: Any, demo: tuple) -> list[tuple[list[int], list[int]]]:

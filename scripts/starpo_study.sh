@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=$1
 ENV=${2:-bandit}
 STEPS=${3:-30}
+mkdir -p "$OUT"
 COMMON="--env $ENV trainer.steps=$STEPS eval.every=10 trainer.tensorboard=false trainer.progress=false ${RL_ARGS:-}"
 jobs=()
 for r in starpo starpo_s; do for s in 0 1 2; do jobs+=("$r $s"); done; done
