@@ -183,6 +183,7 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     n_batches = (len(samples) + batch_size - 1) // batch_size
     t0 = time.perf_counter()
     passes = 0
+    of = f"{epochs}-{max_epochs}" if keep_going and max_epochs > epochs else str(epochs)
     for epoch in range(max(epochs, max_epochs) if keep_going else epochs):
         for b, rows in enumerate(sft_batches(samples, batch_size, rng, by_length), start=1):
             if schedule != "constant":
@@ -191,7 +192,7 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
             batch = collate(term_weighted(chosen, term_weights) if term_weights else chosen, eng.pad_id)
             losses.append(eng.step(batch, loss)["loss"])
             if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
-                trainer.echo(f"sft pass {epoch + 1}/{epochs}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
+                trainer.echo(f"sft pass {epoch + 1}/{of}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
                              f"{time.perf_counter() - t0:.0f}s")
         passes = epoch + 1
         if keep_going is not None and passes >= epochs and passes < max_epochs:
