@@ -46,18 +46,18 @@ class Recipe:
         """SFT warm start on expert demonstrations when ``sft.enabled``."""
         if not self.cfg.sft.enabled:
             return {}
-        from agentrl.sft import expert_samples, fit_sft
+        from agentrl.sft import expert_samples, fit_sft, still_rising
 
         s = self.cfg.sft
         samples, expert_success = expert_samples(trainer, s.demos)
         scores: list[float] = []
 
         def rising(passes: int) -> bool:
-            """After pass ``passes`` (>= sft.epochs): another pass only if greedy success on the selection
-            tasks beat every earlier pass's."""
+            """After pass ``passes`` (>= sft.epochs): another pass unless greedy success on the selection
+            tasks has not beaten the best for ``select_patience`` passes in a row."""
             won = trainer.evaluate(s.select_tasks, 1, s.select_split, temperature=0.0)["eval/success"]
-            go_on = not scores or won > max(scores)
             scores.append(won)
+            go_on = still_rising(scores, s.select_patience)
             trainer.echo(f"sft pass {passes}: greedy success {won:.3f} on {s.select_tasks} {s.select_split} "
                          f"tasks, {'another pass' if go_on else 'stopping'}")
             return go_on

@@ -161,6 +161,12 @@ def term_weighted(rows: list[Sample], weights: dict[str, float]) -> list[Sample]
     return out
 
 
+def still_rising(scores: list[float], patience: int = 1) -> bool:
+    """Whether another SFT pass is due after these per-pass selection scores: fewer than ``patience``
+    passes since the first pass that reached the best score."""
+    return len(scores) - 1 - scores.index(max(scores)) < patience
+
+
 def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None,
             schedule: str = "constant", by_length: bool = False,
             term_weights: dict[str, float] | None = None, max_epochs: int = 0,

@@ -257,6 +257,15 @@ def test_sft_keeps_making_passes_while_asked_and_at_most_max_epochs(tiny_model_d
     assert stats["sft_passes"] == 3 and [e for e in events if isinstance(e, int)] == [1, 2]
 
 
+def test_sft_selection_stops_after_patience_passes_without_a_new_best():
+    from agentrl.sft import still_rising
+
+    assert still_rising([0.2]) and still_rising([0.2, 0.3])
+    assert not still_rising([0.3, 0.3]) and not still_rising([0.3, 0.29])  # a tie is no new best
+    assert still_rising([0.3, 0.29], patience=2) and not still_rising([0.3, 0.29, 0.3], patience=2)
+    assert still_rising([0.3, 0.29, 0.31], patience=2)
+
+
 def test_shared_prefix_len_counts_only_real_tokens():
     from agentrl.learner.engine import batch_prefix_len
     from agentrl.prefix import shared_prefix_len
