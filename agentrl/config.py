@@ -134,7 +134,7 @@ class SFTCfg:
     max_epochs: int = 0
     select_split: Literal["train", "valid", "test"] = "test"
     select_tasks: int = 200
-    select_patience: int = 1  # passes in a row without a new best before stopping (200 tasks read +-3 points)
+    select_patience: int = 2  # passes in a row without a new best before stopping (200 tasks read +-3 points)
 
 
 @dataclass

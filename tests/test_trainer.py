@@ -88,7 +88,8 @@ def test_sft_passes_go_on_while_selection_success_rises(tiny_model_dir, tmp_path
     """sft.max_epochs: after sft.epochs passes, greedy success on the selection split is read after every
     pass; the passes stop at the first that does not beat the best so far."""
     run(load_config("grpo", env="sokoban", overrides=small(
-        tmp_path, tiny_model_dir, "trainer.steps=0", "sft.max_epochs=4", "sft.select_tasks=2")))
+        tmp_path, tiny_model_dir, "trainer.steps=0", "sft.max_epochs=4", "sft.select_tasks=2",
+        "sft.select_patience=1")))
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     scores = [row[f"sft_select_success/pass{p}"] for p in range(1, 5) if f"sft_select_success/pass{p}" in row]
     passes = int(row["sft_passes"])
