@@ -62,9 +62,9 @@ class Recipe:
                          f"tasks, {'another pass' if go_on else 'stopping'}")
             return go_on
 
-        select = s.max_epochs > s.epochs
+        # fit_sft asks `rising` only when sft.max_epochs > sft.epochs
         stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule, s.group_by_length,
-                        max_epochs=s.max_epochs, keep_going=rising if select else None)
+                        max_epochs=s.max_epochs, keep_going=rising)
         stats["expert_success"] = expert_success
         for i, won in enumerate(scores):
             stats[f"sft_select_success/pass{s.epochs + i}"] = won

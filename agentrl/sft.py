@@ -189,8 +189,9 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     n_batches = (len(samples) + batch_size - 1) // batch_size
     t0 = time.perf_counter()
     passes = 0
-    of = f"{epochs}-{max_epochs}" if keep_going and max_epochs > epochs else str(epochs)
-    for epoch in range(max(epochs, max_epochs) if keep_going else epochs):
+    last = max(epochs, max_epochs) if keep_going else epochs
+    of = f"{epochs}-{last}" if last > epochs else str(epochs)
+    for epoch in range(last):
         for b, rows in enumerate(sft_batches(samples, batch_size, rng, by_length), start=1):
             if schedule != "constant":
                 set_lr(eng, base_lr * lr_factor(epoch * n_batches + b - 1, epochs * n_batches, schedule))
@@ -201,7 +202,7 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
                 trainer.echo(f"sft pass {epoch + 1}/{of}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
                              f"{time.perf_counter() - t0:.0f}s")
         passes = epoch + 1
-        if keep_going is not None and passes >= epochs and passes < max_epochs:
+        if keep_going is not None and epochs <= passes < last:
             trainer.sync_weights()
             if not keep_going(passes):
                 break
