@@ -46,8 +46,8 @@ class SPEARParams:
     tool_call_unit: float = 0.1  # R_tool = min(1, unit * n_tool) (eq. 16)
     format_reward: float = 0.1  # eq. 17
     cov_ratio: float = 0.02  # lambda: share of a replay row's tokens masked by covariance clipping
-    # omega_lb, omega_ub (eq. 20). Empty: set once from the first self-imitation batch as the paper does
-    # from its initial model, lb = mean covariance of the top 20% tokens, ub = that of the top 0.02%
+    # omega_lb, omega_ub (eq. 20). Empty: set once from the first training step's rollouts, as the paper
+    # does from its initial model, lb = mean covariance of the top 20% tokens, ub = that of the top 0.02%
     # (the paper's [2, 60] for its 1.5B+ models masks nothing on a tiny model, whose covariances are < 2)
     cov_bounds: list[float] = field(default_factory=list)
 
@@ -96,6 +96,23 @@ def covariance_bounds(covs: list[torch.Tensor], low_top: float = 0.2, high_top: 
     lb = float(cov[:max(1, math.ceil(low_top * n))].mean())
     ub = float(cov[:max(1, math.ceil(high_top * n))].mean())
     return lb, max(ub, lb + 1e-6)
+
+
+def first_step_bounds(episodes: list[Episode], reward: Any) -> tuple[float, float] | None:
+    """(omega_lb, omega_ub) from the first training step's rollouts, i.e. the initial model (appendix
+    A.12): eq. 21 on every generated token, centred on its group. The first self-imitation batch can be a
+    single trajectory of a few tokens, whose top 20% and top 0.02% coincide and then mask nothing."""
+    groups: dict[str, list[Episode]] = defaultdict(list)
+    for e in episodes:
+        if not e.dropped and any(t.gen_logprobs for t in e.turns):
+            groups[e.group_id].append(e)
+    covs = []
+    for g in groups.values():
+        lps = [torch.tensor([lp for t in e.turns for lp in t.gen_logprobs]) for e in g]
+        rs = [reward(e) for e in g]
+        mean_lp, mean_r = float(torch.cat(lps).mean()), sum(rs) / len(rs)
+        covs += [(lp - mean_lp) * (r - mean_r) for lp, r in zip(lps, rs)]
+    return covariance_bounds(covs) if covs else None
 
 
 class SPEAR(Recipe):
@@ -150,7 +167,7 @@ class SPEAR(Recipe):
         # A~ - group mean A~ = R - group mean R; older entries without group statistics use their A^
         covs = sil_covariances([(samples, e.adv if e.group_reward is None else e.reward - e.group_reward,
                                  e.group_logp) for samples, e in trajectories])
-        if self.bounds is None:
+        if self.bounds is None:  # only for a state saved before the bounds came from the first step
             self.bounds = covariance_bounds(covs)
         self.cov_masked = 0
         if not self.p.cov_ratio:
@@ -178,6 +195,8 @@ class SPEAR(Recipe):
                 group_lp[e.group_id].extend(lp for t in e.turns for lp in t.gen_logprobs)
         for rs in groups.values():  # algorithm 1, line 19
             self.baseline.add(sum(rs) / len(rs))
+        if self.bounds is None:
+            self.bounds = first_step_bounds(episodes, self.reward)
         sil_samples: list[Sample] = []
         gamma = self.gamma()
         if not self.sil.full:

@@ -35,9 +35,9 @@ for label, c in curves.items():
     d = dict(c)
     print(f"| {label} | " + " | ".join(f"{d[k]:.3f}" if k in d else "-" for k in ks) + " |")
 print()
-print("| method | candidates sampled per step | preference pairs | "
-      "held-out success (greedy, 96), before -> after DPO |")
-print("| --- | --- | --- | --- |")
+print("| method | candidates sampled per step | step-level pairs | outcome pairs (IPR) | SFT rows (IPR) | "
+      "held-out success (greedy, 96), before -> after |")
+print("| --- | --- | --- | --- | --- | --- |")
 for r in ("rro", "ipr"):
     try:
         rows = [json.loads(line) for line in (out / f"{r}-s0" / "metrics.jsonl").read_text().splitlines()]
@@ -45,9 +45,10 @@ for r in ("rro", "ipr"):
         continue
     ev = [x for x in rows if "eval/success" in x]
     s1 = next(x for x in rows if x["step"] == 1)
-    print(f"| {r} | {s1['candidates_per_step']:.2f} | {s1['pairs']:.0f} | {ev[0]['eval/success']:.3f} -> "
-          f"{ev[-1]['eval/success']:.3f} |")
-for run in ("leafe-s0",):
+    print(f"| {r} | {s1['candidates_per_step']:.2f} | {s1.get('dpo_pairs', 0):.0f} | "
+          f"{s1.get('outcome_dpo_pairs', 0):.0f} | {s1.get('sft_samples', 0):.0f} | "
+          f"{ev[0]['eval/success']:.3f} -> {ev[-1]['eval/success']:.3f} |")
+for run in ("leafe_lr5e-5-s0",):
     try:
         s = first_step(run)
         print("\nLEAFE stage 1:", {k: v for k, v in s.items() if k.startswith("leafe_")})

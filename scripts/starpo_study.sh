@@ -2,7 +2,8 @@
 # StarPO vs StarPO-S with RAGEN's settings (recipes/starpo*.yaml): 3 seeds each, two runs at a time (one
 # thread each), each with its own SFT warm start; then the collapse indicators per run (held-out success
 # at T = 0.5, in-group reward std, entropy, gradient norm, first -> last step) and a comparison plot.
-# Usage: bash scripts/starpo_study.sh OUT [ENV] [STEPS]     RL_ARGS adds dotted overrides
+# Usage: bash scripts/starpo_study.sh OUT [ENV] [STEPS]     RL_ARGS adds overrides (dotted keys, or
+#   "--model WARM sft.enabled=false" to start every run from one warm start)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=$1
@@ -19,23 +20,4 @@ printf '%s\n' "${jobs[@]}" | xargs -P 2 -L 1 bash -c '
 runs=()
 for r in starpo starpo_s; do for s in 0 1 2; do runs+=("$OUT/$r-s$s"); done; done
 .venv/bin/agentrl plot --compare "${runs[@]}" --out "docs/study_${ENV}_starpo.png"
-.venv/bin/python - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-keys = ("in_group_reward_std", "entropy", "grad_norm", "reward_mean")
-print("| recipe | seed | held-out success (T=0.5): start -> end | " + " | ".join(f"{k}: first -> last" for k in keys) + " |")
-print("| --- | --- | --- | " + " | ".join("---" for _ in keys) + " |")
-for recipe in ("starpo", "starpo_s"):
-    for s in (0, 1, 2):
-        f = out / f"{recipe}-s{s}" / "metrics.jsonl"
-        if not f.exists():
-            continue
-        rows = [json.loads(line) for line in f.read_text().splitlines()]
-        ev = [r["eval/success"] for r in rows if "eval/success" in r]
-        cells = []
-        for k in keys:
-            v = [r[k] for r in rows if k in r]
-            cells.append(f"{v[0]:.3f} -> {v[-1]:.3f}" if v else "-")
-        print(f"| {recipe} | {s} | {ev[0]:.3f} -> {ev[-1]:.3f} | " + " | ".join(cells) + " |")
-PY
+.venv/bin/python scripts/starpo_report.py "$OUT"

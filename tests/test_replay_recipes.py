@@ -149,6 +149,23 @@ def test_spear_covariance_is_centred_on_the_group_with_a_budget_per_trajectory()
     assert covariance_bounds(covs, low_top=0.4, high_top=0.2) == pytest.approx((0.375, 0.5))
 
 
+def test_spear_covariance_bounds_come_from_the_first_steps_rollouts():
+    """Appendix A.12: the bounds are set once, from the initial policy's rollouts at the first step (every
+    generated token, centred on its group), not from a first self-imitation batch of a few tokens."""
+    from agentrl.recipes.spear import first_step_bounds
+
+    def ep(group, lps, won):
+        t = Turn([1], [2] * len(lps), lps, "", ["a"], True, "o", float(won), True)
+        return Episode("sokoban", "train/00001", 0, group_id=group, turns=[t], won=won)
+
+    # group g: log-probs mean -1, rewards 1 and 0 (mean 0.5); group h is all-failed: covariance 0
+    eps = [ep("g", [0.0, -1.0], True), ep("g", [-2.0, -1.0], False), ep("h", [-5.0], False), ep("h", [-1.0], False)]
+    # covariances: (0+1)0.5, 0, (-2+1)(-0.5), 0, 0, 0 -> sorted 0.5, 0.5, 0, 0, 0, 0
+    lb, ub = first_step_bounds(eps, lambda e: float(e.won))
+    assert (lb, ub) == pytest.approx(((0.5 + 0.5) / 2, 0.5 + 1e-6))  # top 20% of 6 = 2 tokens; top 0.02% = 1
+    assert first_step_bounds([], lambda e: 0.0) is None
+
+
 def test_crps_step_metrics_cover_every_dynamic_sampling_round():
     from types import SimpleNamespace
 
