@@ -135,6 +135,8 @@ class SFTCfg:
     select_split: Literal["train", "valid", "test"] = "test"
     select_tasks: int = 200
     select_patience: int = 2  # passes in a row without a new best before stopping (200 tasks read +-3 points)
+    # the warm start: the pass with the best selection reading (kept when reached), or the last pass made
+    select_keep: Literal["best", "last"] = "best"
 
 
 @dataclass

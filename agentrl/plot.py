@@ -57,6 +57,11 @@ def run_label(run: Path) -> str:
     return name.rsplit("-s", 1)[0] if "-s" in name and name.rsplit("-s", 1)[1].isdigit() else name
 
 
+def panels_with_data(runs: list[list[dict]], panels: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The panels some run logged a number for (a GRPO-only comparison has no replay-group panel)."""
+    return [(k, t) for k, t in panels if any(isinstance(r.get(k), (int, float)) for rows in runs for r in rows)]
+
+
 def plot_compare(run_dirs: list[Path], out: Path, x: str = "env_steps") -> dict[str, list[tuple[float, float]]]:
     """Methods against each other: runs grouped by ``run_label``, the mean over seeds (band = min..max),
     against cumulative env steps (``x="env_steps"``, the interaction budget) or the step. Fresh-group
@@ -69,12 +74,14 @@ def plot_compare(run_dirs: list[Path], out: Path, x: str = "env_steps") -> dict[
     groups: dict[str, list[list[dict]]] = {}
     for run in run_dirs:
         groups.setdefault(run_label(run), []).append(read_metrics(run))
-    fig, axes = plt.subplots(1, len(COMPARE_PANELS), figsize=(5 * len(COMPARE_PANELS), 4))
+    panels = panels_with_data([rows for runs in groups.values() for rows in runs], COMPARE_PANELS)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    axes = axes[0]
     summary: dict[str, list[tuple[float, float]]] = {}
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colors = {label: palette[i % len(palette)] for i, label in enumerate(groups)}  # one colour per method
     for label, runs in groups.items():
-        for ax, (key, title) in zip(axes, COMPARE_PANELS):
+        for ax, (key, title) in zip(axes, panels):
             series = []
             for rows in runs:
                 total, pts = 0.0, []

@@ -7,10 +7,12 @@ buffers, controllers) -> ``make_batch`` (rewards, filters, advantages, training 
 """
 from __future__ import annotations
 
+import shutil
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentrl import dist
 from agentrl.algos.advantages import ESTIMATORS, AdvantageInput, Estimator
 from agentrl.algos.filters import FILTERS, FilterContext, informative_groups
 from agentrl.algos.kl_control import KLController
@@ -51,11 +53,14 @@ class Recipe:
         s = self.cfg.sft
         samples, expert_success = expert_samples(trainer, s.demos)
         scores: list[float] = []
+        best_dir = trainer.out_dir / "sft_best"
 
         def rising(passes: int) -> bool:
             """After pass ``passes`` (>= sft.epochs): another pass unless greedy success on the selection
             tasks has not beaten the best for ``select_patience`` passes in a row."""
             won = trainer.evaluate(s.select_tasks, 1, s.select_split, temperature=0.0)["eval/success"]
+            if s.select_keep == "best" and won > max(scores, default=-1.0):
+                trainer.engine.save(best_dir)  # early stopping: the warm start unless a later pass beats it
             scores.append(won)
             go_on = still_rising(scores, s.select_patience)
             trainer.echo(f"sft pass {passes}: greedy success {won:.3f} on {s.select_tasks} {s.select_split} "
@@ -68,6 +73,16 @@ class Recipe:
         stats["expert_success"] = expert_success
         for i, won in enumerate(scores):
             stats[f"sft_select_success/pass{s.epochs + i}"] = won
+        if scores:
+            best = scores.index(max(scores))
+            if s.select_keep == "best" and best < len(scores) - 1:
+                trainer.engine.load(best_dir)
+                trainer.sync_weights()
+                trainer.echo(f"sft: the warm start is pass {s.epochs + best}'s weights (best reading {scores[best]:.3f})")
+            stats["sft_warm_start_pass"] = float(s.epochs + (best if s.select_keep == "best" else len(scores) - 1))
+            dist.barrier()  # every rank has read it
+            if trainer.is_main:
+                shutil.rmtree(best_dir, ignore_errors=True)
         # The SFT-only policy, kept next to the checkpoints: RL's before/after can then be measured with
         # any evaluation (`agentrl eval --model RUN/warm_start`), not only the run's own.
         trainer.engine.export_weights(trainer.out_dir / "warm_start")

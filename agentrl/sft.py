@@ -175,7 +175,8 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     ``term_weights``: the loss is sum_g w_g x the token-mean NLL of term g's rows (``meta["sft_term"]``),
     each term normalized by its own tokens (LEAFE's L_cf + beta L_reh). With ``keep_going``, passes go on
     past ``epochs`` (up to ``max_epochs``) while ``keep_going(passes done)`` says so; it is asked after
-    pass ``epochs`` and every pass after it, with the generator already holding that pass's weights."""
+    pass ``epochs`` and every pass after it, the capped last one included (its answer then only reads that
+    pass), with the generator already holding that pass's weights."""
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
     saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
@@ -202,7 +203,7 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
                 trainer.echo(f"sft pass {epoch + 1}/{of}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
                              f"{time.perf_counter() - t0:.0f}s")
         passes = epoch + 1
-        if keep_going is not None and epochs <= passes < last:
+        if keep_going is not None and last > epochs and passes >= epochs:
             trainer.sync_weights()
             if not keep_going(passes):
                 break

@@ -235,7 +235,7 @@ def test_sft_linear_schedule_decays_the_lr_to_zero_by_the_last_step(tiny_model_d
 
 def test_sft_keeps_making_passes_while_asked_and_at_most_max_epochs(tiny_model_dir):
     """sft.max_epochs: keep_going is asked after pass `epochs` and each pass after it, with the generator
-    synced first; a False stops there, and max_epochs caps the passes without a last question."""
+    synced first; a False stops there, and max_epochs caps the passes (the last one is still read)."""
     from types import SimpleNamespace
 
     from agentrl.sft import fit_sft
@@ -254,7 +254,7 @@ def test_sft_keeps_making_passes_while_asked_and_at_most_max_epochs(tiny_model_d
     events.clear()
     stats = fit_sft(trainer, _samples(n=4), epochs=1, batch_size=4, max_epochs=3,
                     keep_going=lambda passes: events.append(passes) or True)
-    assert stats["sft_passes"] == 3 and [e for e in events if isinstance(e, int)] == [1, 2]
+    assert stats["sft_passes"] == 3 and [e for e in events if isinstance(e, int)] == [1, 2, 3]
 
 
 def test_sft_selection_stops_after_patience_passes_without_a_new_best():

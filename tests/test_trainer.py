@@ -99,6 +99,35 @@ def test_sft_passes_go_on_while_selection_success_rises(tiny_model_dir, tmp_path
         assert scores[-1] <= max(scores[:-1])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_warm_start_is_the_sft_pass_with_the_best_selection_reading(tiny_model_dir, tmp_path, monkeypatch):
+    """sft.select_keep=best (early stopping): passes go on past the best reading, then its weights come back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.trainer import Trainer
+
+    readings, weights = iter([0.2, 0.6, 0.4, 0.5]), []  # passes 1-4: the best is pass 2
+    evaluate = Trainer.evaluate
+
+    def scripted(self, n_tasks=None, samples=None, split=None, **kw):
+        if split != "test":
+            return evaluate(self, n_tasks, samples, split, **kw)
+        weights.append({k: v.detach().clone() for k, v in self.engine.model.state_dict().items()})
+        return {"eval/success": next(readings)}
+
+    monkeypatch.setattr(Trainer, "evaluate", scripted)
+    run(load_config("grpo", env="sokoban", overrides=small(
+        tmp_path, tiny_model_dir, "trainer.steps=0", "sft.max_epochs=4", "sft.select_patience=2")))
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["sft_passes"] == 4 and row["sft_warm_start_pass"] == 2 and len(weights) == 4
+    warm = AutoModelForCausalLM.from_pretrained(tmp_path / "warm_start").state_dict()
+    assert all(torch.equal(warm[k], v) for k, v in weights[1].items() if k in warm)
+    assert not all(torch.equal(warm[k], v) for k, v in weights[3].items() if k in warm)
+    assert not (tmp_path / "sft_best").exists()
+
+
 def test_sft_selection_must_not_read_the_evaluation_split():
     with pytest.raises(ConfigError, match=r"sft.select_split=valid is also eval.split"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.select_split=valid"])
@@ -321,6 +350,26 @@ def test_plot_adds_crps_mechanism_panels_when_a_run_has_a_buffer(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     plot_runs([tmp_path], tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_compare_plot_averages_seeds_per_method_on_cumulative_env_steps(tmp_path):
+    from agentrl.plot import COMPARE_PANELS, panels_with_data, plot_compare
+
+    def write(name, rows):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    # two GRPO seeds: env steps 0, 10, 10 (cumulative 0, 10, 20); held-out read at steps 0 and 2
+    write("grpo-s0", [dict(step=0, env_steps=0, **{"eval/success": 0.2}), dict(step=1, env_steps=10, success=0.5),
+                      dict(step=2, env_steps=10, success=0.5, **{"eval/success": 0.4})])
+    write("grpo-s1", [dict(step=0, env_steps=0, **{"eval/success": 0.4}), dict(step=1, env_steps=12, success=0.5),
+                      dict(step=2, env_steps=12, success=0.5, **{"eval/success": 0.8})])
+    summary = plot_compare([tmp_path / "grpo-s0", tmp_path / "grpo-s1"], tmp_path / "cmp.png")
+    assert summary == {"grpo": [pytest.approx((0.0, 0.3)), pytest.approx((22.0, 0.6))]}
+    assert (tmp_path / "cmp.png").stat().st_size > 5_000
+    # panels nobody logged (replay groups in a GRPO-only comparison) are left out, not drawn empty
+    keys = [k for k, _ in panels_with_data([[dict(success=0.5, all_zero_groups=0.1)]], COMPARE_PANELS)]
+    assert keys == ["success", "all_zero_groups"]
 
 
 def test_a_run_folder_of_another_run_is_refused_and_metrics_survive_a_torn_line(tmp_path):
