@@ -78,7 +78,7 @@ class Recipe:
             if s.select_keep == "best" and best < len(scores) - 1:
                 trainer.engine.load(best_dir)
                 trainer.sync_weights()
-                trainer.echo(f"sft: the warm start is pass {s.epochs + best}'s weights (best reading {scores[best]:.3f})")
+                trainer.echo(f"sft: the warm start is pass {s.epochs + best} (best reading {scores[best]:.3f})")
             stats["sft_warm_start_pass"] = float(s.epochs + (best if s.select_keep == "best" else len(scores) - 1))
             dist.barrier()  # every rank has read it
             if trainer.is_main:
