@@ -48,6 +48,7 @@ class Recipe:
         """SFT warm start on expert demonstrations when ``sft.enabled``."""
         if not self.cfg.sft.enabled:
             return {}
+        from agentrl.learner.lr import lr_state, restore_lr
         from agentrl.sft import expert_samples, fit_sft, still_rising
 
         s = self.cfg.sft
@@ -76,7 +77,10 @@ class Recipe:
         if scores:
             best = scores.index(max(scores))
             if s.select_keep == "best" and best < len(scores) - 1:
+                # the saved optimizer state carries SFT's lr: RL keeps its own
+                keep = lr_state(trainer.engine)
                 trainer.engine.load(best_dir)
+                restore_lr(trainer.engine, keep)
                 trainer.sync_weights()
                 trainer.echo(f"sft: the warm start is pass {s.epochs + best} (best reading {scores[best]:.3f})")
             stats["sft_warm_start_pass"] = float(s.epochs + (best if s.select_keep == "best" else len(scores) - 1))

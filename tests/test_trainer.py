@@ -118,8 +118,12 @@ def test_the_warm_start_is_the_sft_pass_with_the_best_selection_reading(tiny_mod
         return {"eval/success": next(readings)}
 
     monkeypatch.setattr(Trainer, "evaluate", scripted)
-    run(load_config("grpo", env="sokoban", overrides=small(
+    trainer, _ = run(load_config("grpo", env="sokoban", overrides=small(
         tmp_path, tiny_model_dir, "trainer.steps=0", "sft.max_epochs=4", "sft.select_patience=2")))
+    # RL goes on at its own lr, not at the SFT lr the saved optimizer state carries
+    lr = trainer.cfg.optim.lr
+    assert all(g["lr"] == pytest.approx(lr) for g in trainer.engine.optimizer.param_groups)
+    assert all(b == pytest.approx(lr) for b in trainer.engine.scheduler.base_lrs)
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert row["sft_passes"] == 4 and row["sft_warm_start_pass"] == 2 and len(weights) == 4
     warm = AutoModelForCausalLM.from_pretrained(tmp_path / "warm_start").state_dict()

@@ -10,13 +10,20 @@ def set_lr(eng: Any, lr: float) -> Any:
     """Run the optimizer at ``lr``: the LR scheduler recomputes every group's lr from its ``base_lrs``
     at each step, so those are what must change (setting the groups' lr alone lasts one step).
     Returns what ``restore_lr`` needs."""
+    saved = lr_state(eng)
     sched = getattr(eng, "scheduler", None)
-    saved = (list(sched.base_lrs) if sched is not None else None, [g["lr"] for g in eng.optimizer.param_groups])
     if sched is not None:
         sched.base_lrs = [lr] * len(sched.base_lrs)
     for g in eng.optimizer.param_groups:
         g["lr"] = lr
     return saved
+
+
+def lr_state(eng: Any) -> Any:
+    """The scheduler's base lrs and the groups' lrs now, for ``restore_lr`` (loading an optimizer state
+    brings back the lr it was saved with)."""
+    sched = getattr(eng, "scheduler", None)
+    return (list(sched.base_lrs) if sched is not None else None, [g["lr"] for g in eng.optimizer.param_groups])
 
 
 def restore_lr(eng: Any, saved: Any) -> None:
