@@ -79,6 +79,18 @@ def load_ds_config(spec: str | Path | dict | None) -> dict[str, Any]:
     return ds
 
 
+def skip_cpu_shm_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce on init, used only by its inference
+    path. A process killed mid-build leaves torch's lock file behind and every later init waits on it
+    forever, so training on CPU skips the build (gloo does the all-reduce)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 class DeepSpeedEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
                  ds_config: str | Path | dict | None = None):
@@ -93,6 +105,8 @@ class DeepSpeedEngine:
         if self.cfg.lora is not None:
             raise NotImplementedError("LoRA under trainer.engine=deepspeed is not supported yet (the in-memory "
                                       "weight sync merges full weights only); use trainer.engine=torch for LoRA")
+        if self.cfg.device == "cpu":
+            skip_cpu_shm_build()
         if not dist.is_initialized():
             if "RANK" not in os.environ:  # one process without a launcher: a group of one on loopback
                 from agentrl.launch import free_port
