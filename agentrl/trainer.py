@@ -507,7 +507,8 @@ class Trainer:
     def _print(self, step: int, m: dict[str, float]) -> None:
         if "eval/success" in m:
             cats = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.2f}" for k, v in m.items() if k.startswith("eval/success/"))
-            self.echo(f"step {step}: eval success {m['eval/success']:.3f} on {self.cfg.eval.tasks} "
+            score = f", score {m['eval/score']:.3f}" if "eval/score" in m else ""  # WebShop's partial credit
+            self.echo(f"step {step}: eval success {m['eval/success']:.3f}{score} on {self.cfg.eval.tasks} "
                       f"{self.cfg.eval.split} tasks" + (f" ({cats})" if cats else ""))
 
     def close(self) -> None:
