@@ -24,16 +24,21 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
 
     runs = {run: read_metrics(run) for run in run_dirs}
     crps = any("buffer_size" in r for rows in runs.values() for r in rows)
-    panels = PANELS + (CRPS_PANELS if crps else [])
+    score = panels_with_data(list(runs.values()), [("eval/score", "held-out score")])  # WebShop's partial credit
+    panels = PANELS[:1] + score + PANELS[1:] + (CRPS_PANELS if crps else [])
     n_rows = -(-len(panels) // 4)
     fig, axes = plt.subplots(n_rows, 4, figsize=(16, 3.5 * n_rows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    for run, rows in runs.items():
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (run, rows) in enumerate(runs.items()):
         for ax, (key, title) in zip(axes.flat, panels):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            if pts:
-                ax.plot(*zip(*pts), marker="o" if key.startswith("eval/") else None, label=run.name)
+            if pts:  # one colour per run in every panel, also where another run logged nothing
+                sparse = key.startswith("eval/") or len(pts) < 3 or any(b - a > 1 for (a, _), (b, _) in
+                                                                         zip(pts, pts[1:]))
+                ax.plot(*zip(*pts), marker="o" if sparse else None, label=run.name,
+                        color=palette[i % len(palette)])
             ax.set_title(title)
             ax.set_xlabel("step")
             if key == "replay/success":  # the band CRPS's k controller steers replay success into

@@ -1,5 +1,6 @@
 """Run by tests/test_deepspeed.py under `torchrun --nproc_per_node=2` with DS_ACCELERATOR=cpu."""
 import json
+import os
 import sys
 
 
@@ -33,3 +34,8 @@ def main(model_dir, out_dir, steps):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    # the report is written and the group left: skip static destructors, which rarely abort a rank under
+    # load ("terminate called without an active exception", 1 run in ~10); the test checks the numbers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
