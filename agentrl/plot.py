@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from agentrl.metrics import read_metrics
 
@@ -17,12 +18,23 @@ CRPS_PANELS = [("buffer_size", "success buffer entries"), ("replay_groups", "rep
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    names = [run.name for run in run_dirs]
+    labels = [name if names.count(name) == 1 else str(run) for name, run in zip(names, run_dirs)]
+    fig = runs_figure({label: read_metrics(run) for label, run in zip(labels, run_dirs)})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def runs_figure(runs: dict[str, list[dict]]) -> Any:
+    """One panel per metric some run logged, every run in its own colour in every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {run: read_metrics(run) for run in run_dirs}
     crps = any("buffer_size" in r for rows in runs.values() for r in rows)
     score = panels_with_data(list(runs.values()), [("eval/score", "held-out score")])  # WebShop's partial credit
     panels = PANELS[:1] + score + PANELS[1:] + (CRPS_PANELS if crps else [])
@@ -31,23 +43,20 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (run, rows) in enumerate(runs.items()):
+    for i, (name, rows) in enumerate(runs.items()):
         for ax, (key, title) in zip(axes.flat, panels):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:  # one colour per run in every panel, also where another run logged nothing
                 sparse = key.startswith("eval/") or len(pts) < 3 or any(b - a > 1 for (a, _), (b, _) in
                                                                          zip(pts, pts[1:]))
-                ax.plot(*zip(*pts), marker="o" if sparse else None, label=run.name,
-                        color=palette[i % len(palette)])
+                ax.plot(*zip(*pts), marker="o" if sparse else None, label=name, color=palette[i % len(palette)])
             ax.set_title(title)
             ax.set_xlabel("step")
             if key == "replay/success":  # the band CRPS's k controller steers replay success into
                 ax.axhspan(0.2, 0.8, color="green", alpha=0.08)
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    return fig
 
 
 COMPARE_PANELS = [("eval/success", "held-out success"), ("success", "rollout success (all groups)"),

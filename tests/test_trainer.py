@@ -356,6 +356,24 @@ def test_plot_adds_crps_mechanism_panels_when_a_run_has_a_buffer(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
+def test_plot_keeps_each_runs_colour_where_another_run_logged_nothing():
+    import matplotlib.pyplot as plt
+
+    from agentrl.plot import runs_figure
+
+    # run a never updated (no entropy rows); run b did at step 2 only, and both read WebShop's score
+    a = [dict(step=0, **{"eval/success": 0.0, "eval/score": 0.5}), dict(step=1, success=0.0)]
+    b = [dict(step=0, **{"eval/success": 0.1, "eval/score": 0.6}), dict(step=1, success=0.0),
+         dict(step=2, success=0.2, entropy=0.3)]
+    fig = runs_figure({"a": a, "b": b})
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    [line] = axes["token entropy"].get_lines()
+    assert line.get_color() == palette[1] and line.get_marker() == "o"  # b's colour; one point is drawn
+    assert [ln.get_label() for ln in axes["held-out score"].get_lines()] == ["a", "b"]
+    plt.close(fig)
+
+
 def test_compare_plot_averages_seeds_per_method_on_cumulative_env_steps(tmp_path):
     from agentrl.plot import COMPARE_PANELS, panels_with_data, plot_compare
 
