@@ -507,7 +507,9 @@ class Trainer:
     def _print(self, step: int, m: dict[str, float]) -> None:
         if "eval/success" in m:
             cats = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.2f}" for k, v in m.items() if k.startswith("eval/success/"))
-            score = f", score {m['eval/score']:.3f}" if "eval/score" in m else ""  # WebShop's partial credit
+            # the score is the success rate except where an env gives partial credit (WebShop, TextWorld)
+            partial = m.get("eval/score", m["eval/success"]) != m["eval/success"]
+            score = f", score {m['eval/score']:.3f}" if partial else ""
             self.echo(f"step {step}: eval success {m['eval/success']:.3f}{score} on {self.cfg.eval.tasks} "
                       f"{self.cfg.eval.split} tasks" + (f" ({cats})" if cats else ""))
 

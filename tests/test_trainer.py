@@ -372,6 +372,23 @@ def test_plot_keeps_each_runs_colour_where_another_run_logged_nothing():
     assert line.get_color() == palette[1] and line.get_marker() == "o"  # b's colour; one point is drawn
     assert [ln.get_label() for ln in axes["held-out score"].get_lines()] == ["a", "b"]
     plt.close(fig)
+    # where the score is just the success rate (no partial credit), it gets no panel of its own
+    fig = runs_figure({"a": [dict(step=0, **{"eval/success": 0.4, "eval/score": 0.4})]})
+    assert "held-out score" not in [ax.get_title() for ax in fig.axes]
+    plt.close(fig)
+
+
+def test_eval_line_prints_the_score_only_where_it_is_partial_credit():
+    from types import SimpleNamespace
+
+    from agentrl.trainer import Trainer
+
+    lines = []
+    fake = SimpleNamespace(echo=lines.append, cfg=SimpleNamespace(eval=SimpleNamespace(tasks=50, split="valid")))
+    Trainer._print(fake, 0, {"eval/success": 0.16, "eval/score": 0.683})
+    Trainer._print(fake, 0, {"eval/success": 0.384, "eval/score": 0.384})
+    assert lines == ["step 0: eval success 0.160, score 0.683 on 50 valid tasks",
+                     "step 0: eval success 0.384 on 50 valid tasks"]
 
 
 def test_compare_plot_averages_seeds_per_method_on_cumulative_env_steps(tmp_path):
