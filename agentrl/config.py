@@ -151,6 +151,9 @@ class EvalCfg:
 @dataclass
 class TrainerCfg:
     steps: int = 20
+    # >0: also stop once the training rollouts have taken this many env steps (the policy's actions, summed
+    # over ranks), so recipes whose groups cost different numbers of steps compare at equal interaction
+    env_steps: int = 0
     seed: int = 0
     out_dir: str = "runs/{recipe}-{env}-s{seed}"
     checkpoint_every: int = 5

@@ -112,6 +112,7 @@ class Trainer:
         seed_everything(cfg.trainer.seed)
         self.rng = random.Random(cfg.trainer.seed)  # the same stream on every rank: same decisions
         self.step = 0
+        self.env_steps = 0  # the training rollouts' env steps so far (``trainer.env_steps`` budgets them)
         self.engine: LearnerEngine = self._make_engine()
         self.tokenizer = self.engine.tokenizer
         self.generator: Generator = self._make_generator()
@@ -397,8 +398,9 @@ class Trainer:
             dist.barrier()
             self.engine.save(folder)
             if self.is_main:
-                torch.save(dict(step=self.step, rng=self.rng.getstate(), recipe=self.recipe.state_dict(),
-                                world=self.world, engine=self.cfg.trainer.engine, config=self.cfg.to_dict()),
+                torch.save(dict(step=self.step, env_steps=self.env_steps, rng=self.rng.getstate(),
+                                recipe=self.recipe.state_dict(), world=self.world, engine=self.cfg.trainer.engine,
+                                config=self.cfg.to_dict()),
                            folder / "trainer.pt")
         except OSError as e:  # a full disk: drop the partial save, keep the previous checkpoint, say so
             shutil.rmtree(folder, ignore_errors=True)
@@ -436,6 +438,9 @@ class Trainer:
                               "with the same launch, or start a new run (another trainer.out_dir)")
         self.engine.load(ckpt)
         self.step = state["step"]
+        # checkpoints from before the budget existed: the steps are in the metrics logged up to this one
+        self.env_steps = state["env_steps"] if "env_steps" in state else int(sum(
+            r.get("env_steps", 0) for r in read_metrics(self.out_dir) if 0 < r.get("step", 0) <= self.step))
         self.rng.setstate(state["rng"])
         self.recipe.load_state_dict(state["recipe"])
         self.sync_weights()
@@ -444,13 +449,15 @@ class Trainer:
     # ----- the run -----------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
         resumed = self.load_checkpoint()
-        if resumed and self.step >= self.cfg.trainer.steps:
-            self.echo(f"{self.out_dir} is a finished run (step {self.step} of {self.cfg.trainer.steps}); its "
-                      "final.json is kept. Raise trainer.steps to train on, or use another trainer.out_dir")
-        elif resumed:
-            self.echo(f"resumed from {self.out_dir / CHECKPOINT_LINK} at step {self.step}")
+        if resumed and self.finished():
+            self.echo(f"{self.out_dir} is a finished run (step {self.step} of {self.cfg.trainer.steps}, "
+                      f"{self.env_steps} env steps); its final.json is kept. Raise trainer.steps (or "
+                      "trainer.env_steps) to train on, or use another trainer.out_dir")
         else:
-            self._check_free_space()
+            if resumed:
+                self.echo(f"resumed from {self.out_dir / CHECKPOINT_LINK} at step {self.step}")
+            else:
+                self._check_free_space()
             if self.is_main:  # rows logged after the checkpoint (and a torn last line) are redone, not repeated
                 truncate_metrics(self.out_dir, self.step)
         if self.step == 0 and not resumed:
@@ -466,7 +473,7 @@ class Trainer:
         final: dict[str, float] = {}
         history = read_metrics(self.out_dir)  # read once; the echo-trap check looks back over it
         try:
-            while self.step < self.cfg.trainer.steps:
+            while not self.finished():
                 t = time.perf_counter()
                 self._rollout_stats, self._sync_stats = {}, {}
                 o = self.cfg.optim
@@ -475,17 +482,18 @@ class Trainer:
                 metrics = self.recipe.step(self)
                 metrics.update(self._sync_stats)
                 self.step += 1
+                self.env_steps += int(metrics.get("env_steps", 0))
+                metrics["env_steps_total"] = float(self.env_steps)
                 metrics["time_step_s"] = time.perf_counter() - t
                 history.append(metrics)
                 metrics.update(echo_trap_flags(history))
-                e = self.cfg.eval
-                if self.cfg.eval.tasks and ((e.every and self.step % e.every == 0)
-                                            or self.step == self.cfg.trainer.steps):
+                e, last = self.cfg.eval, self.finished()
+                if self.cfg.eval.tasks and ((e.every and self.step % e.every == 0) or last):
                     metrics.update(self.evaluate())
                     final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
                 self._log(self.step, metrics)
                 progress.update(self.step, metrics)
-                if self.step % self.cfg.trainer.checkpoint_every == 0 or self.step == self.cfg.trainer.steps:
+                if self.step % self.cfg.trainer.checkpoint_every == 0 or last:
                     self.save_checkpoint()
         finally:
             progress.close()
@@ -499,6 +507,11 @@ class Trainer:
         if self.is_main:
             (self.out_dir / "final.json").write_text(json.dumps(final, indent=1))
         return final
+
+    def finished(self) -> bool:
+        """Every rank agrees: the step count and the env steps (summed over the gathered episodes) are global."""
+        t = self.cfg.trainer
+        return self.step >= t.steps or (t.env_steps > 0 and self.env_steps >= t.env_steps)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:

@@ -316,6 +316,42 @@ def test_rl_lr_schedule_decays_per_step_and_resumes(tiny_model_dir, tmp_path):
     assert seen == pytest.approx([1e-4, 7.5e-5, 5e-5, 2.5e-5])
 
 
+def test_env_step_budget_ends_the_run_and_survives_a_kill(tiny_model_dir, tmp_path):
+    """trainer.env_steps: the run stops after the step that reaches the budget (evaluated and checkpointed
+    there), and a run killed before it resumes with the env steps it had already spent."""
+    import agentrl.recipes  # noqa: F401
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    def run_until(kill_at):
+        cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=50",
+                                                                  "trainer.env_steps=100", "eval.every=0",
+                                                                  "trainer.checkpoint_every=2", "sft.enabled=false"))
+        t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+
+        def step(tr):
+            if tr.step == kill_at:
+                raise KeyboardInterrupt
+            return {"env_steps": 30.0}
+
+        t.recipe.step = step
+        try:
+            return t.train(), t.step, t.env_steps
+        except KeyboardInterrupt:
+            return None
+        finally:
+            t.close()
+
+    assert run_until(kill_at=3) is None  # killed in step 4; the checkpoint is step 2's (60 env steps)
+    final, step, spent = run_until(kill_at=None)
+    assert (step, spent) == (4, 120)  # 30 a step: the fourth step crosses 100
+    assert "eval/success" in final  # the last step is evaluated although eval.every is 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r.get("env_steps_total") for r in rows[1:]] == [30, 60, 90, 120]
+    assert run_until(kill_at=None)[1:] == (4, 120)  # a finished run is not trained on
+
+
 def test_expert_demos_are_the_same_from_two_worker_processes():
     from agentrl.sft import expert_demos
 
