@@ -64,6 +64,7 @@ def runs_figure(runs: dict[str, list[dict]]) -> Any:
 
 COMPARE_PANELS = [("eval/success", "held-out success"), ("success", "rollout success (all groups)"),
                   ("all_zero_groups", "all-zero group fraction (all groups)"),
+                  ("all_one_groups", "all-one group fraction (all groups)"),
                   ("replay/all_zero_groups", "all-zero fraction, replay groups (CRPS, exp_replay)"),
                   ("group_entropy_bits", "group reward entropy, bits (all groups)")]
 
