@@ -28,7 +28,8 @@ for recipe in sys.argv[2:]:
         r1 = mean("replay/all_one_groups")
         ones = f" / {mean('fresh/all_one_groups'):.2f} / {r1:.2f}" if r1 == r1 else ""
         print(f"| {recipe} | {s} | {ev[0]['eval/success']:.3f} -> {ev[-1]['eval/success']:.3f} | {z} | "
-              f"{mean('all_one_groups'):.2f}{ones} | {mean('group_entropy_bits'):.2f} | {len(steps)} | {env_steps:.0f} |")
+              f"{mean('all_one_groups'):.2f}{ones} | {mean('group_entropy_bits'):.2f} | {len(steps)} | "
+              f"{env_steps:.0f} |")
         summary.setdefault(recipe, []).append(ev[-1]["eval/success"] - ev[0]["eval/success"])
 print()
 for recipe, d in summary.items():
