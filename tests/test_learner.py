@@ -158,6 +158,27 @@ def test_sft_learning_rate_survives_the_scheduler(tiny_model_dir):
     assert eng.step(b, lambda mb, out: ((out["logp"] * mb.loss_mask).sum() * 0, {}))["lr"] == pytest.approx(1e-4)
 
 
+def test_an_lr_set_mid_warm_up_keeps_the_warm_up(tiny_model_dir):
+    """optim.warmup_steps=4, then fit_sft/the RL loop set their own lr: the steps still ramp up
+    (x 1/4, 2/4, 3/4, 1), the step right after the set included, and an lr set after it is plain."""
+    from agentrl.learner.batch import collate
+    from agentrl.learner.lr import set_lr
+
+    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4, warmup_steps=4)))
+    b = collate(_samples(n=2, seed=1), pad_id=eng.pad_id)
+
+    def step() -> float:  # the lr this step runs at (the engine reports the next one)
+        lr = eng.optimizer.param_groups[0]["lr"]
+        eng.step(b, lambda mb, out: ((out["logp"] * mb.loss_mask).sum() * 0, {}))
+        return lr
+
+    set_lr(eng, 2e-3)
+    lrs = [step()]
+    set_lr(eng, 2e-3)  # the RL loop sets its lr before every RL step
+    lrs += [step() for _ in range(4)]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1.5e-3, 2e-3, 2e-3])
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_targets_only_forward_matches_the_full_vocabulary_pass(tiny_model_dir, lora):
     """Projecting to the vocabulary only at target positions gives the same log-probs, entropies and

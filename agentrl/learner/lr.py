@@ -7,16 +7,24 @@ from typing import Any
 
 
 def set_lr(eng: Any, lr: float) -> Any:
-    """Run the optimizer at ``lr``: the LR scheduler recomputes every group's lr from its ``base_lrs``
-    at each step, so those are what must change (setting the groups' lr alone lasts one step).
+    """Run the optimizer at ``lr`` (times the warm-up factor while warming up): the LR scheduler recomputes
+    every group's lr from its ``base_lrs`` at each step, so those are what must change (setting the
+    groups' lr alone lasts one step).
     Returns what ``restore_lr`` needs."""
     saved = lr_state(eng)
     sched = getattr(eng, "scheduler", None)
     if sched is not None:
         sched.base_lrs = [lr] * len(sched.base_lrs)
-    for g in eng.optimizer.param_groups:
-        g["lr"] = lr
+    for i, g in enumerate(eng.optimizer.param_groups):
+        g["lr"] = lr * warmup_factor(sched, i)
     return saved
+
+
+def warmup_factor(sched: Any, group: int) -> float:
+    """The engine's warm-up multiplier for its next step (``optim.warmup_steps``): an lr set between
+    steps must keep it, or the step right after ``set_lr`` runs at the full lr mid-warm-up."""
+    lambdas = getattr(sched, "lr_lambdas", None)
+    return float(lambdas[min(group, len(lambdas) - 1)](sched.last_epoch)) if lambdas else 1.0
 
 
 def lr_state(eng: Any) -> Any:
