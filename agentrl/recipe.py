@@ -56,14 +56,17 @@ class Recipe:
         scores: list[float] = []
         best_dir = trainer.out_dir / "sft_best"
 
+        keep_best = s.select_keep == "best" and not s.target_success
+
         def rising(passes: int) -> bool:
             """After pass ``passes`` (>= sft.epochs): another pass unless greedy success on the selection
-            tasks has not beaten the best for ``select_patience`` passes in a row."""
+            tasks has not beaten the best for ``select_patience`` passes in a row (with
+            ``sft.target_success``: while it is below the target)."""
             won = trainer.evaluate(s.select_tasks, 1, s.select_split, temperature=0.0)["eval/success"]
-            if s.select_keep == "best" and won > max(scores, default=-1.0):
+            if keep_best and won > max(scores, default=-1.0):
                 trainer.engine.save(best_dir)  # early stopping: the warm start unless a later pass beats it
             scores.append(won)
-            go_on = still_rising(scores, s.select_patience)
+            go_on = won < s.target_success if s.target_success else still_rising(scores, s.select_patience)
             trainer.echo(f"sft pass {passes}: greedy success {won:.3f} on {s.select_tasks} {s.select_split} "
                          f"tasks, {'another pass' if go_on else 'stopping'}")
             return go_on
@@ -76,14 +79,14 @@ class Recipe:
             stats[f"sft_select_success/pass{s.epochs + i}"] = won
         if scores:
             best = scores.index(max(scores))
-            if s.select_keep == "best" and best < len(scores) - 1:
+            if keep_best and best < len(scores) - 1:
                 # the saved optimizer state carries SFT's lr: RL keeps its own
                 keep = lr_state(trainer.engine)
                 trainer.engine.load(best_dir)
                 restore_lr(trainer.engine, keep)
                 trainer.sync_weights()
                 trainer.echo(f"sft: the warm start is pass {s.epochs + best} (best reading {scores[best]:.3f})")
-            stats["sft_warm_start_pass"] = float(s.epochs + (best if s.select_keep == "best" else len(scores) - 1))
+            stats["sft_warm_start_pass"] = float(s.epochs + (best if keep_best else len(scores) - 1))
             dist.barrier()  # every rank has read it
             if trainer.is_main:
                 shutil.rmtree(best_dir, ignore_errors=True)

@@ -132,12 +132,38 @@ def test_the_warm_start_is_the_sft_pass_with_the_best_selection_reading(tiny_mod
     assert not (tmp_path / "sft_best").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sft_target_success_adds_passes_until_the_reading_reaches_it(tiny_model_dir, tmp_path, monkeypatch):
+    """sft.target_success: passes after sft.epochs go on while the selection reading is below the target;
+    the warm start is the pass that reached it, even when an earlier pass read higher (no best-keeping)."""
+    from agentrl.trainer import Trainer
+
+    readings = iter([0.1, 0.25, 0.2, 0.35, 0.9])  # passes 1-5: pass 4 is the first at or above 0.3
+    evaluate = Trainer.evaluate
+
+    def scripted(self, n_tasks=None, samples=None, split=None, **kw):
+        return evaluate(self, n_tasks, samples, split, **kw) if split != "test" else {"eval/success": next(readings)}
+
+    monkeypatch.setattr(Trainer, "evaluate", scripted)
+    run(load_config("grpo", env="sokoban", overrides=small(
+        tmp_path, tiny_model_dir, "trainer.steps=0", "sft.max_epochs=6", "sft.target_success=0.3")))
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["sft_passes"] == 4 and row["sft_warm_start_pass"] == 4
+    assert [row[f"sft_select_success/pass{p}"] for p in range(1, 5)] == [0.1, 0.25, 0.2, 0.35]
+    assert not (tmp_path / "sft_best").exists()
+
+
 def test_sft_selection_must_not_read_the_evaluation_split():
     with pytest.raises(ConfigError, match=r"sft.select_split=valid is also eval.split"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.select_split=valid"])
     with pytest.raises(ConfigError, match=r"sft.max_epochs=6 with sft.schedule=linear"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.schedule=linear"])
     assert load_config("grpo", overrides=["sft.max_epochs=6"]).sft.select_split == "test"
+    with pytest.raises(ConfigError, match=r"sft.target_success=0.3 needs passes to add.*sft.max_epochs"):
+        load_config("grpo", overrides=["sft.target_success=0.3"])
+    with pytest.raises(ConfigError, match=r"'sft.target_success': 30"):
+        load_config("grpo", overrides=["sft.max_epochs=6", "sft.target_success=30"])
 
 
 def test_unknown_key_and_bad_value_fail_fast_with_the_key_named():
