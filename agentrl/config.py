@@ -142,6 +142,9 @@ class SFTCfg:
     # pass made. On a steep SFT curve a fixed pass count leaves a lagging seed far below the others
     # (docs/make_train_seeds.md)
     target_success: float = 0.0
+    # RL starts with a fresh optimizer state: SFT's gradients are ~10x RL's, and Adam's second moments
+    # carried over (beta2 0.999 forgets them over thousands of steps) shrink RL's updates by as much
+    reset_optimizer: bool = False
 
 
 @dataclass

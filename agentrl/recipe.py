@@ -49,6 +49,7 @@ class Recipe:
         if not self.cfg.sft.enabled:
             return {}
         from agentrl.learner.lr import lr_state, restore_lr
+        from agentrl.learner.optim_state import reset_optimizer_state
         from agentrl.sft import expert_samples, fit_sft, still_rising
 
         s = self.cfg.sft
@@ -90,6 +91,8 @@ class Recipe:
             dist.barrier()  # every rank has read it
             if trainer.is_main:
                 shutil.rmtree(best_dir, ignore_errors=True)
+        if s.reset_optimizer:
+            reset_optimizer_state(trainer.engine)
         # The SFT-only policy, kept next to the checkpoints: RL's before/after can then be measured with
         # any evaluation (`agentrl eval --model RUN/warm_start`), not only the run's own.
         trainer.engine.export_weights(trainer.out_dir / "warm_start")

@@ -46,7 +46,7 @@ def sokoban_sft_model_dir(tiny_model_dir, tmp_path_factory):
     cfg = load_config("grpo", env="sokoban", overrides=[
         f"model.name={tiny_model_dir}", f"trainer.out_dir={out}", "trainer.steps=0", "trainer.progress=false",
         "trainer.tensorboard=false", "sft.demos=48", "sft.epochs=3", "sft.lr=3e-3", "sft.batch_size=8",
-        "sft.target_success=0", "eval.tasks=0",
+        "sft.max_epochs=0", "sft.target_success=0", "eval.tasks=0",
         "rollout.max_turns=3"])
     t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
     try:

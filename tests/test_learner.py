@@ -1,4 +1,5 @@
 """The torch learner engine: batching, accumulation, loss decrease, LoRA, value head, exact resume."""
+import copy
 import os
 import subprocess
 import sys
@@ -364,3 +365,28 @@ def test_the_reference_policy_stays_frozen_while_the_policy_moves_and_kl_enters_
     assert (moved - start).abs().max() > 1e-3  # the policy moved ...
     assert torch.allclose(eng.ref_logprobs(b), start, atol=1e-5)  # ... the reference did not
     assert stats["kl"] > 0
+
+
+def test_a_reset_optimizer_steps_as_a_fresh_one(tiny_model_dir, tmp_path):
+    """After SFT-like steps, reset_optimizer_state: the next step moves the weights exactly as a fresh
+    optimizer on the same weights does (Adam's moments and bias correction start over); without the reset
+    it does not."""
+    from agentrl.learner.optim_state import reset_optimizer_state
+
+    cfg = EngineConfig(optim=OptimConfig(lr=1e-3, grad_clip=None))
+    sft, rl = collate(_samples(n=4, seed=2), pad_id=0), collate(_samples(n=4, seed=3), pad_id=0)
+    nll = lambda mb, out: (sft_loss(out["logp"], mb.loss_mask), {})  # noqa: E731
+    eng = TorchEngine(tiny_model_dir, cfg)
+    for _ in range(3):
+        eng.step(sft, nll)
+    eng.export_weights(tmp_path / "sft")
+    kept = TorchEngine(tiny_model_dir, cfg)
+    kept.model.load_state_dict(eng.model.state_dict())
+    kept.optimizer.load_state_dict(copy.deepcopy(eng.optimizer.state_dict()))  # loading shares the tensors
+    fresh = TorchEngine(tmp_path / "sft", cfg)
+    reset_optimizer_state(eng)
+    for e in (eng, fresh, kept):
+        e.step(rl, nll)
+    after = lambda e: torch.cat([p.detach().flatten() for p in e.model.parameters()])  # noqa: E731
+    assert torch.allclose(after(eng), after(fresh), atol=1e-6)
+    assert not torch.allclose(after(kept), after(fresh), atol=1e-6)

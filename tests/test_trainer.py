@@ -15,7 +15,7 @@ def small(tmp_path, model_dir, *extra):
     return [f"model.name={model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=2", "trainer.tensorboard=false",
             "trainer.progress=false", "rollout.groups=2", "rollout.group_size=2", "rollout.slots=4",
             "rollout.max_turns=2", "rollout.max_new_tokens=8", "eval.tasks=2", "eval.every=1", "sft.demos=2",
-            "sft.epochs=1", "sft.target_success=0", "trainer.checkpoint_every=1", *extra]
+            "sft.epochs=1", "sft.max_epochs=0", "sft.target_success=0", "trainer.checkpoint_every=1", *extra]
 
 
 def run(cfg):
