@@ -168,9 +168,9 @@ def test_an_lr_set_mid_warm_up_keeps_the_warm_up(tiny_model_dir):
     eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4, warmup_steps=4)))
     b = collate(_samples(n=2, seed=1), pad_id=eng.pad_id)
 
-    def step() -> float:  # the lr this step runs at (the engine reports the next one)
+    def step() -> float:  # the lr this step runs at, and the one the engine reports
         lr = eng.optimizer.param_groups[0]["lr"]
-        eng.step(b, lambda mb, out: ((out["logp"] * mb.loss_mask).sum() * 0, {}))
+        assert eng.step(b, lambda mb, out: ((out["logp"] * mb.loss_mask).sum() * 0, {}))["lr"] == lr
         return lr
 
     set_lr(eng, 2e-3)

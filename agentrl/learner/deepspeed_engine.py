@@ -219,6 +219,7 @@ class DeepSpeedEngine:
             loss_sum += float(loss.detach()) * share / total
             for key, v in s.items():
                 stats[key] = stats.get(key, 0.0) + float(v) * share / total
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the step's own; the scheduler then sets the next
         self.ds.step()
         # The whole batch's loss and stats: every rank holds its shares; the sum over ranks is the total.
         keys = sorted(stats)
@@ -228,7 +229,7 @@ class DeepSpeedEngine:
         out_stats = dict(zip(keys, packed[1:].tolist()))
         out_stats.update(loss=float(packed[0]), micro_batches=int(n_parts),
                          grad_norm=float(self.ds.get_global_grad_norm() or 0.0),
-                         lr=float(self.optimizer.param_groups[0]["lr"]))
+                         lr=lr)
         return out_stats
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

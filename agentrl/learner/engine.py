@@ -278,7 +278,8 @@ class TorchEngine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats = self.backward(batch, loss_fn, temperature, need_entropy, need_values, weight_by, row_block)
-        stats.update(grad_norm=self._clip_and_step(), lr=self.scheduler.get_last_lr()[0])
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the step's own; the scheduler then sets the next
+        stats.update(grad_norm=self._clip_and_step(), lr=lr)
         return stats
 
     def backward(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
