@@ -142,8 +142,8 @@ class SFTCfg:
     # pass made. On a steep SFT curve a fixed pass count leaves a lagging seed far below the others
     # (docs/make_train_seeds.md)
     target_success: float = 0.0
-    # RL starts with a fresh optimizer state: SFT's gradients are ~10x RL's, and Adam's second moments
-    # carried over (beta2 0.999 forgets them over thousands of steps) shrink RL's updates by as much
+    # RL starts with a fresh optimizer state: Adam's second moments carried over from SFT, whose gradients
+    # are several times RL's, shrink RL's updates ~4x for hundreds of steps (docs/make_train_seeds.md)
     reset_optimizer: bool = False
 
 

@@ -8,6 +8,7 @@ from agentrl.algos.losses import ppo_objective
 from agentrl.learner.batch import collate
 from agentrl.learner.deepspeed_engine import DeepSpeedEngine
 from agentrl.learner.engine import EngineConfig, OptimConfig
+from agentrl.learner.optim_state import reset_optimizer_state
 
 
 def data(pad_id):
@@ -24,6 +25,8 @@ def main(model_dir, out_dir, steps):
     eng = DeepSpeedEngine(model_dir, EngineConfig(optim=OptimConfig(lr=1e-3, grad_clip=1.0), token_budget=100_000))
     b = data(eng.pad_id)
     losses = [eng.step(b, loss_fn)["loss"] for _ in range(steps)]
+    reset_optimizer_state(eng)  # then one more step: it must move the shards as a fresh optimizer would
+    losses.append(eng.step(b, loss_fn)["loss"])
     report = dict(rank=eng.rank, world=eng.world, partition=eng.partition_numel(), full=eng.full_numel(),
                   losses=losses)
     eng.export_weights(f"{out_dir}/exported")
