@@ -45,6 +45,11 @@ class CRPSParams:
     mastery_acc: float = 1.0  # an entry whose replays from t0 = 0 reach this accuracy ...
     mastery_patience: int = 2  # ... this many times in a row is removed (0: never)
     from_start: bool = False  # exp_replay: replay from the initial state, no suffix curriculum
+    # Not in the paper: up to this many fresh all-zero instances a step get the env expert's solution as a
+    # buffer entry, first replayed expert_k0 turns before its end, so levels the policy never solves also
+    # yield successes (the buffer otherwise holds only instances the policy already solves sometimes)
+    expert_per_step: int = 0
+    expert_k0: int = 1
 
 
 class CRPS(Recipe):
@@ -63,6 +68,7 @@ class CRPS(Recipe):
         self.buffer = SuccessBuffer(p.capacity, p.alpha_max)
         self._replays: dict[str, tuple[str, int]] = {}  # group id -> (entry key, t0 in turns)
         self._step: dict[str, Any] = {}  # this step's rollout rounds, gathered (dynamic sampling runs several)
+        self._expert_env: Any = None  # made on first use: plays the expert on unsolved instances
 
     def _controller(self, acc: float, T: int) -> KController:
         p = self.p
@@ -97,6 +103,7 @@ class CRPS(Recipe):
         if not acc_step:  # the step's first round
             acc_step.update(before=dict(self.buffer.counts), fresh=[], replay=[], replay_groups=0, ks=[])
         ks = acc_step["ks"]
+        unsolved: list[tuple[str, int]] = []
         for gid, eps in groups.items():
             acc = sum(e.won for e in eps) / len(eps)
             if gid in self._replays:
@@ -109,9 +116,36 @@ class CRPS(Recipe):
                 if wins:  # the shortest success of the group represents the instance
                     T = sum(1 for t in wins[0].turns if t.actions)
                     self.buffer.offer(wins[0], acc, self._controller(acc, T), trainer.step)
+                elif not eps[0].start_index:
+                    unsolved.append((eps[0].task_id, eps[0].seed))
+        budget = p.expert_per_step - acc_step.get("expert_tried", 0)
+        if budget > 0 and unsolved:
+            acc_step["expert_tried"] = acc_step.get("expert_tried", 0) + self._add_expert(trainer, unsolved[:budget])
         acc_step["fresh"] += [e for e in episodes if e.group_id not in self._replays]
         acc_step["replay"] += [e for e in episodes if e.group_id in self._replays]
         acc_step["replay_groups"] += len(self._replays)
+
+    def _add_expert(self, trainer: "Trainer", instances: list[tuple[str, int]]) -> int:
+        """Play the env's expert on each instance (task id, reset seed) and buffer its solved episodes;
+        returns how many were tried."""
+        from agentrl.envs import registry
+        from agentrl.envs.replay import expert_episode
+
+        if self._expert_env is None:
+            self._expert_env = registry.make(self.cfg.env, **self.cfg.env_kwargs)
+        env, p = self._expert_env, self.p
+        tried = 0
+        for task_id, seed in instances:
+            if f"{task_id}:{seed}" in self.buffer.entries:
+                continue
+            tried += 1
+            trace, observations, infos = expert_episode(env, task_id, seed, self.cfg.rollout.max_turns)
+            T = len(trace.actions)
+            if infos[-1].get("won") and T:
+                k0 = max(p.k_min, min(p.expert_k0, T))
+                ctrl = KController(k0, p.k_min, p.k_max or T, p.ema, p.band[0], p.band[1], p.delta)
+                self.buffer.offer_expert(trace, observations, env.instruction(), ctrl, trainer.step)
+        return tried
 
     def step_metrics(self) -> dict[str, float]:
         """The CRPS figures of the step, over all its rollout rounds."""

@@ -220,3 +220,44 @@ def test_gigpo_without_std_is_an_estimator():
                        [[0.0, 0.0, 1.0], [0.0, 0.0]], anchors=[["s0", "s1", "s2"], ["s1", "s3"]], gamma=1.0)
     out = ESTIMATORS.get("gigpo_dr")(x)  # the by-hand case of test_gigpo_step_groups_by_hand, no std
     assert out.per_turn[0] == pytest.approx([0.5, 1.0, 0.5]) and out.per_turn[1] == pytest.approx([-1.0, -0.5])
+
+
+def test_crps_expert_entries_for_unsolved_instances_hand_over_before_the_goal():
+    """extra.expert_per_step: a fresh all-zero group's instance gets the env expert's solution as a buffer
+    entry whose first replay starts expert_k0 turns before the end (the restored prefix reaches the
+    recorded state and the remaining expert action wins); at most expert_per_step instances a step,
+    an instance already buffered is not replayed by the expert again, and solved groups get none."""
+    from types import SimpleNamespace
+
+    from agentrl.config import load_config
+    from agentrl.envs import registry
+    from agentrl.recipes.crps import CRPS
+    from agentrl.types import Episode, Turn
+
+    def ep(group, task, seed, won):
+        t = Turn([1], [2], [0.0], "", ["Left"], True, "o", float(won), True, fingerprints=["f1"])
+        return Episode("sokoban", task, seed, group_id=group, turns=[t], won=won, initial_fingerprint="f0")
+
+    recipe = CRPS(load_config("crps", env="sokoban", overrides=["extra.expert_per_step=1"]))
+    trainer = SimpleNamespace(step=3)
+    a, b = ("train/00002", 5), ("train/00004", 5)  # the expert solves both in <= 6 moves
+    recipe.after_rollout(trainer, [ep("a", *a, False), ep("a", *a, False), ep("b", *b, False)])
+    entry = recipe.buffer.entries["train/00002:5"]
+    assert len(recipe.buffer) == 1 and recipe.buffer.counts["expert"] == 1  # the step's budget: one instance
+    assert entry.T == 6 and entry.ctrl.k == 1 and entry.acc == 0.0 and entry.inserted_at == 3
+    t0, t0_steps = entry.handover(entry.ctrl.k)
+    assert (t0, t0_steps) == (5, 5)
+    env = registry.make("sokoban")
+    obs, info = env.reset(*a)
+    for action in entry.trace.actions[:t0_steps]:
+        obs, _, _, _, info = env.step(action)
+    assert info["fingerprint"] == entry.trace.fingerprints[t0_steps] and obs == entry.observations[t0]
+    *_, info = env.step(entry.trace.actions[t0_steps])
+    assert info["won"]
+    env.close()
+    recipe.after_update(trainer, stats := {})
+    assert stats["buffer_expert"] == 1.0
+    solved = ("train/00001", 5)
+    recipe.after_rollout(trainer, [ep("c", *a, False), ep("d", *solved, True), ep("d", *solved, False)])
+    assert recipe.buffer.counts["expert"] == 1  # a is buffered already; d was solved (a policy entry instead)
+    assert set(recipe.buffer.entries) == {"train/00002:5", "train/00001:5"}

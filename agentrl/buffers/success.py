@@ -87,14 +87,6 @@ class SuccessBuffer:
         if acc > self.alpha_max:
             self.counts["rejected_easy"] += 1
             return False
-        key = f"{ep.task_id}:{ep.seed}"
-        if key in self.entries:  # keep the entry and its controller; one success per instance is enough
-            self.counts["duplicate"] += 1
-            return False
-        if len(self.entries) >= self.capacity:  # FIFO: the oldest entry makes room
-            oldest = min(self.entries.values(), key=lambda e: e.inserted_at)
-            del self.entries[oldest.key]
-            self.counts["evicted_full"] += 1
         observations, actions, boundaries, n, obs = [], [], [], 0, ep.initial_observation
         for t in ep.turns:  # turns that sent no action (bad format) are not part of the trace or history
             if t.actions:
@@ -103,8 +95,32 @@ class SuccessBuffer:
                 n += len(t.actions)
                 boundaries.append(n)
             obs = t.observation
-        self.entries[key] = SuccessEntry(ep.task_id, ep.seed, ep.instruction, trace_of(ep), observations, actions,
-                                         boundaries, acc, ctrl, inserted_at=step)
+        return self.insert(SuccessEntry(ep.task_id, ep.seed, ep.instruction, trace_of(ep), observations, actions,
+                                        boundaries, acc, ctrl, inserted_at=step))
+
+    def offer_expert(self, trace: Trace, observations: list[str], instruction: str, ctrl: KController,
+                     step: int = 0) -> bool:
+        """Insert the env expert's successful episode (one action a turn) of an instance no rollout has
+        solved: its suffix replays give the policy successes to learn from where fresh groups are all-zero."""
+        T = len(trace.actions)
+        if not T:
+            return False
+        entry = SuccessEntry(trace.task_id, trace.seed, instruction, trace, observations[:T], list(trace.actions),
+                             list(range(1, T + 1)), 0.0, ctrl, inserted_at=step)
+        if self.insert(entry):
+            self.counts["expert"] = self.counts.get("expert", 0) + 1
+            return True
+        return False
+
+    def insert(self, entry: SuccessEntry) -> bool:
+        if entry.key in self.entries:  # keep the entry and its controller; one success per instance is enough
+            self.counts["duplicate"] += 1
+            return False
+        if len(self.entries) >= self.capacity:  # FIFO: the oldest entry makes room
+            oldest = min(self.entries.values(), key=lambda e: e.inserted_at)
+            del self.entries[oldest.key]
+            self.counts["evicted_full"] += 1
+        self.entries[entry.key] = entry
         self.counts["inserted"] += 1
         return True
 
