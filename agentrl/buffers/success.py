@@ -113,6 +113,7 @@ class SuccessBuffer:
         return False
 
     def insert(self, entry: SuccessEntry) -> bool:
+        """Add an entry unless its instance is buffered already; a full buffer drops its oldest first."""
         if entry.key in self.entries:  # keep the entry and its controller; one success per instance is enough
             self.counts["duplicate"] += 1
             return False
