@@ -245,6 +245,9 @@ class Recipe:
     def after_update(self, trainer: "Trainer", stats: dict[str, float]) -> None:
         pass
 
+    def close(self) -> None:
+        """Release what the recipe opened itself (the trainer closes its envs, generator and engine)."""
+
     # ----- the step ----------------------------------------------------------------------------
     def collect(self, trainer: "Trainer") -> tuple[list[Episode], dict[str, float]]:
         """This step's episodes: one round of ``starts`` -> rollout -> ``after_rollout``, repeated while

@@ -527,6 +527,7 @@ class Trainer:
                       f"{self.cfg.eval.split} tasks" + (f" ({cats})" if cats else ""))
 
     def close(self) -> None:
+        self.recipe.close()
         self.generator.close()
         self.envs.close()
         self.engine.close()

@@ -147,6 +147,11 @@ class CRPS(Recipe):
                 self.buffer.offer_expert(trace, observations, env.instruction(), ctrl, trainer.step)
         return tried
 
+    def close(self) -> None:
+        if self._expert_env is not None:
+            self._expert_env.close()
+            self._expert_env = None
+
     def step_metrics(self) -> dict[str, float]:
         """The CRPS figures of the step, over all its rollout rounds."""
         a = self._step

@@ -261,3 +261,5 @@ def test_crps_expert_entries_for_unsolved_instances_hand_over_before_the_goal():
     recipe.after_rollout(trainer, [ep("c", *a, False), ep("d", *solved, True), ep("d", *solved, False)])
     assert recipe.buffer.counts["expert"] == 1  # a is buffered already; d was solved (a policy entry instead)
     assert set(recipe.buffer.entries) == {"train/00002:5", "train/00001:5"}
+    recipe.close()  # the expert's env is the recipe's own
+    assert recipe._expert_env is None
