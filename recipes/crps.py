@@ -70,10 +70,12 @@ class CRPS(Recipe):
         self._step: dict[str, Any] = {}  # this step's rollout rounds, gathered (dynamic sampling runs several)
         self._expert_env: Any = None  # made on first use: plays the expert on unsolved instances
 
-    def _controller(self, acc: float, T: int) -> KController:
+    def _controller(self, acc: float, T: int, k0: int | None = None) -> KController:
+        """An entry's k controller, starting at k0 (default: the fixed k, or eq. 9 from the group's acc)."""
         p = self.p
         k_max = p.k_max or T
-        k0 = p.fixed_k or initial_k(acc, T, p.beta_min, p.beta_max, p.k_min, k_max)
+        if k0 is None:
+            k0 = p.fixed_k or initial_k(acc, T, p.beta_min, p.beta_max, p.k_min, k_max)
         return KController(k0, p.k_min, k_max, p.ema, p.band[0], p.band[1], p.delta)
 
     # ----- hooks -------------------------------------------------------------------------------
@@ -101,7 +103,8 @@ class CRPS(Recipe):
                 groups[e.group_id].append(e)
         acc_step = self._step
         if not acc_step:  # the step's first round
-            acc_step.update(before=dict(self.buffer.counts), fresh=[], replay=[], replay_groups=0, ks=[])
+            acc_step.update(before=dict(self.buffer.counts), fresh=[], replay=[], replay_groups=0, ks=[],
+                            expert_tried=0)
         ks = acc_step["ks"]
         unsolved: list[tuple[str, int]] = []
         for gid, eps in groups.items():
@@ -116,11 +119,11 @@ class CRPS(Recipe):
                 if wins:  # the shortest success of the group represents the instance
                     T = sum(1 for t in wins[0].turns if t.actions)
                     self.buffer.offer(wins[0], acc, self._controller(acc, T), trainer.step)
-                elif not eps[0].start_index:
+                else:
                     unsolved.append((eps[0].task_id, eps[0].seed))
-        budget = p.expert_per_step - acc_step.get("expert_tried", 0)
+        budget = p.expert_per_step - acc_step["expert_tried"]
         if budget > 0 and unsolved:
-            acc_step["expert_tried"] = acc_step.get("expert_tried", 0) + self._add_expert(trainer, unsolved[:budget])
+            acc_step["expert_tried"] += self._add_expert(trainer, unsolved[:budget])
         acc_step["fresh"] += [e for e in episodes if e.group_id not in self._replays]
         acc_step["replay"] += [e for e in episodes if e.group_id in self._replays]
         acc_step["replay_groups"] += len(self._replays)
@@ -142,8 +145,7 @@ class CRPS(Recipe):
             trace, observations, infos = expert_episode(env, task_id, seed, self.cfg.rollout.max_turns)
             T = len(trace.actions)
             if infos[-1].get("won") and T:
-                k0 = max(p.k_min, min(p.expert_k0, T))
-                ctrl = KController(k0, p.k_min, p.k_max or T, p.ema, p.band[0], p.band[1], p.delta)
+                ctrl = self._controller(0.0, T, k0=max(p.k_min, min(p.expert_k0, T)))
                 self.buffer.offer_expert(trace, observations, env.instruction(), ctrl, trainer.step)
         return tried
 
