@@ -42,6 +42,7 @@ class CRPSParams:
     band: list[float] = field(default_factory=lambda: [0.2, 0.8])  # [rho_l, rho_u] in eq. 12
     delta: int = 2  # step of k in eq. 12
     capacity: int = 256
+    when_full: str = "evict_oldest"  # or "refuse": entries leave only when mastered (not in the paper)
     mastery_acc: float = 1.0  # an entry whose replays from t0 = 0 reach this accuracy ...
     mastery_patience: int = 2  # ... this many times in a row is removed (0: never)
     from_start: bool = False  # exp_replay: replay from the initial state, no suffix curriculum
@@ -65,7 +66,9 @@ class CRPS(Recipe):
             raise ConfigError(f"bad value for 'extra.p_replay': {p.p_replay!r}; allowed: a number in [0, 1]")
         if not 0.0 < p.ema <= 1.0:
             raise ConfigError(f"bad value for 'extra.ema': {p.ema!r}; allowed: a number in (0, 1]")
-        self.buffer = SuccessBuffer(p.capacity, p.alpha_max)
+        if p.when_full not in ("evict_oldest", "refuse"):
+            raise ConfigError(f"bad value for 'extra.when_full': {p.when_full!r}; allowed: evict_oldest, refuse")
+        self.buffer = SuccessBuffer(p.capacity, p.alpha_max, p.when_full)
         self._replays: dict[str, tuple[str, int]] = {}  # group id -> (entry key, t0 in turns)
         self._step: dict[str, Any] = {}  # this step's rollout rounds, gathered (dynamic sampling runs several)
         self._expert_env: Any = None  # made on first use: plays the expert on unsolved instances
@@ -139,6 +142,8 @@ class CRPS(Recipe):
         env, p = self._expert_env, self.p
         tried = 0
         for task_id, seed in instances:
+            if self.buffer.refusing:  # no room: the expert's episode would be turned away
+                break
             if f"{task_id}:{seed}" in self.buffer.entries:
                 continue
             tried += 1

@@ -88,6 +88,9 @@ def test_recipe_extra_keys_are_validated():
         load_config("grpo", overrides=["extra.p_replay=0.5"])
     with pytest.raises(ConfigError, match=r"unknown key 'extra.warmup'; allowed: .*warmup_steps"):
         load_config("spear_dr_bot", overrides=["extra.warmup=3"])
+    from agentrl.recipe import RECIPES
+    with pytest.raises(ConfigError, match=r"bad value for 'extra.when_full': 'drop'; allowed: evict_oldest, refuse"):
+        RECIPES.get("crps")(load_config("crps", overrides=["extra.when_full=drop"]))
     cfg = load_config("spear_dr_bot")
     assert cfg.method == "spear" and cfg.algo.estimator == "dr_grpo" and cfg.algo.eps_high == 0.28
     assert load_config("exp_replay").extra["from_start"] is True

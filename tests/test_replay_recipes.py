@@ -86,6 +86,22 @@ def test_success_buffer_mastery_removal_and_fifo_and_state():
     assert other.entries["t2:0"].to_dict() == buf.entries["t2:0"].to_dict()
 
 
+def test_a_refusing_buffer_keeps_its_entries_until_they_are_mastered():
+    buf = SuccessBuffer(capacity=2, alpha_max=1.0, when_full="refuse")
+    assert [buf.offer(_episode(f"t{i}"), 0.5, KController(1, 1, 3), step=i) for i in range(3)] == [True, True, False]
+    assert sorted(buf.entries) == ["t0:0", "t1:0"] and buf.refusing
+    assert buf.counts["rejected_full"] == 1 and buf.counts["evicted_full"] == 0
+    for _ in range(2):  # t0 mastered from its initial state: its place frees up
+        buf.record_replay("t0:0", 1.0, full_horizon=True, mastery_acc=1.0, mastery_patience=2)
+    assert not buf.refusing and buf.offer(_episode("t2"), 0.5, KController(1, 1, 3), step=3)
+    assert sorted(buf.entries) == ["t1:0", "t2:0"]
+    old = buf.state_dict()
+    del old["counts"]["rejected_full"]  # a checkpoint written before the counter existed
+    other = SuccessBuffer(capacity=2, when_full="refuse")
+    other.load_state_dict(old)
+    assert not other.offer(_episode("t3"), 0.5, KController(1, 1, 3)) and other.counts["rejected_full"] == 1
+
+
 # ----- SPEAR --------------------------------------------------------------------------------------
 def test_spear_schedules_eq13_eq14():
     assert cosine_warmup(0, 100) == 0.0 and cosine_warmup(50, 100) == pytest.approx(0.5)

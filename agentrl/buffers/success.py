@@ -73,9 +73,13 @@ def trace_of(ep: Episode) -> Trace:
 class SuccessBuffer:
     capacity: int = 256
     alpha_max: float = 0.75  # eq. 7: only tasks the group did not find easy
+    # The paper leaves a full buffer open. "evict_oldest": FIFO; "refuse": new instances wait until an
+    # entry is mastered, so a small buffer is a working set each entry of which is replayed many times
+    when_full: str = "evict_oldest"
     entries: dict[str, SuccessEntry] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: dict(inserted=0, rejected_easy=0, duplicate=0,
-                                                                evicted_full=0, evicted_mastered=0))
+                                                                evicted_full=0, evicted_mastered=0,
+                                                                rejected_full=0))
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -112,10 +116,19 @@ class SuccessBuffer:
             return True
         return False
 
+    @property
+    def refusing(self) -> bool:
+        """Full, and turning new entries away."""
+        return self.when_full == "refuse" and len(self.entries) >= self.capacity
+
     def insert(self, entry: SuccessEntry) -> bool:
-        """Add an entry unless its instance is buffered already; a full buffer drops its oldest first."""
+        """Add an entry unless its instance is buffered already; a full buffer drops its oldest first
+        (``when_full="evict_oldest"``) or turns the entry away (``"refuse"``)."""
         if entry.key in self.entries:  # keep the entry and its controller; one success per instance is enough
             self.counts["duplicate"] += 1
+            return False
+        if self.refusing:
+            self.counts["rejected_full"] += 1
             return False
         if len(self.entries) >= self.capacity:  # FIFO: the oldest entry makes room
             oldest = min(self.entries.values(), key=lambda e: e.inserted_at)
@@ -149,4 +162,4 @@ class SuccessBuffer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.entries = {e.key: e for e in map(SuccessEntry.from_dict, state["entries"])}
-        self.counts = dict(state["counts"])
+        self.counts = {**self.counts, **state["counts"]}  # a checkpoint from before a counter existed lacks it
