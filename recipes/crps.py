@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from agentrl.buffers.success import SuccessBuffer
+from agentrl.buffers.success import WHEN_FULL, SuccessBuffer
 from agentrl.schema import ConfigError
 from agentrl.curriculum.suffix_k import KController, initial_k
 from agentrl.metrics import episode_diagnostics
@@ -66,8 +66,8 @@ class CRPS(Recipe):
             raise ConfigError(f"bad value for 'extra.p_replay': {p.p_replay!r}; allowed: a number in [0, 1]")
         if not 0.0 < p.ema <= 1.0:
             raise ConfigError(f"bad value for 'extra.ema': {p.ema!r}; allowed: a number in (0, 1]")
-        if p.when_full not in ("evict_oldest", "refuse"):
-            raise ConfigError(f"bad value for 'extra.when_full': {p.when_full!r}; allowed: evict_oldest, refuse")
+        if p.when_full not in WHEN_FULL:
+            raise ConfigError(f"bad value for 'extra.when_full': {p.when_full!r}; allowed: {', '.join(WHEN_FULL)}")
         self.buffer = SuccessBuffer(p.capacity, p.alpha_max, p.when_full)
         self._replays: dict[str, tuple[str, int]] = {}  # group id -> (entry key, t0 in turns)
         self._step: dict[str, Any] = {}  # this step's rollout rounds, gathered (dynamic sampling runs several)

@@ -69,6 +69,9 @@ def trace_of(ep: Episode) -> Trace:
     return Trace(ep.env, ep.task_id, ep.seed, ep.env_actions, fps)
 
 
+WHEN_FULL = ("evict_oldest", "refuse")  # what a full buffer does with a new entry (SuccessBuffer.insert)
+
+
 @dataclass
 class SuccessBuffer:
     capacity: int = 256
