@@ -501,7 +501,9 @@ class Trainer:
                 self.logger.close()
             trouble = {k: v for k, v in self.envs.stats.items() if v}
             if trouble and self.is_main:  # this rank's env workers over the whole run
-                self.echo("env workers: " + ", ".join(f"{v} {k}" for k, v in sorted(trouble.items())))
+                why = self.envs.last_error
+                self.echo("env workers: " + ", ".join(f"{v} {k}" for k, v in sorted(trouble.items()))
+                          + (f" (last: {why})" if why else ""))
         if not final and (self.out_dir / "final.json").exists():  # a finished run started again: nothing new
             final = json.loads((self.out_dir / "final.json").read_text())
         if self.is_main:

@@ -14,6 +14,7 @@ Rooms ("layouts") are numbered; train tasks and ``valid`` (seen) tasks use layou
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,27 +259,39 @@ def alfworld_data_files() -> tuple[str, str]:
     return (root / "alfred.pddl").read_text(), (root / "alfred.twl2").read_text()
 
 
+def _publish(path: Path, text: str) -> None:
+    """Write by rename: env workers that build the same game at once never read a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_game(folder: Path, layout: int, task_type: str, seed: int, max_tries: int = 50) -> dict[str, Any]:
-    """Write ``game.tw-pddl`` and ``traj_data.json`` for the first draw the planner solves."""
+    """Write ``game.tw-pddl`` and ``traj_data.json`` for the first draw the planner solves. The game file
+    appears only once it is planned, so its existence means it is complete and solvable."""
     from agentrl.envs.alfworld_engine import plan_game
 
     domain, grammar = alfworld_data_files()
-    for attempt in range(max_tries):
-        drawn = sample_task(layout, task_type, seed * 1000 + attempt)
-        if drawn is None:
-            continue
-        room, goal = drawn
-        traj = traj_data(goal, room.scene, layout)
-        desc = task_description(goal, random.Random(f"desc-{layout}-{task_type}-{seed}"))
-        game = {"pddl_domain": domain, "grammar": grammar.replace("UNKNOWN GOAL", desc),
-                "pddl_problem": pddl_problem(room, goal, f"agentrl_{task_type}_{layout}_{seed}"),
-                "solvable": None, "walkthrough": None}
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "traj_data.json").write_text(json.dumps(traj))
-        (folder / "game.tw-pddl").write_text(json.dumps(game))
-        plan = plan_game(folder / "game.tw-pddl")
-        if plan:
-            game["solvable"], game["walkthrough"] = True, plan
-            (folder / "game.tw-pddl").write_text(json.dumps(game))
-            return traj
+    folder.mkdir(parents=True, exist_ok=True)
+    draft = folder / f".draft-{os.getpid()}.tw-pddl"  # one per process: the planner reads it from disk
+    try:
+        for attempt in range(max_tries):
+            drawn = sample_task(layout, task_type, seed * 1000 + attempt)
+            if drawn is None:
+                continue
+            room, goal = drawn
+            traj = traj_data(goal, room.scene, layout)
+            desc = task_description(goal, random.Random(f"desc-{layout}-{task_type}-{seed}"))
+            game = {"pddl_domain": domain, "grammar": grammar.replace("UNKNOWN GOAL", desc),
+                    "pddl_problem": pddl_problem(room, goal, f"agentrl_{task_type}_{layout}_{seed}"),
+                    "solvable": None, "walkthrough": None}
+            draft.write_text(json.dumps(game))
+            plan = plan_game(draft)
+            if plan:
+                game["solvable"], game["walkthrough"] = True, plan
+                _publish(folder / "traj_data.json", json.dumps(traj))
+                _publish(folder / "game.tw-pddl", json.dumps(game))
+                return traj
+    finally:
+        draft.unlink(missing_ok=True)
     raise RuntimeError(f"alfworld generator: no solvable {task_type} task for layout {layout}, seed {seed}")

@@ -108,6 +108,7 @@ class EnvPool:
         self.step_timeout, self.start_timeout, self.max_restarts = step_timeout, start_timeout, max_restarts
         self.ctx = mp.get_context(start_method)
         self.stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
+        self.last_error = ""  # why a worker was last restarted, for the run's summary
         self.slots = [_Slot() for _ in range(num_slots)]
         try:
             for i in range(num_slots):
@@ -153,11 +154,17 @@ class EnvPool:
         try:
             if not conn.poll(timeout):
                 self.stats["timeouts"] += 1
-                return "timeout", f"no answer within {timeout:.0f}s"
-            return conn.recv()
+                self.last_error = f"no answer within {timeout:.0f}s"
+                return "timeout", self.last_error
+            msg = conn.recv()
         except (EOFError, OSError, ConnectionResetError) as e:
             self.stats["crashes"] += 1
-            return "crash", f"worker died ({type(e).__name__})"
+            self.last_error = f"worker died ({type(e).__name__})"
+            return "crash", self.last_error
+        if msg[0] == "crash":  # the env raised in the worker: its traceback's last line says why
+            self.stats["crashes"] += 1
+            self.last_error = (str(msg[1]).strip().splitlines() or ["?"])[-1][:300]
+        return msg
 
     def _send(self, i: int, msg: tuple) -> bool:
         try:
@@ -319,6 +326,7 @@ class InProcessEnvs:
 
         self.envs = [make(env_name, **(env_kwargs or {})) for _ in range(num_slots)]
         self.stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
+        self.last_error = ""  # no workers, nothing to restart
 
     def __len__(self) -> int:
         return len(self.envs)

@@ -14,6 +14,7 @@ from agentrl.envs.results import StepResult
 @runtime_checkable
 class EnvSlots(Protocol):
     stats: dict[str, int]  # restarts, replayed, dropped, timeouts, crashes
+    last_error: str  # why a worker was last restarted ("" if never)
 
     def __len__(self) -> int: ...
 

@@ -6,7 +6,8 @@ from agentrl.envs.sokoban import SokobanEnv
 
 
 class CrashOnCommandEnv(SokobanEnv):
-    """Sokoban that dies on the action 'crash' and hangs on 'hang', every time (a deterministic bug)."""
+    """Sokoban that dies on the action 'crash', hangs on 'hang' and raises on 'raise', every time (a
+    deterministic bug)."""
 
     name = "crash-on-command"
 
@@ -15,4 +16,6 @@ class CrashOnCommandEnv(SokobanEnv):
             os._exit(3)
         if action == "hang":
             time.sleep(3600)
+        if action == "raise":
+            raise ValueError("the env's own bug")
         return super()._step(action)

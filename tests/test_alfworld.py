@@ -103,6 +103,27 @@ def test_game_file_format(env):
     assert traj["pddl_params"]["object_target"] and traj["pddl_params"]["parent_target"]
 
 
+def test_a_game_file_appears_only_when_complete(tmp_path, monkeypatch):
+    """Env workers build the same game at once: none may read a game file that is half written or not
+    yet planned (a worker that did crashed with a JSONDecodeError and was restarted)."""
+    from agentrl.envs import alfworld_engine
+    from agentrl.envs.alfworld_gen import write_game
+
+    folder, plan = tmp_path / "00000", alfworld_engine.plan_game
+    seen = []
+
+    def planning(path):
+        seen.append(sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")))
+        return plan(path)
+
+    monkeypatch.setattr(alfworld_engine, "plan_game", planning)
+    write_game(folder, 0, "pick_and_place_simple", 0)
+    assert seen and all(names == [] for names in seen)  # nothing published while planning
+    assert sorted(p.name for p in folder.iterdir()) == ["game.tw-pddl", "traj_data.json"]  # no drafts left
+    game = json.loads((folder / "game.tw-pddl").read_text())
+    assert game["solvable"] and game["walkthrough"]
+
+
 # ----- the searching expert -------------------------------------------------------------------------
 
 ROOM = ("You are in the middle of a room. Looking quickly around you, you see a cabinet 2, a cabinet 1, "

@@ -83,6 +83,10 @@ def test_deterministic_crash_is_dropped_and_counted():
         # a dropped slot is usable again after a reset
         r = pool.reset({0: ("train/00001", 0)})
         assert not r[0].dropped and not pool.step({0: "Up"})[0].dropped
+        # an exception the env raises in its worker is a crash too, and the pool keeps why
+        crashes = pool.stats["crashes"]
+        assert pool.step({0: "raise"})[0].dropped and pool.stats["crashes"] == crashes + 3  # try + 2 restarts
+        assert pool.last_error == "ValueError: the env's own bug"
 
 
 @pytest.mark.timeout(60)
