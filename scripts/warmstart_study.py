@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--env", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--passes", type=int, default=4)
+    ap.add_argument("--passes", type=int, default=4, help="SFT passes; 0: only evaluate --model as it is")
     ap.add_argument("--eval-tasks", type=int, default=0, help="held-out tasks per evaluation (0: eval.tasks)")
     ap.add_argument("--show", type=int, default=0, help="print the actions of this many held-out episodes per pass")
     ap.add_argument("--sampled", action="store_true", help="also evaluate at the rollout temperature")
@@ -45,13 +45,16 @@ def main() -> None:
     trainer = Trainer(cfg, RECIPES.get(cfg.method or cfg.recipe)(cfg))
     try:
         t0 = time.perf_counter()
-        samples, expert_success = expert_samples(trainer, cfg.sft.demos)
-        print(json.dumps(dict(demos=cfg.sft.demos, samples=len(samples), expert_success=expert_success,
-                              demo_s=round(time.perf_counter() - t0, 1))), flush=True)
+        samples: list = []
+        if a.passes:
+            samples, expert_success = expert_samples(trainer, cfg.sft.demos)
+            print(json.dumps(dict(demos=cfg.sft.demos, samples=len(samples), expert_success=expert_success,
+                                  demo_s=round(time.perf_counter() - t0, 1))), flush=True)
         held_out = _held_out_states(trainer, a.step_acc) if a.step_acc else []
-        for p in range(1, a.passes + 1):
+        for p in range(0 if a.passes == 0 else 1, a.passes + 1):
             t0 = time.perf_counter()
-            stats = fit_sft(trainer, samples, 1, cfg.sft.batch_size, cfg.sft.lr, by_length=cfg.sft.group_by_length)
+            stats = (fit_sft(trainer, samples, 1, cfg.sft.batch_size, cfg.sft.lr, by_length=cfg.sft.group_by_length)
+                     if p else {})
             t_sft = time.perf_counter() - t0
             res = trainer.evaluate(n_tasks=a.eval_tasks or None)
             if a.show:  # what the policy does on the first held-out tasks
@@ -68,7 +71,7 @@ def main() -> None:
             if held_out:
                 res.update(_step_accuracy(trainer, held_out))
             print(json.dumps(dict(sft_pass=p, sft_s=round(t_sft, 1), eval_s=round(time.perf_counter() - t0 - t_sft, 1),
-                                  loss=round(stats["sft_loss_last"], 3),
+                                  loss=round(stats["sft_loss_last"], 3) if stats else None,
                                   **{k: round(v, 3) for k, v in res.items()
                                      if k.startswith(("eval/success", "eval/sampled", "step_acc"))
                                      or k in ("eval/turns_per_episode", "eval/valid_format")})), flush=True)
@@ -117,6 +120,7 @@ def _step_accuracy(trainer, states: list) -> dict[str, float]:
     allh = [h for v in hits.values() for h in v]
     res = {"step_acc": sum(allh) / max(1, len(allh)), "step_states": float(len(allh))}
     res.update({f"step_acc/{v}": sum(h) / len(h) for v, h in sorted(hits.items()) if len(h) >= 10})
+    res.update({f"step_acc_n/{v}": float(len(h)) for v, h in sorted(hits.items()) if len(h) >= 10})
     return res
 
 

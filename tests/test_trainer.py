@@ -204,6 +204,10 @@ def test_malformed_yaml_and_inheritance(tmp_path):
     assert load_config("grpo", env="alfworld").trainer.steps == 10
     assert load_config("leafe", env="alfworld").trainer.steps == 1
     assert load_config("leafe", env="alfworld").rollout.max_turns == 30  # not set by leafe: overlay applies
+    # crps's own alfworld overlay (expert entries in a working set) on top of grpo's, not on other envs
+    crps = load_config("crps", env="alfworld")
+    assert (crps.extra["expert_per_step"], crps.extra["when_full"], crps.trainer.steps) == (4, "refuse", 20)
+    assert crps.rollout.max_turns == 30 and load_config("crps", env="sokoban").extra["expert_per_step"] == 0
     loop = tmp_path / "loop.yaml"
     loop.write_text(f"base: {loop}\n")
     with pytest.raises(ConfigError, match="inheritance loop"):
