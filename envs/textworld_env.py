@@ -122,8 +122,10 @@ class TextWorldEnv(TextEnv):
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         valid = action.lower() in {c.lower() for c in self.gs["admissible_commands"] or []}
         prev = self.gs["score"]
-        # the Z-machine reads ASCII: other characters cut its output mid-character (a UnicodeDecodeError)
-        self.gs, _, done = self.tw.step(action.encode("ascii", "ignore").decode())
+        # the Z-machine reads ASCII: other characters cut its output mid-character (a UnicodeDecodeError);
+        # its interpreter takes a line starting with a backslash as its own command and then hangs
+        command = action.encode("ascii", "ignore").decode().replace("\\", " ").strip()
+        self.gs, _, done = self.tw.step(command)
         reward = float(self.gs["score"] - prev)
         return clean_feedback(self.gs.feedback), reward, bool(done), self._info(valid)
 

@@ -29,6 +29,22 @@ def test_textworld_game_is_the_same_from_cache_and_reads_like_a_game():
     assert trace.actions[0] in run_expert(again, "valid/00001")[0].actions  # same walkthrough
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_textworld_takes_a_backslash_command_as_game_text():
+    """The Z-machine's interpreter reads a line starting with a backslash as its own command and then
+    waited forever; a sampled model can write one (the fuzz test hung on it)."""
+    env = make("textworld")
+    try:
+        task = env.tasks("train")[0].task_id
+        for text in ("\\x00", "\\n", "\\help", "go \\ north"):
+            env.reset(task, 0)
+            obs, reward, terminated, truncated, info = env.step(text)
+            assert isinstance(obs, str) and not info["action_is_valid"] and not terminated
+    finally:
+        env.close()
+
+
 def test_clean_feedback_drops_banner_and_status():
     raw = "\n\n  ________\n | $$$$ \\\n\nWelcome! Go east.\n\n-= Pantry =-\nA pantry.\n\n>   -= Pantry =-0/1"
     assert clean_feedback(raw) == "Welcome! Go east.\n-= Pantry =-\nA pantry."
