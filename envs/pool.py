@@ -149,21 +149,22 @@ class EnvPool:
     def pid(self, slot: int) -> int:
         return self.slots[slot].proc.pid
 
+    def _trouble(self, status: str, why: str) -> tuple[str, str]:
+        """Count a timed-out or crashed request and keep why, for the run's summary."""
+        self.stats["timeouts" if status == "timeout" else "crashes"] += 1
+        self.last_error = why
+        return status, why
+
     def _recv(self, i: int, timeout: float) -> tuple[str, Any]:
         conn = self.slots[i].conn
         try:
             if not conn.poll(timeout):
-                self.stats["timeouts"] += 1
-                self.last_error = f"no answer within {timeout:.0f}s"
-                return "timeout", self.last_error
+                return self._trouble("timeout", f"no answer within {timeout:.0f}s")
             msg = conn.recv()
         except (EOFError, OSError, ConnectionResetError) as e:
-            self.stats["crashes"] += 1
-            self.last_error = f"worker died ({type(e).__name__})"
-            return "crash", self.last_error
+            return self._trouble("crash", f"worker died ({type(e).__name__})")
         if msg[0] == "crash":  # the env raised in the worker: its traceback's last line says why
-            self.stats["crashes"] += 1
-            self.last_error = (str(msg[1]).strip().splitlines() or ["?"])[-1][:300]
+            self._trouble("crash", (str(msg[1]).strip().splitlines() or ["?"])[-1][:300])
         return msg
 
     def _send(self, i: int, msg: tuple) -> bool:
@@ -181,8 +182,7 @@ class EnvPool:
         out = {}
         for i in requests:
             if not sent[i]:
-                self.stats["crashes"] += 1
-                out[i] = ("crash", "worker pipe closed")
+                out[i] = self._trouble("crash", "worker pipe closed")
                 continue
             out[i] = self._recv(i, max(0.0, deadline - time.monotonic()))
         return out

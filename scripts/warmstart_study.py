@@ -51,7 +51,7 @@ def main() -> None:
             print(json.dumps(dict(demos=cfg.sft.demos, samples=len(samples), expert_success=expert_success,
                                   demo_s=round(time.perf_counter() - t0, 1))), flush=True)
         held_out = _held_out_states(trainer, a.step_acc) if a.step_acc else []
-        for p in range(0 if a.passes == 0 else 1, a.passes + 1):
+        for p in range(1, a.passes + 1) or [0]:  # pass 0: the model as it is
             t0 = time.perf_counter()
             stats = (fit_sft(trainer, samples, 1, cfg.sft.batch_size, cfg.sft.lr, by_length=cfg.sft.group_by_length)
                      if p else {})
@@ -119,8 +119,9 @@ def _step_accuracy(trainer, states: list) -> dict[str, float]:
         hits.setdefault(verb, []).append(int(action(out.text) == want))
     allh = [h for v in hits.values() for h in v]
     res = {"step_acc": sum(allh) / max(1, len(allh)), "step_states": float(len(allh))}
-    res.update({f"step_acc/{v}": sum(h) / len(h) for v, h in sorted(hits.items()) if len(h) >= 10})
-    res.update({f"step_acc_n/{v}": float(len(h)) for v, h in sorted(hits.items()) if len(h) >= 10})
+    for v, h in sorted(hits.items()):
+        if len(h) >= 10:
+            res[f"step_acc/{v}"], res[f"step_acc_n/{v}"] = sum(h) / len(h), float(len(h))
     return res
 
 
