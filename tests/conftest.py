@@ -1,5 +1,14 @@
 """Shared fixtures: a tiny model built from a small corpus (seconds), reused by the generation tests."""
+import os
+
 import pytest
+from hypothesis import settings
+
+# The fuzz tests draw the same examples every run, so CI fails on a change, not on the luck of a draw (a
+# fresh draw once found a TextWorld hang by chance). HYPOTHESIS_PROFILE=explore draws new ones, for hunting.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 CORPUS = [
     "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets.",
