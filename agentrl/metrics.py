@@ -111,6 +111,15 @@ class MetricsLogger:
             self.wb.finish()
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (GiB): what a run needs of the machine, its workers aside."""
+    import resource
+    import sys
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform == "darwin" else 1)
+    return kib / 2**20
+
+
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
     """The rows of ``metrics.jsonl``; a torn last line (a run killed mid-write) is skipped."""
     path = Path(out_dir) / "metrics.jsonl"

@@ -29,7 +29,7 @@ from agentrl.config import ConfigError, RecipeCfg, dump
 from agentrl.learner.batch import Sample, collate
 from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
 from agentrl.learner.lr import lr_factor, set_lr
-from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, read_metrics,
+from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, peak_rss_gib, read_metrics,
                              truncate_metrics)
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
 from agentrl.seeds import mix_seed
@@ -463,7 +463,7 @@ class Trainer:
         if self.step == 0 and not resumed:
             pre = self.recipe.before_training(self) if hasattr(self.recipe, "before_training") else {}
             first = self.evaluate() if self.cfg.eval.tasks else {}
-            self._log(0, {**pre, **first})
+            self._log(0, {**pre, **first, "peak_rss_gib": peak_rss_gib()})
             self._print(0, first)
             if pre:  # a warm start (minutes of SFT) is not redone when the run is killed before its first checkpoint
                 self.save_checkpoint()
@@ -485,6 +485,7 @@ class Trainer:
                 self.env_steps += int(metrics.get("env_steps", 0))
                 metrics["env_steps_total"] = float(self.env_steps)
                 metrics["time_step_s"] = time.perf_counter() - t
+                metrics["peak_rss_gib"] = peak_rss_gib()
                 history.append(metrics)
                 metrics.update(echo_trap_flags(history))
                 e, last = self.cfg.eval, self.finished()

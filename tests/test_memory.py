@@ -1,0 +1,44 @@
+"""The learner's memory stays bounded when every batch has a new shape (bf16 autocast on CPU)."""
+import subprocess
+import sys
+
+import pytest
+
+PROBE = r"""
+import ctypes, os, random, sys
+import agentrl  # noqa: F401  (caps oneDNN's per-shape kernel caches unless the caller set them)
+import torch
+import torch.nn.functional as F
+
+print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"])
+libc = ctypes.CDLL("libc.so.6")
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+rng, w, before = random.Random(0), torch.randn(512, 192, requires_grad=True), 0.0
+for i in range(300):
+    x = torch.randn(rng.randint(2000, 16000), 192, requires_grad=True)  # a new micro-batch shape
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = F.linear(x, w)
+    y.float().sum().backward()
+    libc.malloc_trim(0)  # what is left is held, not freed-but-kept by the allocator
+    if i == 49:
+        before = rss()
+print(rss() - before)
+"""
+
+
+def probe(code: str = PROBE, **env_over):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **env_over}, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split("\n")
+    return out[0], float(out[1]) if out[1] else None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and glibc's malloc_trim")
+def test_bf16_matmuls_of_new_shapes_do_not_grow_memory():
+    caps, growth = probe()
+    assert caps == "64 64"
+    assert growth < 100, f"{growth:.0f} MB held after 250 new shapes"  # uncapped: ~1.7 MB a shape (~420 MB)
+    caps, _ = probe(PROBE.split("libc =")[0], ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
+    assert caps == "1024 64"  # a user's own setting wins
