@@ -70,6 +70,7 @@ play: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/agentrl bench
 	$(BIN)/agentrl bench parse
+	$(BIN)/agentrl bench learner
 
 serve: $(STAMP)
 	$(BIN)/agentrl serve --model $(or $(MODEL),tiny)

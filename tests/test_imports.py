@@ -17,7 +17,8 @@ LAYERS = [
     ["agentrl.config"],
     ["agentrl.trainer"],
     ["agentrl.train_cmd", "agentrl.serve_cmd", "agentrl.envs_cmd", "agentrl.bench_cmd",
-     "agentrl.bench_ranks", "agentrl.bench_sync", "agentrl.bench_rollout", "agentrl.cli", "agentrl"],
+     "agentrl.bench_ranks", "agentrl.bench_sync", "agentrl.bench_rollout", "agentrl.bench_learner",
+     "agentrl.cli", "agentrl"],
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

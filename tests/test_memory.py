@@ -42,3 +42,17 @@ def test_bf16_matmuls_of_new_shapes_do_not_grow_memory():
     assert growth < 100, f"{growth:.0f} MB held after 250 new shapes"  # uncapped: ~1.7 MB a shape (~420 MB)
     caps, _ = probe(PROBE.split("libc =")[0], ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
     assert caps == "1024 64"  # a user's own setting wins
+
+
+def test_bench_learner_reports_time_and_memory(tiny_model_dir, tmp_path):
+    """`agentrl bench learner` runs on a model folder and writes its figures (the memory drift it reports
+    is a benchmark's job, not a test's: readings move by tens of MB a step)."""
+    import json
+
+    from agentrl.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "learner", "--model", str(tiny_model_dir), "--learner-steps", "3", "--lengths", "20-60",
+                 "--json", str(out)]) == 0
+    fig = json.loads(out.read_text())
+    assert fig["steps"] == 3 and len(fig["rss_mb"]) == 3 and fig["step_s"] > 0 and fig["onednn_cache"] == "64"

@@ -1,0 +1,74 @@
+"""`agentrl bench learner`: the learner's time and resident memory over optimizer steps whose batches each
+have new shapes, as SFT and RL batches do (32 rows of random lengths, cut into micro-batches by the token
+budget). Memory must level off after the first steps: under bf16 autocast on CPU, kernel caches keyed by
+shape grew by ~80 MB a step until ``import agentrl`` capped them (docs/memory.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--learner-steps", type=int, default=30, help="learner: optimizer steps (default 30)")
+    p.add_argument("--lengths", default="200-1200", help="learner: row lengths drawn from this range (tokens)")
+    p.add_argument("--autocast", default="bf16", choices=["bf16", "none"], help="learner: bf16 autocast or fp32")
+    p.add_argument("--token-budget", type=int, default=16384, help="learner: tokens per micro-batch")
+
+
+def slope(ys: list[float]) -> float:
+    """Least-squares change per step: one step's reading moves by tens of MB as the allocator keeps or
+    returns a micro-batch's activations, so two readings alone say little."""
+    n = len(ys)
+    if n < 2:
+        return 0.0
+    mx, my = (n - 1) / 2, sum(ys) / n
+    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
+
+
+def run(args: argparse.Namespace) -> int:
+    import psutil
+
+    from agentrl.algos.losses import sft_loss
+    from agentrl.learner.batch import Sample, collate
+    from agentrl.learner.engine import EngineConfig, TorchEngine
+    from agentrl.model_zoo import resolve_model
+
+    lo, hi = (int(x) for x in args.lengths.split("-"))
+    eng = TorchEngine(resolve_model(args.model), EngineConfig(
+        token_budget=args.token_budget, autocast="" if args.autocast == "none" else args.autocast))
+    vocab, rng, proc = eng.model.config.vocab_size, random.Random(0), psutil.Process()
+
+    def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
+        return sft_loss(out["logp"], mb.loss_mask), {}
+
+    rss, secs = [], []
+    for _ in range(args.learner_steps):
+        rows = []
+        for _ in range(32):
+            n = rng.randint(lo, hi)
+            ids = [rng.randrange(vocab) for _ in range(n)]
+            rows.append(Sample(ids, [0] * (n - 16) + [1] * 16, [0.0] * n, [1.0] * n))
+        t = time.perf_counter()
+        eng.step(collate(rows, eng.pad_id), loss)
+        secs.append(time.perf_counter() - t)
+        rss.append(proc.memory_info().rss / 2**20)
+    first = len(rss) // 3  # the first steps fill the caches and the allocator's pools
+    fig = dict(model=args.model, autocast=args.autocast, steps=len(rss), lengths=args.lengths,
+               onednn_cache=os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ""),
+               ideep_cache=os.environ.get("LRU_CACHE_CAPACITY", ""), step_s=sum(secs[1:]) / max(1, len(secs) - 1),
+               rss_mb_step1=rss[0], rss_mb_last=rss[-1],
+               rss_growth_mb_per_step=slope(rss[first:]), rss_mb=[round(x) for x in rss])
+    print(f"learner: model {args.model}, autocast {args.autocast}, {len(rss)} steps of 32 rows of {args.lengths} "
+          "tokens, "
+          f"kernel caches {fig['onednn_cache'] or 'default'}/{fig['ideep_cache'] or 'default'}")
+    print(f"  {fig['step_s']:.2f} s a step; resident {rss[0]:.0f} MB after step 1, {rss[-1]:.0f} MB at the end: "
+          f"{fig['rss_growth_mb_per_step']:+.1f} MB a step after step {first + 1} (goal: under 10; uncapped ~80)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(fig, indent=1))
+    return 0
