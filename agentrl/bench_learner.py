@@ -14,9 +14,20 @@ from pathlib import Path
 from typing import Any
 
 
+def length_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give the shortest and longest row as LO-HI (200-1200)") from None
+    if not 17 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 17 <= LO <= HI (each row has 16 target tokens)")
+    return lo, hi
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learner-steps", type=int, default=30, help="learner: optimizer steps (default 30)")
-    p.add_argument("--lengths", default="200-1200", help="learner: row lengths drawn from this range (tokens)")
+    p.add_argument("--lengths", default="200-1200", type=length_range,
+                   help="learner: row lengths drawn from LO-HI tokens (default 200-1200)")
     p.add_argument("--autocast", default="bf16", choices=["bf16", "none"], help="learner: bf16 autocast or fp32")
     p.add_argument("--token-budget", type=int, default=16384, help="learner: tokens per micro-batch")
 
@@ -39,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.learner.engine import EngineConfig, TorchEngine
     from agentrl.model_zoo import resolve_model
 
-    lo, hi = (int(x) for x in args.lengths.split("-"))
+    lo, hi = args.lengths
     eng = TorchEngine(resolve_model(args.model), EngineConfig(
         token_budget=args.token_budget, autocast="" if args.autocast == "none" else args.autocast))
     vocab, rng, proc = eng.model.config.vocab_size, random.Random(0), psutil.Process()
@@ -59,13 +70,12 @@ def run(args: argparse.Namespace) -> int:
         secs.append(time.perf_counter() - t)
         rss.append(proc.memory_info().rss / 2**20)
     first = len(rss) // 3  # the first steps fill the caches and the allocator's pools
-    fig = dict(model=args.model, autocast=args.autocast, steps=len(rss), lengths=args.lengths,
+    fig = dict(model=args.model, autocast=args.autocast, steps=len(rss), lengths=f"{lo}-{hi}",
                onednn_cache=os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ""),
                ideep_cache=os.environ.get("LRU_CACHE_CAPACITY", ""), step_s=sum(secs[1:]) / max(1, len(secs) - 1),
                rss_mb_step1=rss[0], rss_mb_last=rss[-1],
                rss_growth_mb_per_step=slope(rss[first:]), rss_mb=[round(x) for x in rss])
-    print(f"learner: model {args.model}, autocast {args.autocast}, {len(rss)} steps of 32 rows of {args.lengths} "
-          "tokens, "
+    print(f"learner: model {args.model}, autocast {args.autocast}, {len(rss)} steps of 32 rows of {lo}-{hi} tokens, "
           f"kernel caches {fig['onednn_cache'] or 'default'}/{fig['ideep_cache'] or 'default'}")
     print(f"  {fig['step_s']:.2f} s a step; resident {rss[0]:.0f} MB after step 1, {rss[-1]:.0f} MB at the end: "
           f"{fig['rss_growth_mb_per_step']:+.1f} MB a step after step {first + 1} (goal: under 10; uncapped ~80)")

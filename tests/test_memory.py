@@ -48,6 +48,7 @@ def test_bench_learner_reports_time_and_memory(tiny_model_dir, tmp_path):
     """`agentrl bench learner` runs on a model folder and writes its figures (the memory drift it reports
     is a benchmark's job, not a test's: readings move by tens of MB a step)."""
     import json
+    import os
 
     from agentrl.cli import main
 
@@ -55,4 +56,5 @@ def test_bench_learner_reports_time_and_memory(tiny_model_dir, tmp_path):
     assert main(["bench", "learner", "--model", str(tiny_model_dir), "--learner-steps", "3", "--lengths", "20-60",
                  "--json", str(out)]) == 0
     fig = json.loads(out.read_text())
-    assert fig["steps"] == 3 and len(fig["rss_mb"]) == 3 and fig["step_s"] > 0 and fig["onednn_cache"] == "64"
+    assert fig["steps"] == 3 and len(fig["rss_mb"]) == 3 and fig["step_s"] > 0
+    assert fig["onednn_cache"] == os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
