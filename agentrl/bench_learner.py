@@ -73,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
     fig = dict(model=args.model, autocast=args.autocast, steps=len(rss), lengths=f"{lo}-{hi}",
                onednn_cache=os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ""),
                ideep_cache=os.environ.get("LRU_CACHE_CAPACITY", ""), step_s=sum(secs[1:]) / max(1, len(secs) - 1),
-               rss_mb_step1=rss[0], rss_mb_last=rss[-1],
                rss_growth_mb_per_step=slope(rss[first:]), rss_mb=[round(x) for x in rss])
     print(f"learner: model {args.model}, autocast {args.autocast}, {len(rss)} steps of 32 rows of {lo}-{hi} tokens, "
           f"kernel caches {fig['onednn_cache'] or 'default'}/{fig['ideep_cache'] or 'default'}")

@@ -463,7 +463,7 @@ class Trainer:
         if self.step == 0 and not resumed:
             pre = self.recipe.before_training(self) if hasattr(self.recipe, "before_training") else {}
             first = self.evaluate() if self.cfg.eval.tasks else {}
-            self._log(0, {**pre, **first, "peak_rss_gib": peak_rss_gib()})
+            self._log(0, {**pre, **first})
             self._print(0, first)
             if pre:  # a warm start (minutes of SFT) is not redone when the run is killed before its first checkpoint
                 self.save_checkpoint()
@@ -485,7 +485,6 @@ class Trainer:
                 self.env_steps += int(metrics.get("env_steps", 0))
                 metrics["env_steps_total"] = float(self.env_steps)
                 metrics["time_step_s"] = time.perf_counter() - t
-                metrics["peak_rss_gib"] = peak_rss_gib()
                 history.append(metrics)
                 metrics.update(echo_trap_flags(history))
                 e, last = self.cfg.eval, self.finished()
@@ -517,8 +516,8 @@ class Trainer:
         return self.step >= t.steps or (t.env_steps > 0 and self.env_steps >= t.env_steps)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
-        if self.logger is not None:
-            self.logger.log(step, metrics)
+        if self.logger is not None:  # every row says how much memory the run has needed so far
+            self.logger.log(step, {**metrics, "peak_rss_gib": peak_rss_gib()})
 
     def _print(self, step: int, m: dict[str, float]) -> None:
         if "eval/success" in m:
