@@ -2,6 +2,9 @@
 have new shapes, as SFT and RL batches do (32 rows of random lengths, cut into micro-batches by the token
 budget). Memory must level off after the first steps: under bf16 autocast on CPU, kernel caches keyed by
 shape grew by ~80 MB a step until ``import agentrl`` capped them (docs/memory.md).
+
+It also counts the ATen operators one step dispatches (device-independent): on a GPU a small model's
+step is bound by launching them, not by arithmetic, so rows per step decide its speed (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -30,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="learner: row lengths drawn from LO-HI tokens (default 200-1200)")
     p.add_argument("--autocast", default="bf16", choices=["bf16", "none"], help="learner: bf16 autocast or fp32")
     p.add_argument("--token-budget", type=int, default=16384, help="learner: tokens per micro-batch")
+    p.add_argument("--rows", type=int, default=32, help="learner: rows per optimizer step (default 32)")
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="learner: LoRA rank R, alpha 2R (default 0: "
+                   "full fine-tuning)")
+    p.add_argument("--device", default="cpu", help="learner: cpu (default) | cuda | cuda:N")
 
 
 def slope(ys: list[float]) -> float:
@@ -42,40 +49,67 @@ def slope(ys: list[float]) -> float:
     return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
 
 
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def count_ops(step: Any) -> tuple[int, int]:
+    """(ATen operators, those called from Python) during one call of ``step``, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    return len(aten), sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+
+
 def run(args: argparse.Namespace) -> int:
     import psutil
 
     from agentrl.algos.losses import sft_loss
     from agentrl.learner.batch import Sample, collate
-    from agentrl.learner.engine import EngineConfig, TorchEngine
+    from agentrl.learner.engine import EngineConfig, LoraSettings, TorchEngine
     from agentrl.model_zoo import resolve_model
 
     lo, hi = args.lengths
     eng = TorchEngine(resolve_model(args.model), EngineConfig(
-        token_budget=args.token_budget, autocast="" if args.autocast == "none" else args.autocast))
+        token_budget=args.token_budget, autocast="" if args.autocast == "none" else args.autocast,
+        lora=LoraSettings(args.lora, 2 * args.lora) if args.lora else None, device=args.device))
     vocab, rng, proc = eng.model.config.vocab_size, random.Random(0), psutil.Process()
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
         return sft_loss(out["logp"], mb.loss_mask), {}
 
-    rss, secs = [], []
-    for _ in range(args.learner_steps):
+    def batch() -> Any:
         rows = []
-        for _ in range(32):
+        for _ in range(args.rows):
             n = rng.randint(lo, hi)
             ids = [rng.randrange(vocab) for _ in range(n)]
             rows.append(Sample(ids, [0] * (n - 16) + [1] * 16, [0.0] * n, [1.0] * n))
+        return collate(rows, eng.pad_id)
+
+    rss, secs = [], []
+    for _ in range(args.learner_steps):
+        b = batch()
         t = time.perf_counter()
-        eng.step(collate(rows, eng.pad_id), loss)
+        eng.step(b, loss)
+        sync(args.device)
         secs.append(time.perf_counter() - t)
         rss.append(proc.memory_info().rss / 2**20)
+    ops, top_ops = count_ops(lambda: eng.step(batch(), loss))  # one more step, outside the timed ones
     first = len(rss) // 3  # the first steps fill the caches and the allocator's pools
-    fig = dict(model=args.model, autocast=args.autocast, steps=len(rss), lengths=f"{lo}-{hi}",
+    fig = dict(model=args.model, lora=args.lora, device=args.device, rows=args.rows, autocast=args.autocast,
+               steps=len(rss), lengths=f"{lo}-{hi}", aten_ops_per_step=ops, top_level_ops_per_step=top_ops,
                onednn_cache=os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ""),
                ideep_cache=os.environ.get("LRU_CACHE_CAPACITY", ""), step_s=sum(secs[1:]) / max(1, len(secs) - 1),
                rss_growth_mb_per_step=slope(rss[first:]), rss_mb=[round(x) for x in rss])
-    print(f"learner: model {args.model}, autocast {args.autocast}, {len(rss)} steps of 32 rows of {lo}-{hi} tokens, "
-          f"kernel caches {fig['onednn_cache'] or 'default'}/{fig['ideep_cache'] or 'default'}")
+    print(f"learner: model {args.model}{f' + LoRA r{args.lora}' if args.lora else ''} on {args.device}, autocast "
+          f"{args.autocast}, {len(rss)} steps of {args.rows} rows of {lo}-{hi} tokens, kernel caches "
+          f"{fig['onednn_cache'] or 'default'}/{fig['ideep_cache'] or 'default'}")
+    print(f"  {top_ops} operators dispatched a step ({ops} counting those they call)")
     print(f"  {fig['step_s']:.2f} s a step; resident {rss[0]:.0f} MB after step 1, {rss[-1]:.0f} MB at the end: "
           f"{fig['rss_growth_mb_per_step']:+.1f} MB a step after step {first + 1} (goal: under 10; uncapped ~80)")
     if args.json:

@@ -57,4 +57,10 @@ def test_bench_learner_reports_time_and_memory(tiny_model_dir, tmp_path):
                  "--json", str(out)]) == 0
     fig = json.loads(out.read_text())
     assert fig["steps"] == 3 and len(fig["rss_mb"]) == 3 and fig["step_s"] > 0
+    # 4 layers: each dispatches its projections, attention and MLP forward and backward
+    assert 500 < fig["top_level_ops_per_step"] < fig["aten_ops_per_step"]
+    assert main(["bench", "learner", "--model", str(tiny_model_dir), "--learner-steps", "1", "--lengths", "20-60",
+                 "--rows", "4", "--lora", "4", "--json", str(out)]) == 0
+    lora = json.loads(out.read_text())
+    assert lora["lora"] == 4 and lora["rows"] == 4 and lora["top_level_ops_per_step"] > 500
     assert fig["onednn_cache"] == os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
