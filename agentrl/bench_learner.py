@@ -4,7 +4,7 @@ budget). Memory must level off after the first steps: under bf16 autocast on CPU
 shape grew by ~80 MB a step until ``import agentrl`` capped them (docs/memory.md).
 
 It also counts the ATen operators one step dispatches (device-independent): on a GPU a small model's
-step is bound by launching them, not by arithmetic, so rows per step decide its speed (docs/gpu.md).
+step is bound by launching them, not by arithmetic (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -99,17 +99,25 @@ def run(args: argparse.Namespace) -> int:
         sync(args.device)
         secs.append(time.perf_counter() - t)
         rss.append(proc.memory_info().rss / 2**20)
-    ops, top_ops = count_ops(lambda: eng.step(batch(), loss))  # one more step, outside the timed ones
+    # one more step, outside the timed ones: forward and backward, then clipping and the update (on CPU
+    # these loop over the parameters one tensor at a time; on CUDA torch batches them by default)
+    b = batch()
+    eng.model.train()
+    eng.optimizer.zero_grad(set_to_none=True)
+    ops, top_ops = count_ops(lambda: eng.backward(b, loss))
+    opt_ops, opt_top = count_ops(eng._clip_and_step)
     first = len(rss) // 3  # the first steps fill the caches and the allocator's pools
     fig = dict(model=args.model, lora=args.lora, device=args.device, rows=args.rows, autocast=args.autocast,
-               steps=len(rss), lengths=f"{lo}-{hi}", aten_ops_per_step=ops, top_level_ops_per_step=top_ops,
+               steps=len(rss), lengths=f"{lo}-{hi}", aten_ops_per_step=ops + opt_ops,
+               top_level_ops_per_step=top_ops + opt_top, top_level_ops_update=opt_top,
                onednn_cache=os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ""),
                ideep_cache=os.environ.get("LRU_CACHE_CAPACITY", ""), step_s=sum(secs[1:]) / max(1, len(secs) - 1),
                rss_growth_mb_per_step=slope(rss[first:]), rss_mb=[round(x) for x in rss])
     print(f"learner: model {args.model}{f' + LoRA r{args.lora}' if args.lora else ''} on {args.device}, autocast "
           f"{args.autocast}, {len(rss)} steps of {args.rows} rows of {lo}-{hi} tokens, kernel caches "
           f"{fig['onednn_cache'] or 'default'}/{fig['ideep_cache'] or 'default'}")
-    print(f"  {top_ops} operators dispatched a step ({ops} counting those they call)")
+    print(f"  {top_ops + opt_top} operators dispatched a step ({ops + opt_ops} counting those they call), "
+          f"{opt_top} of them by clipping and the optimizer update")
     print(f"  {fig['step_s']:.2f} s a step; resident {rss[0]:.0f} MB after step 1, {rss[-1]:.0f} MB at the end: "
           f"{fig['rss_growth_mb_per_step']:+.1f} MB a step after step {first + 1} (goal: under 10; uncapped ~80)")
     if args.json:

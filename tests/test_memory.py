@@ -59,6 +59,7 @@ def test_bench_learner_reports_time_and_memory(tiny_model_dir, tmp_path):
     assert fig["steps"] == 3 and len(fig["rss_mb"]) == 3 and fig["step_s"] > 0
     # 4 layers: each dispatches its projections, attention and MLP forward and backward
     assert 500 < fig["top_level_ops_per_step"] < fig["aten_ops_per_step"]
+    assert 0 < fig["top_level_ops_update"] < fig["top_level_ops_per_step"]
     assert main(["bench", "learner", "--model", str(tiny_model_dir), "--learner-steps", "1", "--lengths", "20-60",
                  "--rows", "4", "--lora", "4", "--json", str(out)]) == 0
     lora = json.loads(out.read_text())
