@@ -29,6 +29,9 @@ class ModelCfg:
     # "bf16": the torch engine trains under bf16 autocast (fp32 weights and rollouts; ~2x faster updates
     # on CPUs with AVX512-BF16). "": plain dtype
     autocast: Literal["", "bf16"] = ""
+    # torch.compile the learner's decoder (dynamic shapes): a small model's step on a GPU is bound by the
+    # operators it dispatches, which compiling fuses (docs/gpu.md); the first step pays the compile
+    compile: bool = False
 
 
 @dataclass

@@ -163,7 +163,8 @@ class Trainer:
                                               grad_clip=c.optim.grad_clip, warmup_steps=c.optim.warmup_steps),
                             lora=LoraSettings(r=c.model.lora_r, alpha=c.model.lora_alpha) if c.model.lora_r else None,
                             value_head=self.recipe.estimator().needs_values, token_budget=c.optim.token_budget,
-                            dtype=c.model.dtype, seed=c.trainer.seed, device=self.device, autocast=c.model.autocast)
+                            dtype=c.model.dtype, seed=c.trainer.seed, device=self.device, autocast=c.model.autocast,
+                            compile=c.model.compile)
         if c.trainer.engine == "deepspeed":
             from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, DeepSpeedEngine
 

@@ -1,6 +1,7 @@
 """The torch learner engine: batching, accumulation, loss decrease, LoRA, value head, exact resume."""
 import copy
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -390,3 +391,40 @@ def test_a_reset_optimizer_steps_as_a_fresh_one(tiny_model_dir, tmp_path):
     after = lambda e: torch.cat([p.detach().flatten() for p in e.model.parameters()])  # noqa: E731
     assert torch.allclose(after(eng), after(fresh), atol=1e-6)
     assert not torch.allclose(after(kept), after(fresh), atol=1e-6)
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_a_compiled_decoder_trains_as_the_eager_one(tiny_model_dir, tmp_path):
+    """model.compile: the same losses and updated weights as eager steps (LoRA, rows sharing a system
+    prompt, new lengths each step), and the weights keep their names for checkpoints and weight sync."""
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(4, 300, (20,), generator=g).tolist()
+
+    def batch(k):
+        return collate([turn_sample(system + s.ids, [7, 8, 9][:1 + (i + k) % 3], [-5.0] * (1 + (i + k) % 3), 1.0)
+                        for i, s in enumerate(_samples(n=4 + k, seed=k))], pad_id=0)
+
+    def nll(mb, out):
+        return -(out["logp"] * mb.loss_mask).sum() / mb.loss_mask.sum(), {}
+
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    runs = {}
+    for compiled in (False, True):
+        eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=3e-3), lora=LoraSettings(r=4, alpha=8),
+                                                       compile=compiled))
+        losses = [eng.step(batch(k), nll)["loss"] for k in range(3)]
+        runs[compiled] = (losses, dict(eng.iter_weights()))
+    assert counters["stats"]["unique_graphs"] > 0  # the decoder did run compiled
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-4)
+    assert runs[True][1].keys() == runs[False][1].keys()
+    assert all(torch.allclose(runs[True][1][k], runs[False][1][k], atol=1e-5) for k in runs[False][1])
+
+
+def test_compile_under_deepspeed_is_refused_with_what_to_do(tiny_model_dir):
+    from agentrl.learner.deepspeed_engine import DeepSpeedEngine
+
+    with pytest.raises(NotImplementedError, match="trainer.engine=torch"):
+        DeepSpeedEngine(tiny_model_dir, EngineConfig(compile=True))

@@ -105,6 +105,9 @@ class DeepSpeedEngine:
         if self.cfg.lora is not None:
             raise NotImplementedError("LoRA under trainer.engine=deepspeed is not supported yet (the in-memory "
                                       "weight sync merges full weights only); use trainer.engine=torch for LoRA")
+        if self.cfg.compile:
+            raise NotImplementedError("model.compile under trainer.engine=deepspeed is not supported (ZeRO-3 gathers "
+                                      "parameters in hooks around each module); use trainer.engine=torch to compile")
         if self.cfg.device == "cpu":
             skip_cpu_shm_build()
         if not dist.is_initialized():

@@ -52,6 +52,7 @@ class EngineConfig:
     # "bf16": training forward/backward under bf16 autocast (weights, optimizer and rollouts stay in
     # dtype); ~2x the learner's speed on CPUs with AVX512-BF16
     autocast: str = ""
+    compile: bool = False  # torch.compile the decoder (see ModelCfg.compile)
 
 
 def rng_state() -> dict[str, Any]:
@@ -208,6 +209,8 @@ class TorchEngine:
         self.model = load_model(model_dir, self.cfg.dtype, self.cfg.device)
         if self.cfg.lora is not None:
             self.model = self._wrap_lora(self.model, self.cfg.lora)
+        if self.cfg.compile:
+            self._compile_decoder()
         self.value_head = ValueHead(self.model.config.hidden_size).to(self.cfg.device) if self.cfg.value_head else None
         self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=self.cfg.optim.lr,
                                            betas=self.cfg.optim.betas, eps=self.cfg.optim.eps,
@@ -224,6 +227,14 @@ class TorchEngine:
 
         return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+
+    def _compile_decoder(self) -> None:
+        """Compile the decoder in place (its parameters, LoRA's included, stay the ones the optimizer and
+        checkpoints see). Shapes change every batch, hence dynamic; the head and losses stay eager."""
+        parts = _decoder_and_head(self.model)
+        if parts is None:
+            raise ValueError("model.compile: this model does not expose a decoder and an output head to compile")
+        parts[0].compile(dynamic=True)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         params = [p for p in self.model.parameters() if p.requires_grad]
