@@ -230,11 +230,10 @@ class TorchEngine:
 
     def _compile_decoder(self) -> None:
         """Compile the decoder in place (its parameters, LoRA's included, stay the ones the optimizer and
-        checkpoints see). Shapes change every batch, hence dynamic; the head and losses stay eager."""
+        checkpoints see). Shapes change every batch, hence dynamic; the head and losses stay eager. A
+        model that hides its decoder is called whole (``forward_batch``), so it is compiled whole."""
         parts = _decoder_and_head(self.model)
-        if parts is None:
-            raise ValueError("model.compile: this model does not expose a decoder and an output head to compile")
-        parts[0].compile(dynamic=True)
+        (parts[0] if parts is not None else self.model).compile(dynamic=True)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         params = [p for p in self.model.parameters() if p.requires_grad]
