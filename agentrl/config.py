@@ -2,7 +2,9 @@
 
 A recipe YAML may say ``base: grpo`` (deep-merged over the base recipe's YAML), carry ``env_overlays:
 {alfworld: {...}}`` (merged when that env is chosen, over the keys of the YAML that carries it: a child
-recipe's own keys beat its base's overlay), and be overridden from the command line with
+recipe's own keys beat its base's overlay), carry ``model_overlays: {smollm2: {...}}`` (at the top or inside an
+env overlay: merged when that model is chosen, by ``--model`` or ``model.name=...``: a pretrained model wants
+other SFT settings than one trained from scratch), and be overridden from the command line with
 ``rollout.max_turns=5``-style strings (values parsed as YAML). Every key is checked against the schema
 below before any work starts; a wrong key or value fails with one line naming it and what is allowed.
 """
@@ -290,8 +292,9 @@ def load_config(recipe: str, env: str | None = None, overrides: list[str] | tupl
     data["env"] = chosen_env
     if model:
         data.setdefault("model", {})["name"] = model
-    for text in overrides:
-        keys, value = parse_override(text)
+    parsed = [(text, *parse_override(text)) for text in overrides]
+    data = _apply_model_overlay(data, parsed)
+    for text, keys, value in parsed:
         node = data
         for k in keys[:-1]:
             node = node.setdefault(k, {})
@@ -302,6 +305,25 @@ def load_config(recipe: str, env: str | None = None, overrides: list[str] | tupl
     cfg = build(RecipeCfg, data, "")
     _check_names(cfg)
     return cfg
+
+
+def _apply_model_overlay(data: dict[str, Any], parsed: list[tuple[str, list[str], Any]]) -> dict[str, Any]:
+    """Merge ``model_overlays[<chosen model>]`` under the command line's overrides (which still win)."""
+    overlays = data.pop("model_overlays", None) or {}
+    if not isinstance(overlays, dict):
+        raise ConfigError(f"model_overlays must map model names to sections, got {type(overlays).__name__}")
+    name = (data.get("model") or {}).get("name", ModelCfg.name)
+    for _, keys, value in parsed:
+        if keys == ["model", "name"]:
+            name = value
+    overlay = overlays.get(name)
+    if overlay is None:
+        return data
+    if not isinstance(overlay, dict):
+        raise ConfigError(f"model_overlays.{name} must be a mapping of sections, got {type(overlay).__name__}")
+    if "name" in (overlay.get("model") or {}):
+        raise ConfigError(f"model_overlays.{name} must not set model.name: it is chosen by that name")
+    return deep_merge(data, overlay)
 
 
 # ------------------------------------------------------------------------------------------------------

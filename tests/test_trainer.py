@@ -208,6 +208,20 @@ def test_malformed_yaml_and_inheritance(tmp_path):
     crps = load_config("crps", env="alfworld")
     assert (crps.extra["expert_per_step"], crps.extra["when_full"], crps.trainer.steps) == (4, "refuse", 20)
     assert crps.rollout.max_turns == 30 and load_config("crps", env="sokoban").extra["expert_per_step"] == 0
+    # the chosen model's overlay: by --model or model.name=..., under the command line's other overrides
+    tiny, small = load_config("crps", env="alfworld"), load_config("crps", env="alfworld", model="smollm2")
+    assert (tiny.sft.lr, tiny.sft.batch_size, tiny.optim.token_budget) == (1e-3, 32, 16384)
+    assert (small.sft.lr, small.sft.batch_size, small.sft.demos, small.optim.token_budget) == (1e-4, 64, 400, 32768)
+    assert small.trainer.steps == 20 and small.rollout.max_turns == 30 and small.model.lora_r == 0
+    mine = load_config("crps", env="alfworld", overrides=["model.name=smollm2", "sft.lr=3e-4"])
+    assert (mine.sft.lr, mine.sft.batch_size) == (3e-4, 64)
+    assert load_config("grpo", env="sokoban", model="smollm2").sft.batch_size == 32  # alfworld's overlay only
+    for text, msg in [("model_overlays: {tiny: 3}\n", "model_overlays.tiny must be a mapping"),
+                      ("model_overlays: {tiny: {model: {name: smollm2}}}\n", "must not set model.name"),
+                      ("model_overlays: [tiny]\n", "model_overlays must map model names")]:
+        (tmp_path / "mo.yaml").write_text("base: grpo\n" + text)
+        with pytest.raises(ConfigError, match=msg):
+            load_config(str(tmp_path / "mo.yaml"), env="bandit")
     loop = tmp_path / "loop.yaml"
     loop.write_text(f"base: {loop}\n")
     with pytest.raises(ConfigError, match="inheritance loop"):
