@@ -213,6 +213,7 @@ def test_malformed_yaml_and_inheritance(tmp_path):
     assert (tiny.sft.lr, tiny.sft.batch_size, tiny.optim.token_budget) == (1e-3, 32, 16384)
     assert (small.sft.lr, small.sft.batch_size, small.sft.demos, small.optim.token_budget) == (1e-4, 64, 400, 32768)
     assert small.trainer.steps == 20 and small.rollout.max_turns == 30 and small.model.lora_r == 0
+    assert (tiny.optim.lr, small.optim.lr) == (5e-5, 5e-6)
     mine = load_config("crps", env="alfworld", overrides=["model.name=smollm2", "sft.lr=3e-4"])
     assert (mine.sft.lr, mine.sft.batch_size) == (3e-4, 64)
     assert load_config("grpo", env="sokoban", model="smollm2").sft.batch_size == 32  # alfworld's overlay only
