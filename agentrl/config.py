@@ -316,7 +316,7 @@ def _apply_model_overlay(data: dict[str, Any], parsed: list[tuple[str, list[str]
     for _, keys, value in parsed:
         if keys == ["model", "name"]:
             name = value
-    overlay = overlays.get(name)
+    overlay = overlays.get(name) if isinstance(name, str) else None  # a model folder's path gets none
     if overlay is None:
         return data
     if not isinstance(overlay, dict):
