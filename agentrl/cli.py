@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from agentrl import dist
     from agentrl.config import ConfigError
     from agentrl.generation.client import GenerationServerError
+    from agentrl.learner.engine import LearnerOutOfMemory
     from agentrl.learner.models import ModelError
     from agentrl.registry import RegistryError
     from agentrl.trainer import RunError
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (EnvError, ConfigError, RegistryError, GenerationServerError, ModelError, RunError) as e:
+    except (EnvError, ConfigError, RegistryError, GenerationServerError, ModelError, RunError,
+            LearnerOutOfMemory) as e:
         where = f"[rank {dist.rank()}] " if dist.launched_world() > 1 else ""
         print(f"{where}error: {e}", file=sys.stderr)
         return 2

@@ -64,6 +64,23 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4)
 
 
+def test_a_micro_batch_out_of_memory_names_the_token_budget_to_set(tiny_model_dir, monkeypatch):
+    from agentrl.learner.engine import LearnerOutOfMemory
+
+    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-3), token_budget=30))
+    b = collate(_samples(), pad_id=eng.pad_id)
+
+    def too_big(mb, *a, **k):  # what the CUDA allocator raises when a micro-batch does not fit
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(eng, "forward", too_big)
+    with pytest.raises(LearnerOutOfMemory, match=r"rows of up to \d+ tokens \(optim.token_budget=30\): set "
+                       r"optim.token_budget=15 .*torch: CUDA out of memory"):
+        eng.step(b, _ppo)
+    eng.cfg.token_budget = 1  # every row alone: a smaller budget cannot help
+    with pytest.raises(LearnerOutOfMemory, match="a micro-batch of 1 row of .* one row is already too long"):
+        eng.step(b, _ppo)
+
+
 def test_sft_steps_reduce_the_loss(tiny_model_dir):
     eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=3e-3)))
     b = collate(_samples(), pad_id=eng.pad_id)

@@ -18,7 +18,7 @@ import torch
 
 from agentrl.learner.batch import TokenBatch, micro_batches, row_blocks
 from agentrl.learner.engine import (EngineConfig, FrozenReference, ValueHead, batch_prefix_len, batched_forward,
-                                    forward_batch, rng_state, set_rng_state)
+                                    forward_batch, memory_hint, rng_state, set_rng_state)
 from agentrl.learner.protocol import LossFn
 
 ZERO3 = {
@@ -215,10 +215,11 @@ class DeepSpeedEngine:
             share = (mb.num_targets if weight_by == "tokens" else len(idx)) if idx else 0
             # DeepSpeed averages gradients over ranks: scale by world so the sum over all ranks' shares is 1.
             w = share * self.world / total
-            out = self.forward(mb, temperature, need_entropy, need_values, bool(has_prefix[k]))
-            loss, s = loss_fn(mb, out)
-            self.ds.set_gradient_accumulation_boundary(k == int(n_parts) - 1)
-            self.ds.backward(loss * w, scale_wrt_gas=False)
+            with memory_hint(mbs[k], list(range(len(mbs[k]))), self.cfg.token_budget, self.device):
+                out = self.forward(mb, temperature, need_entropy, need_values, bool(has_prefix[k]))
+                loss, s = loss_fn(mb, out)
+                self.ds.set_gradient_accumulation_boundary(k == int(n_parts) - 1)
+                self.ds.backward(loss * w, scale_wrt_gas=False)
             loss_sum += float(loss.detach()) * share / total
             for key, v in s.items():
                 stats[key] = stats.get(key, 0.0) + float(v) * share / total

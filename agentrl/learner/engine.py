@@ -8,6 +8,7 @@ identically). Optional LoRA (peft) and an optional value head on the policy's la
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from dataclasses import asdict, dataclass, field
@@ -161,6 +162,25 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
     return res
 
 
+class LearnerOutOfMemory(RuntimeError):
+    """A micro-batch did not fit on the device; the message names the setting that makes it fit."""
+
+
+@contextlib.contextmanager
+def memory_hint(batch: TokenBatch, idx: list[int], token_budget: int, device: str) -> Iterator[None]:
+    """Re-raise an out-of-memory error inside micro-batch ``idx`` as one that says what to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        rows, width = len(idx), int(batch.attention_mask[idx].sum(1).max())
+        fix = (f"set optim.token_budget={max(1, token_budget // 2)} (the same update, in more micro-batches)"
+               if rows > 1 else "one row is already too long: shorten the context (rollout.history_len, "
+               "rollout.max_turns) or train less of the model (model.lora_r, model.autocast=bf16)")
+        raise LearnerOutOfMemory(f"out of {device} memory in a micro-batch of {rows} row{'s' * (rows != 1)} of up "
+                                 f"to {width} tokens (optim.token_budget={token_budget}): {fix}. "
+                                 f"torch: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
 def batched_forward(forward: Callable[..., dict[str, torch.Tensor]], batch: TokenBatch, token_budget: int,
                     temperature: float = 1.0, values: bool = False, device: str = "cpu"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +189,8 @@ def batched_forward(forward: Callable[..., dict[str, torch.Tensor]], batch: Toke
     logp = torch.zeros_like(batch.old_logprobs)
     vals = torch.zeros_like(batch.old_logprobs)
     for idx in micro_batches(batch, token_budget):
-        out = forward(batch.select(idx).to(device), temperature, need_values=values)
+        with memory_hint(batch, idx, token_budget, device):
+            out = forward(batch.select(idx).to(device), temperature, need_values=values)
         w = out["logp"].shape[1]
         logp[idx, :w] = out["logp"].float().cpu()
         if "values" in out:
@@ -303,13 +324,14 @@ class TorchEngine:
         stats: dict[str, float] = {}
         loss_sum = 0.0
         for idx in parts:
-            mb = batch.select(idx).to(self.device)
-            w = (mb.num_targets if weight_by == "tokens" else len(idx)) / max(1, total)
-            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16,
-                                enabled=self.cfg.autocast == "bf16"):
-                out = self.forward(mb, temperature, need_entropy, need_values)
-            loss, s = loss_fn(mb, out)
-            self._backward(loss * w)
+            with memory_hint(batch, idx, self.cfg.token_budget, self.device):
+                mb = batch.select(idx).to(self.device)
+                w = (mb.num_targets if weight_by == "tokens" else len(idx)) / max(1, total)
+                with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16,
+                                    enabled=self.cfg.autocast == "bf16"):
+                    out = self.forward(mb, temperature, need_entropy, need_values)
+                loss, s = loss_fn(mb, out)
+                self._backward(loss * w)
             loss_sum += float(loss.detach()) * w
             for k, v in s.items():
                 stats[k] = stats.get(k, 0.0) + v * w
