@@ -129,7 +129,8 @@ class SFTCfg:
     # lr over the SFT steps: "linear"/"cosine" decay it to 0 by the last step, so the warm start ends on
     # small updates rather than wherever the last full-lr batches left it
     schedule: Literal["constant", "linear", "cosine"] = "constant"
-    workers: int = 1  # processes playing the expert demonstrations (the same episodes for any number)
+    # processes playing the expert demonstrations (the same episodes for any number); 0: one per core, at most 8
+    workers: int = 1
     # DART: each demo step executes a random admissible action with this probability; every state keeps
     # the expert's action as its target, so the policy also learns to get back on track
     noise: float = 0.0
@@ -366,6 +367,8 @@ def _check_names(cfg: RecipeCfg) -> None:
         raise ConfigError(f"bad value for 'env': {cfg.env!r}; allowed: {', '.join(registry.names())}")
     if cfg.rollout.group_size < 1 or cfg.rollout.groups < 1:
         raise ConfigError("rollout.groups and rollout.group_size must be >= 1")
+    if cfg.sft.workers < 0:
+        raise ConfigError(f"bad value for 'sft.workers': {cfg.sft.workers}; allowed: 0 (one per core) or more")
     if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):
         raise ConfigError(f"bad value for 'trainer.device': {cfg.trainer.device!r}; allowed: auto, cpu, cuda, cuda:N")
     if cfg.eval.samples > 1 and cfg.eval.temperature <= 0:

@@ -3,6 +3,7 @@ SFT loop (also the warm start of RL runs and the fit stage of RFT)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -79,6 +80,8 @@ def expert_demos(env_name: str, env_kwargs: dict, jobs: list[tuple[str, int]], w
     workers > 1 they are played in that many processes: a fresh clone's ALFWorld demos are mostly game
     generation (~0.5 s a game), which halves on two cores. The episodes are the same either way."""
     todo = [(env_name, env_kwargs, t, seed, noise) for t, seed in jobs]
+    if workers == 0:  # one per core, at most 8 (each holds an env; ALFWorld's engine is ~80 MiB)
+        workers = min(8, os.cpu_count() or 1)
     if workers <= 1 or len(todo) < 2 * workers:
         global _DEMO_ENV
         _DEMO_ENV = None

@@ -214,6 +214,9 @@ def test_malformed_yaml_and_inheritance(tmp_path):
     assert (small.sft.lr, small.sft.batch_size, small.sft.demos, small.optim.token_budget) == (1e-4, 64, 400, 32768)
     assert small.trainer.steps == 20 and small.rollout.max_turns == 30 and small.model.lora_r == 0
     assert (tiny.optim.lr, small.optim.lr) == (5e-5, 5e-6)
+    assert (tiny.sft.workers, small.sft.workers) == (2, 0)  # 0: one demo process per core
+    with pytest.raises(ConfigError, match="bad value for 'sft.workers': -1"):
+        load_config("crps", env="alfworld", overrides=["sft.workers=-1"])
     mine = load_config("crps", env="alfworld", overrides=["model.name=smollm2", "sft.lr=3e-4"])
     assert (mine.sft.lr, mine.sft.batch_size) == (3e-4, 64)
     assert load_config("grpo", env="sokoban", model="smollm2").sft.batch_size == 32  # alfworld's overlay only
@@ -401,7 +404,9 @@ def test_expert_demos_are_the_same_from_two_worker_processes():
     jobs = [("train/00003", 5), ("train/00010", 6), ("train/00042", 7), ("train/00007", 8)]
     one = expert_demos("sokoban", {}, jobs, workers=1)
     two = expert_demos("sokoban", {}, jobs, workers=2)
+    per_core = expert_demos("sokoban", {}, jobs, workers=0)
     assert [(d[0].actions, d[1]) for d in one] == [(d[0].actions, d[1]) for d in two]
+    assert [(d[0].actions, d[1]) for d in one] == [(d[0].actions, d[1]) for d in per_core]
     assert all(d[2][-1]["won"] for d in one)
 
 
