@@ -215,6 +215,8 @@ def test_malformed_yaml_and_inheritance(tmp_path):
     assert small.trainer.steps == 20 and small.rollout.max_turns == 30 and small.model.lora_r == 0
     assert (tiny.optim.lr, small.optim.lr) == (5e-5, 5e-6)
     assert (tiny.sft.workers, small.sft.workers) == (2, 0)  # 0: one demo process per core
+    # crps's own overlay for it (the paper's buffer) merges with the one its base's overlay holds
+    assert (tiny.extra["expert_per_step"], small.extra["expert_per_step"], small.extra["p_replay"]) == (4, 0, 0.2)
     with pytest.raises(ConfigError, match="bad value for 'sft.workers': -1"):
         load_config("crps", env="alfworld", overrides=["sft.workers=-1"])
     mine = load_config("crps", env="alfworld", overrides=["model.name=smollm2", "sft.lr=3e-4"])
