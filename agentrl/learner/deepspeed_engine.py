@@ -215,7 +215,7 @@ class DeepSpeedEngine:
             share = (mb.num_targets if weight_by == "tokens" else len(idx)) if idx else 0
             # DeepSpeed averages gradients over ranks: scale by world so the sum over all ranks' shares is 1.
             w = share * self.world / total
-            with memory_hint(mbs[k], list(range(len(mbs[k]))), self.cfg.token_budget, self.device):
+            with memory_hint(mbs[k], self.cfg.token_budget, self.device):
                 out = self.forward(mb, temperature, need_entropy, need_values, bool(has_prefix[k]))
                 loss, s = loss_fn(mb, out)
                 self.ds.set_gradient_accumulation_boundary(k == int(n_parts) - 1)

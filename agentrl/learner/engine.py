@@ -167,12 +167,12 @@ class LearnerOutOfMemory(RuntimeError):
 
 
 @contextlib.contextmanager
-def memory_hint(batch: TokenBatch, idx: list[int], token_budget: int, device: str) -> Iterator[None]:
-    """Re-raise an out-of-memory error inside micro-batch ``idx`` as one that says what to change."""
+def memory_hint(mb: TokenBatch, token_budget: int, device: str) -> Iterator[None]:
+    """Re-raise an out-of-memory error while micro-batch ``mb`` is on the device as one that says what to change."""
     try:
         yield
     except torch.OutOfMemoryError as e:
-        rows, width = len(idx), int(batch.attention_mask[idx].sum(1).max())
+        rows, width = len(mb), int(mb.attention_mask.sum(1).max())
         fix = (f"set optim.token_budget={max(1, token_budget // 2)} (the same update, in more micro-batches)"
                if rows > 1 else "one row is already too long: shorten the context (rollout.history_len, "
                "rollout.max_turns) or train less of the model (model.lora_r, model.autocast=bf16)")
@@ -189,8 +189,9 @@ def batched_forward(forward: Callable[..., dict[str, torch.Tensor]], batch: Toke
     logp = torch.zeros_like(batch.old_logprobs)
     vals = torch.zeros_like(batch.old_logprobs)
     for idx in micro_batches(batch, token_budget):
-        with memory_hint(batch, idx, token_budget, device):
-            out = forward(batch.select(idx).to(device), temperature, need_values=values)
+        part = batch.select(idx)
+        with memory_hint(part, token_budget, device):
+            out = forward(part.to(device), temperature, need_values=values)
         w = out["logp"].shape[1]
         logp[idx, :w] = out["logp"].float().cpu()
         if "values" in out:
@@ -324,8 +325,9 @@ class TorchEngine:
         stats: dict[str, float] = {}
         loss_sum = 0.0
         for idx in parts:
-            with memory_hint(batch, idx, self.cfg.token_budget, self.device):
-                mb = batch.select(idx).to(self.device)
+            part = batch.select(idx)
+            with memory_hint(part, self.cfg.token_budget, self.device):
+                mb = part.to(self.device)
                 w = (mb.num_targets if weight_by == "tokens" else len(idx)) / max(1, total)
                 with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16,
                                     enabled=self.cfg.autocast == "bf16"):
