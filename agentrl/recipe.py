@@ -55,29 +55,31 @@ class Recipe:
         s = self.cfg.sft
         samples, expert_success = expert_samples(trainer, s.demos)
         scores: list[float] = []
+        at: list[float] = []  # the passes made at each reading
         best_dir = trainer.out_dir / "sft_best"
 
         keep_best = s.select_keep == "best" and not s.target_success
 
-        def rising(passes: int) -> bool:
-            """After pass ``passes`` (>= sft.epochs): another pass unless greedy success on the selection
-            tasks has not beaten the best for ``select_patience`` passes in a row (with
-            ``sft.target_success``: while it is below the target)."""
+        def rising(passes: float) -> bool:
+            """After ``passes`` passes (>= sft.epochs; fractional with sft.select_every < 1): go on unless
+            greedy success on the selection tasks has not beaten the best for ``select_patience`` readings
+            in a row (with ``sft.target_success``: while it is below the target)."""
             won = trainer.evaluate(s.select_tasks, 1, s.select_split, temperature=0.0)["eval/success"]
             if keep_best and won > max(scores, default=-1.0):
                 trainer.engine.save(best_dir)  # early stopping: the warm start unless a later pass beats it
             scores.append(won)
+            at.append(passes)
             go_on = won < s.target_success if s.target_success else still_rising(scores, s.select_patience)
-            trainer.echo(f"sft pass {passes}: greedy success {won:.3f} on {s.select_tasks} {s.select_split} "
-                         f"tasks, {'another pass' if go_on else 'stopping'}")
+            trainer.echo(f"sft pass {passes:g}: greedy success {won:.3f} on {s.select_tasks} {s.select_split} "
+                         f"tasks, {'going on' if go_on else 'stopping'}")
             return go_on
 
         # fit_sft asks `rising` only when sft.max_epochs > sft.epochs
         stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule, s.group_by_length,
-                        max_epochs=s.max_epochs, keep_going=rising)
+                        max_epochs=s.max_epochs, keep_going=rising, check_every=s.select_every)
         stats["expert_success"] = expert_success
-        for i, won in enumerate(scores):
-            stats[f"sft_select_success/pass{s.epochs + i}"] = won
+        for passes, won in zip(at, scores):
+            stats[f"sft_select_success/pass{passes:g}"] = won
         if scores:
             best = scores.index(max(scores))
             if keep_best and best < len(scores) - 1:
@@ -86,8 +88,8 @@ class Recipe:
                 trainer.engine.load(best_dir)
                 restore_lr(trainer.engine, keep)
                 trainer.sync_weights()
-                trainer.echo(f"sft: the warm start is pass {s.epochs + best} (best reading {scores[best]:.3f})")
-            stats["sft_warm_start_pass"] = float(s.epochs + (best if keep_best else len(scores) - 1))
+                trainer.echo(f"sft: the warm start is pass {at[best]:g} (best reading {scores[best]:.3f})")
+            stats["sft_warm_start_pass"] = at[best] if keep_best else at[-1]
             dist.barrier()  # every rank has read it
             if trainer.is_main:
                 shutil.rmtree(best_dir, ignore_errors=True)

@@ -164,6 +164,12 @@ def term_weighted(rows: list[Sample], weights: dict[str, float]) -> list[Sample]
     return out
 
 
+def passes_of(batches: int, per_pass: int) -> float:
+    """SFT passes made after ``batches`` batches: whole at a pass's end, else to two decimals."""
+    p = batches / max(1, per_pass)
+    return float(int(p)) if p == int(p) else round(p, 2)
+
+
 def still_rising(scores: list[float], patience: int = 1) -> bool:
     """Whether another SFT pass is due after these per-pass selection scores: fewer than ``patience``
     passes since the first pass that reached the best score."""
@@ -173,13 +179,14 @@ def still_rising(scores: list[float], patience: int = 1) -> bool:
 def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None,
             schedule: str = "constant", by_length: bool = False,
             term_weights: dict[str, float] | None = None, max_epochs: int = 0,
-            keep_going: Callable[[int], bool] | None = None) -> dict[str, float]:
+            keep_going: Callable[[float], bool] | None = None, check_every: float = 1.0) -> dict[str, float]:
     """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes, lr per ``schedule``.
     ``term_weights``: the loss is sum_g w_g x the token-mean NLL of term g's rows (``meta["sft_term"]``),
     each term normalized by its own tokens (LEAFE's L_cf + beta L_reh). With ``keep_going``, passes go on
     past ``epochs`` (up to ``max_epochs``) while ``keep_going(passes done)`` says so; it is asked after
-    pass ``epochs`` and every pass after it, the capped last one included (its answer then only reads that
-    pass), with the generator already holding that pass's weights."""
+    pass ``epochs`` and then every ``check_every`` passes (0.25: each quarter pass, where a pass moves
+    success by 10-20 points), at the capped end too (its answer then only reads it), with the generator
+    already holding those weights. ``passes done`` is a whole number at a pass's end, else a fraction."""
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
     saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
@@ -192,9 +199,12 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     losses = []
     n_batches = (len(samples) + batch_size - 1) // batch_size
     t0 = time.perf_counter()
-    passes = 0
+    done = 0  # batches made
     last = max(epochs, max_epochs) if keep_going else epochs
     of = f"{epochs}-{last}" if last > epochs else str(epochs)
+    asking = keep_going is not None and last > epochs
+    every = max(1, round(check_every * n_batches))  # batches between readings after pass `epochs`
+    stop = False
     for epoch in range(last):
         for b, rows in enumerate(sft_batches(samples, batch_size, rng, by_length), start=1):
             if schedule != "constant":
@@ -202,14 +212,19 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
             chosen = [samples[j] for j in rows]
             batch = collate(term_weighted(chosen, term_weights) if term_weights else chosen, eng.pad_id)
             losses.append(eng.step(batch, loss)["loss"])
+            done += 1
             if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
                 trainer.echo(f"sft pass {epoch + 1}/{of}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
                              f"{time.perf_counter() - t0:.0f}s")
-        passes = epoch + 1
-        if keep_going is not None and last > epochs and passes >= epochs:
-            trainer.sync_weights()
-            if not keep_going(passes):
-                break
+            past = done - epochs * n_batches
+            if asking and past >= 0 and (past % every == 0 or done == last * n_batches):
+                trainer.sync_weights()
+                if not keep_going(passes_of(done, n_batches)):
+                    stop = True
+                    break
+        if stop:
+            break
+    passes = passes_of(done, n_batches)
     if saved is not None:
         restore_lr(eng, saved)
     trainer.sync_weights()

@@ -294,7 +294,31 @@ def test_sft_keeps_making_passes_while_asked_and_at_most_max_epochs(tiny_model_d
     events.clear()
     stats = fit_sft(trainer, _samples(n=4), epochs=1, batch_size=4, max_epochs=3,
                     keep_going=lambda passes: events.append(passes) or True)
-    assert stats["sft_passes"] == 3 and [e for e in events if isinstance(e, int)] == [1, 2, 3]
+    assert stats["sft_passes"] == 3 and [e for e in events if isinstance(e, float)] == [1, 2, 3]
+
+
+def test_sft_selection_readings_every_fraction_of_a_pass(tiny_model_dir):
+    """sft.select_every < 1: after pass `epochs`, keep_going is asked every that many passes (rounded to
+    whole batches), with the generator synced first; a False stops mid-pass, and the capped end is read."""
+    from types import SimpleNamespace
+
+    from agentrl.sft import fit_sft
+
+    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
+    events = []
+    trainer = SimpleNamespace(engine=eng, cfg=SimpleNamespace(trainer=SimpleNamespace(seed=0)),
+                              sync_weights=lambda: events.append("sync"), echo=print)
+    step = eng.step
+    eng.step = lambda *a, **k: events.append("step") or step(*a, **k)
+    answers = iter([True, True, False])  # 4 batches a pass, a reading every 2
+    stats = fit_sft(trainer, _samples(n=8), epochs=1, batch_size=2, max_epochs=3, check_every=0.5,
+                    keep_going=lambda passes: events.append(passes) or next(answers))
+    assert stats["sft_passes"] == 2.0
+    assert events == ["step"] * 4 + ["sync", 1.0] + ["step"] * 2 + ["sync", 1.5] + ["step"] * 2 + ["sync", 2.0, "sync"]
+    events.clear()
+    stats = fit_sft(trainer, _samples(n=8), epochs=1, batch_size=2, max_epochs=2, check_every=0.75,
+                    keep_going=lambda passes: events.append(passes) or True)
+    assert stats["sft_passes"] == 2.0 and [e for e in events if isinstance(e, float)] == [1.0, 1.75, 2.0]
 
 
 def test_sft_selection_stops_after_patience_passes_without_a_new_best():

@@ -154,9 +154,35 @@ def test_sft_target_success_adds_passes_until_the_reading_reaches_it(tiny_model_
     assert not (tmp_path / "sft_best").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sft_target_success_read_every_half_pass(tiny_model_dir, tmp_path, monkeypatch):
+    """sft.select_every=0.5: the readings after pass sft.epochs come every half pass, and SFT stops at the
+    first that reaches the target, mid-pass when that is where it is; the logs name the fractional pass."""
+    from agentrl.trainer import Trainer
+
+    readings = iter([0.1, 0.2, 0.35, 0.9])
+    evaluate = Trainer.evaluate
+
+    def scripted(self, n_tasks=None, samples=None, split=None, **kw):
+        return evaluate(self, n_tasks, samples, split, **kw) if split != "test" else {"eval/success": next(readings)}
+
+    monkeypatch.setattr(Trainer, "evaluate", scripted)
+    run(load_config("grpo", env="sokoban", overrides=small(
+        tmp_path, tiny_model_dir, "trainer.steps=0", "sft.batch_size=1", "sft.max_epochs=4",
+        "sft.target_success=0.3", "sft.select_every=0.5")))
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    at = sorted(float(k.split("/pass")[1]) for k in row if k.startswith("sft_select_success/pass"))
+    assert len(at) == 3 and at[0] == 1.0 and 1.0 < at[1] < at[2] <= 2.0
+    assert row["sft_passes"] == row["sft_warm_start_pass"] == at[2]
+    assert [row[f"sft_select_success/pass{p:g}"] for p in at] == [0.1, 0.2, 0.35]
+
+
 def test_sft_selection_must_not_read_the_evaluation_split():
     with pytest.raises(ConfigError, match=r"sft.select_split=valid is also eval.split"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.select_split=valid"])
+    with pytest.raises(ConfigError, match=r"bad value for 'sft.select_every': 0"):
+        load_config("grpo", overrides=["sft.select_every=0"])
     with pytest.raises(ConfigError, match=r"sft.max_epochs=6 with sft.schedule=linear"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.schedule=linear"])
     assert load_config("grpo", overrides=["sft.max_epochs=6"]).sft.select_split == "test"
