@@ -141,8 +141,8 @@ class SFTCfg:
     select_split: Literal["train", "valid", "test"] = "test"
     select_tasks: int = 200
     select_patience: int = 2  # readings in a row without a new best before stopping (200 tasks read +-3 points)
-    # passes between selection readings after pass `epochs` (0.25: every quarter pass, so the warm start is
-    # chosen at a finer grain than one pass, which can move success by 10-20 points)
+    # passes between selection readings after pass `epochs` (0.25: every quarter pass, so SFT can stop
+    # mid-pass; on Sokoban a quarter pass still moved success by up to 13 points: docs/make_train_seeds.md)
     select_every: float = 1.0
     # the warm start: the pass with the best selection reading (kept when reached), or the last pass made
     select_keep: Literal["best", "last"] = "best"
