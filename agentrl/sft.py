@@ -171,8 +171,8 @@ def passes_of(batches: int, per_pass: int) -> float:
 
 
 def still_rising(scores: list[float], patience: int = 1) -> bool:
-    """Whether another SFT pass is due after these per-pass selection scores: fewer than ``patience``
-    passes since the first pass that reached the best score."""
+    """Whether SFT should go on after these selection readings: fewer than ``patience`` readings since
+    the first one that reached the best score."""
     return len(scores) - 1 - scores.index(max(scores)) < patience
 
 
@@ -204,26 +204,24 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     of = f"{epochs}-{last}" if last > epochs else str(epochs)
     asking = keep_going is not None and last > epochs
     every = max(1, round(check_every * n_batches))  # batches between readings after pass `epochs`
-    stop = False
-    for epoch in range(last):
-        for b, rows in enumerate(sft_batches(samples, batch_size, rng, by_length), start=1):
-            if schedule != "constant":
-                set_lr(eng, base_lr * lr_factor(epoch * n_batches + b - 1, epochs * n_batches, schedule))
-            chosen = [samples[j] for j in rows]
-            batch = collate(term_weighted(chosen, term_weights) if term_weights else chosen, eng.pad_id)
-            losses.append(eng.step(batch, loss)["loss"])
-            done += 1
-            if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
-                trainer.echo(f"sft pass {epoch + 1}/{of}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
-                             f"{time.perf_counter() - t0:.0f}s")
-            past = done - epochs * n_batches
-            if asking and past >= 0 and (past % every == 0 or done == last * n_batches):
-                trainer.sync_weights()
-                if not keep_going(passes_of(done, n_batches)):
-                    stop = True
-                    break
-        if stop:
-            break
+    # lazily, pass by pass: each pass is shuffled when it starts, so stopping mid-pass draws nothing more
+    batches = ((epoch, b, rows) for epoch in range(last)
+               for b, rows in enumerate(sft_batches(samples, batch_size, rng, by_length), start=1))
+    for epoch, b, rows in batches:
+        if schedule != "constant":
+            set_lr(eng, base_lr * lr_factor(epoch * n_batches + b - 1, epochs * n_batches, schedule))
+        chosen = [samples[j] for j in rows]
+        batch = collate(term_weighted(chosen, term_weights) if term_weights else chosen, eng.pad_id)
+        losses.append(eng.step(batch, loss)["loss"])
+        done += 1
+        if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
+            trainer.echo(f"sft pass {epoch + 1}/{of}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
+                         f"{time.perf_counter() - t0:.0f}s")
+        past = done - epochs * n_batches
+        if asking and past >= 0 and (past % every == 0 or done == last * n_batches):
+            trainer.sync_weights()
+            if not keep_going(passes_of(done, n_batches)):
+                break
     passes = passes_of(done, n_batches)
     if saved is not None:
         restore_lr(eng, saved)

@@ -273,19 +273,25 @@ def test_sft_linear_schedule_decays_the_lr_to_zero_by_the_last_step(tiny_model_d
         pytest.approx(1e-4)
 
 
-def test_sft_keeps_making_passes_while_asked_and_at_most_max_epochs(tiny_model_dir):
-    """sft.max_epochs: keep_going is asked after pass `epochs` and each pass after it, with the generator
-    synced first; a False stops there, and max_epochs caps the passes (the last one is still read)."""
+def _recording_sft_trainer(model_dir):
+    """A trainer stand-in for fit_sft whose optimizer steps and weight syncs are logged, in order, to ``events``."""
     from types import SimpleNamespace
 
-    from agentrl.sft import fit_sft
-
-    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
+    eng = TorchEngine(model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
     events = []
     trainer = SimpleNamespace(engine=eng, cfg=SimpleNamespace(trainer=SimpleNamespace(seed=0)),
                               sync_weights=lambda: events.append("sync"), echo=print)
     step = eng.step
     eng.step = lambda *a, **k: events.append("step") or step(*a, **k)
+    return trainer, events
+
+
+def test_sft_keeps_making_passes_while_asked_and_at_most_max_epochs(tiny_model_dir):
+    """sft.max_epochs: keep_going is asked after pass `epochs` and each pass after it, with the generator
+    synced first; a False stops there, and max_epochs caps the passes (the last one is still read)."""
+    from agentrl.sft import fit_sft
+
+    trainer, events = _recording_sft_trainer(tiny_model_dir)
     answers = iter([True, True, False])
     stats = fit_sft(trainer, _samples(n=4), epochs=2, batch_size=2, max_epochs=9,
                     keep_going=lambda passes: events.append(passes) or next(answers))
@@ -300,16 +306,9 @@ def test_sft_keeps_making_passes_while_asked_and_at_most_max_epochs(tiny_model_d
 def test_sft_selection_readings_every_fraction_of_a_pass(tiny_model_dir):
     """sft.select_every < 1: after pass `epochs`, keep_going is asked every that many passes (rounded to
     whole batches), with the generator synced first; a False stops mid-pass, and the capped end is read."""
-    from types import SimpleNamespace
-
     from agentrl.sft import fit_sft
 
-    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
-    events = []
-    trainer = SimpleNamespace(engine=eng, cfg=SimpleNamespace(trainer=SimpleNamespace(seed=0)),
-                              sync_weights=lambda: events.append("sync"), echo=print)
-    step = eng.step
-    eng.step = lambda *a, **k: events.append("step") or step(*a, **k)
+    trainer, events = _recording_sft_trainer(tiny_model_dir)
     answers = iter([True, True, False])  # 4 batches a pass, a reading every 2
     stats = fit_sft(trainer, _samples(n=8), epochs=1, batch_size=2, max_epochs=3, check_every=0.5,
                     keep_going=lambda passes: events.append(passes) or next(answers))
