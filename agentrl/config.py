@@ -154,6 +154,10 @@ class SFTCfg:
     # RL starts with a fresh optimizer state: Adam's second moments carried over from SFT, whose gradients
     # are several times RL's, shrink RL's updates ~4x for hundreds of steps (docs/make_train_seeds.md)
     reset_optimizer: bool = False
+    # a warm start saved by an earlier run (RUN/warm_start, made with the same model.name): this run starts
+    # from its weights and makes none (no demonstrations, no SFT), so methods and seeds compared on a GPU,
+    # where the same seed does not give the same SFT, start from the very same weights
+    warm_start: str = ""
 
 
 @dataclass
@@ -379,6 +383,9 @@ def _check_names(cfg: RecipeCfg) -> None:
                           "samples are all the same, so pass@k would equal pass@1; set eval.temperature "
                           "(e.g. eval.temperature=1.0, independent samples from the policy) or eval.samples=1")
     s = cfg.sft
+    if s.warm_start and not (Path(s.warm_start).expanduser() / "config.json").is_file():
+        raise ConfigError(f"bad value for 'sft.warm_start': {s.warm_start!r} is not a model folder (no config.json); "
+                          "give a run's warm_start folder (RUN/warm_start), or drop the key to make a warm start")
     if not s.select_every > 0:
         raise ConfigError(f"bad value for 'sft.select_every': {s.select_every}; allowed: > 0 (passes between readings)")
     if not 0.0 <= s.target_success <= 1.0:

@@ -8,6 +8,7 @@ buffers, controllers) -> ``make_batch`` (rewards, filters, advantages, training 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,7 +46,11 @@ class Recipe:
 
     # ----- hooks -------------------------------------------------------------------------------
     def before_training(self, trainer: "Trainer") -> dict[str, float]:
-        """SFT warm start on expert demonstrations when ``sft.enabled``."""
+        """SFT warm start on expert demonstrations when ``sft.enabled``; none with ``sft.warm_start``."""
+        if self.cfg.sft.warm_start:
+            from agentrl.sft import adopt_warm_start
+
+            return adopt_warm_start(trainer, Path(self.cfg.sft.warm_start).expanduser())
         if not self.cfg.sft.enabled:
             return {}
         from agentrl.learner.lr import lr_state, restore_lr

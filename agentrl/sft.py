@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shutil
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from agentrl import dist
 from agentrl.algos.losses import sft_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.learner.lr import lr_factor, restore_lr, set_lr
@@ -228,3 +231,14 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     trainer.sync_weights()
     return {"sft_loss_first": losses[0] if losses else 0.0, "sft_loss_last": losses[-1] if losses else 0.0,
             "sft_samples": float(len(samples)), "sft_passes": float(passes)}
+
+
+def adopt_warm_start(trainer: "Trainer", folder: Path) -> dict[str, float]:
+    """``sft.warm_start``: the trainer already loaded the folder's weights in place of model.name's. A copy
+    becomes this run's ``warm_start`` so the KL reference and ``agentrl eval --model RUN/warm_start`` find it
+    as they would a warm start made here, and the run folder still holds everything it started from."""
+    if trainer.is_main and folder.resolve() != (trainer.out_dir / "warm_start").resolve():
+        shutil.copytree(folder, trainer.out_dir / "warm_start", dirs_exist_ok=True)
+    dist.barrier()
+    trainer.echo(f"warm start: {folder} (no demonstrations, no SFT)")
+    return {"sft_warm_start_loaded": 1.0}

@@ -100,7 +100,8 @@ class Trainer:
         self.world = dist.init(self.device)
         self.rank = dist.rank()
         self.is_main = self.rank == 0
-        self.model_dir = resolve_model(cfg.model.name)  # a bad model spec fails before the run folder is touched
+        # a bad model spec fails before the run folder is touched; sft.warm_start's weights replace model.name's
+        self.model_dir = resolve_model(cfg.sft.warm_start or cfg.model.name)
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             check_run_folder(self.out_dir, cfg)  # before config.yaml is rewritten: another run's folder is refused

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from agentrl.config import ConfigError, load_config
 
@@ -178,6 +179,25 @@ def test_sft_target_success_read_every_half_pass(tiny_model_dir, tmp_path, monke
     assert [row[f"sft_select_success/pass{p:g}"] for p in at] == [0.1, 0.2, 0.35]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_run_starts_from_another_runs_warm_start_without_sft(tiny_model_dir, tmp_path):
+    """sft.warm_start: the run's first weights are the saved warm start's, bit for bit, no demonstrations
+    are played, and the run folder keeps a copy as its own warm_start."""
+    from safetensors.torch import load_file
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    run(load_config("grpo", env="sokoban", overrides=small(a, tiny_model_dir, "trainer.steps=0")))
+    run(load_config("grpo", env="sokoban", overrides=small(
+        b, tiny_model_dir, "trainer.steps=0", f"sft.warm_start={a / 'warm_start'}", "sft.demos=10000")))
+    row = json.loads((b / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["sft_warm_start_loaded"] == 1.0 and "sft_loss_last" not in row and "expert_success" not in row
+    made = load_file(a / "warm_start" / "model.safetensors")
+    for folder in (b / "warm_start", b / "checkpoint" / "model"):  # the copy, and the weights the run started from
+        got = load_file(folder / "model.safetensors")
+        assert got.keys() == made.keys() and all(torch.equal(got[k], made[k]) for k in made)
+
+
 def test_sft_selection_must_not_read_the_evaluation_split():
     with pytest.raises(ConfigError, match=r"sft.select_split=valid is also eval.split"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.select_split=valid"])
@@ -186,6 +206,8 @@ def test_sft_selection_must_not_read_the_evaluation_split():
     with pytest.raises(ConfigError, match=r"sft.max_epochs=6 with sft.schedule=linear"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.schedule=linear"])
     assert load_config("grpo", overrides=["sft.max_epochs=6"]).sft.select_split == "test"
+    with pytest.raises(ConfigError, match=r"'sft.warm_start': 'no/such/run/warm_start' is not a model folder"):
+        load_config("grpo", overrides=["sft.warm_start=no/such/run/warm_start"])
     with pytest.raises(ConfigError, match=r"'sft.target_success': 30"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.target_success=30"])
 
