@@ -100,8 +100,7 @@ class Trainer:
         self.world = dist.init(self.device)
         self.rank = dist.rank()
         self.is_main = self.rank == 0
-        # a bad model spec fails before the run folder is touched; sft.warm_start's weights replace model.name's
-        self.model_dir = resolve_model(cfg.sft.warm_start or cfg.model.name)
+        self.model_dir = resolve_model(self._first_weights())  # a bad model spec fails before the run folder is touched
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             check_run_folder(self.out_dir, cfg)  # before config.yaml is rewritten: another run's folder is refused
@@ -267,6 +266,13 @@ class Trainer:
         mine = list(range(self.rank, len(prompts), self.world))
         local = self.generator.generate([prompts[i] for i in mine], sampling, seeds=[seeds[i] for i in mine])
         return dist.all_gather_ordered(len(prompts), mine, local)[0]
+
+    def _first_weights(self) -> str:
+        """model.name, or sft.warm_start's folder in its place (the run's own copy once the source is gone)."""
+        src = self.cfg.sft.warm_start
+        if not src:
+            return self.cfg.model.name
+        return src if (Path(src).expanduser() / "config.json").is_file() else str(self.out_dir / "warm_start")
 
     @property
     def needs_reference(self) -> bool:

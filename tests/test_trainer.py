@@ -1,5 +1,6 @@
 """Recipes end to end on CPU with a tiny model (1-2 steps each), config validation, resume, CLI."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -196,6 +197,10 @@ def test_a_run_starts_from_another_runs_warm_start_without_sft(tiny_model_dir, t
     for folder in (b / "warm_start", b / "checkpoint" / "model"):  # the copy, and the weights the run started from
         got = load_file(folder / "model.safetensors")
         assert got.keys() == made.keys() and all(torch.equal(got[k], made[k]) for k in made)
+    shutil.rmtree(a)  # the source is gone: the run resumes from its checkpoint, its own copy standing in
+    trainer, _ = run(load_config("grpo", env="sokoban", overrides=small(
+        b, tiny_model_dir, "trainer.steps=1", f"sft.warm_start={a / 'warm_start'}", "sft.demos=10000")))
+    assert trainer.step == 1
 
 
 def test_sft_selection_must_not_read_the_evaluation_split():
