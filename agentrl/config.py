@@ -383,10 +383,12 @@ def _check_names(cfg: RecipeCfg) -> None:
                           "samples are all the same, so pass@k would equal pass@1; set eval.temperature "
                           "(e.g. eval.temperature=1.0, independent samples from the policy) or eval.samples=1")
     s = cfg.sft
-    if s.warm_start and not any((p / "config.json").is_file()  # or a resumed run's own copy of it
-                                for p in (Path(s.warm_start).expanduser(), Path(cfg.out_dir) / "warm_start")):
-        raise ConfigError(f"bad value for 'sft.warm_start': {s.warm_start!r} is not a model folder (no config.json); "
-                          "give a run's warm_start folder (RUN/warm_start), or drop the key to make a warm start")
+    if s.warm_start and not (Path(s.warm_start).expanduser() / "config.json").is_file():
+        run = Path(cfg.out_dir)  # a resumed run falls back on its own copy; a new run needs the folder itself
+        if not ((run / "checkpoint").exists() and (run / "warm_start" / "config.json").is_file()):
+            raise ConfigError(f"bad value for 'sft.warm_start': {s.warm_start!r} is not a model folder (no "
+                              "config.json); give a run's warm_start folder (RUN/warm_start), or drop the key "
+                              "to make a warm start")
     if not s.select_every > 0:
         raise ConfigError(f"bad value for 'sft.select_every': {s.select_every}; allowed: > 0 (passes between readings)")
     if not 0.0 <= s.target_success <= 1.0:

@@ -203,7 +203,7 @@ def test_a_run_starts_from_another_runs_warm_start_without_sft(tiny_model_dir, t
     assert trainer.step == 1
 
 
-def test_sft_selection_must_not_read_the_evaluation_split():
+def test_sft_selection_must_not_read_the_evaluation_split(tmp_path):
     with pytest.raises(ConfigError, match=r"sft.select_split=valid is also eval.split"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.select_split=valid"])
     with pytest.raises(ConfigError, match=r"bad value for 'sft.select_every': 0"):
@@ -212,7 +212,7 @@ def test_sft_selection_must_not_read_the_evaluation_split():
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.schedule=linear"])
     assert load_config("grpo", overrides=["sft.max_epochs=6"]).sft.select_split == "test"
     with pytest.raises(ConfigError, match=r"'sft.warm_start': 'no/such/run/warm_start' is not a model folder"):
-        load_config("grpo", overrides=["sft.warm_start=no/such/run/warm_start"])
+        load_config("grpo", overrides=["sft.warm_start=no/such/run/warm_start", f"trainer.out_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"'sft.target_success': 30"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.target_success=30"])
 
