@@ -383,12 +383,10 @@ def _check_names(cfg: RecipeCfg) -> None:
                           "samples are all the same, so pass@k would equal pass@1; set eval.temperature "
                           "(e.g. eval.temperature=1.0, independent samples from the policy) or eval.samples=1")
     s = cfg.sft
-    if s.warm_start and not (Path(s.warm_start).expanduser() / "config.json").is_file():
-        run = Path(cfg.out_dir)  # a resumed run falls back on its own copy; a new run needs the folder itself
-        if not ((run / "checkpoint").exists() and (run / "warm_start" / "config.json").is_file()):
-            raise ConfigError(f"bad value for 'sft.warm_start': {s.warm_start!r} is not a model folder (no "
-                              "config.json); give a run's warm_start folder (RUN/warm_start), or drop the key "
-                              "to make a warm start")
+    if s.warm_start and warm_start_folder(cfg) is None:
+        raise ConfigError(f"bad value for 'sft.warm_start': {s.warm_start!r} is not a model folder (no "
+                          "config.json); give a run's warm_start folder (RUN/warm_start), or drop the key "
+                          "to make a warm start")
     if not s.select_every > 0:
         raise ConfigError(f"bad value for 'sft.select_every': {s.select_every}; allowed: > 0 (passes between readings)")
     if not 0.0 <= s.target_success <= 1.0:
@@ -403,6 +401,17 @@ def _check_names(cfg: RecipeCfg) -> None:
     if cfg.rollout.max_rounds < 1 or cfg.rollout.fill_groups < 0:
         raise ConfigError(f"bad value for 'rollout.max_rounds' ({cfg.rollout.max_rounds}) or 'rollout.fill_groups' "
                           f"({cfg.rollout.fill_groups}); allowed: max_rounds >= 1, fill_groups >= 0")
+
+
+def warm_start_folder(cfg: RecipeCfg) -> Path | None:
+    """Where ``sft.warm_start``'s weights are read: the folder given, else (a resumed run whose source is
+    gone) the run's own copy; None when neither holds a model."""
+    src, run = Path(cfg.sft.warm_start).expanduser(), cfg.out_dir
+    if (src / "config.json").is_file():
+        return src
+    if (run / "checkpoint").exists() and (run / "warm_start" / "config.json").is_file():
+        return run / "warm_start"
+    return None
 
 
 def dump(cfg: RecipeCfg, path: Path) -> None:

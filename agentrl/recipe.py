@@ -8,7 +8,6 @@ buffers, controllers) -> ``make_batch`` (rewards, filters, advantages, training 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,7 +49,7 @@ class Recipe:
         if self.cfg.sft.warm_start:
             from agentrl.sft import adopt_warm_start
 
-            return adopt_warm_start(trainer, Path(self.cfg.sft.warm_start).expanduser())
+            return adopt_warm_start(trainer)
         if not self.cfg.sft.enabled:
             return {}
         from agentrl.learner.lr import lr_state, restore_lr

@@ -7,7 +7,6 @@ import os
 import random
 import shutil
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from agentrl import dist
@@ -233,10 +232,11 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
             "sft_samples": float(len(samples)), "sft_passes": float(passes)}
 
 
-def adopt_warm_start(trainer: "Trainer", folder: Path) -> dict[str, float]:
-    """``sft.warm_start``: the trainer already loaded the folder's weights in place of model.name's. A copy
-    becomes this run's ``warm_start`` so the KL reference and ``agentrl eval --model RUN/warm_start`` find it
-    as they would a warm start made here, and the run folder still holds everything it started from."""
+def adopt_warm_start(trainer: "Trainer") -> dict[str, float]:
+    """``sft.warm_start``: the trainer already loaded that folder (its ``model_dir``) in place of model.name's.
+    A copy becomes this run's ``warm_start`` so the KL reference and ``agentrl eval --model RUN/warm_start``
+    find it as they would a warm start made here, and the run folder still holds everything it started from."""
+    folder = trainer.model_dir
     if trainer.is_main and folder.resolve() != (trainer.out_dir / "warm_start").resolve():
         shutil.copytree(folder, trainer.out_dir / "warm_start", dirs_exist_ok=True)
     dist.barrier()

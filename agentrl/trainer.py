@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from agentrl import dist
-from agentrl.config import ConfigError, RecipeCfg, dump
+from agentrl.config import ConfigError, RecipeCfg, dump, warm_start_folder
 from agentrl.learner.batch import Sample, collate
 from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
 from agentrl.learner.lr import lr_factor, set_lr
@@ -100,7 +100,8 @@ class Trainer:
         self.world = dist.init(self.device)
         self.rank = dist.rank()
         self.is_main = self.rank == 0
-        self.model_dir = resolve_model(self._first_weights())  # a bad model spec fails before the run folder is touched
+        # a bad model spec fails before the run folder is touched; sft.warm_start's weights replace model.name's
+        self.model_dir = resolve_model(str(warm_start_folder(cfg)) if cfg.sft.warm_start else cfg.model.name)
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             check_run_folder(self.out_dir, cfg)  # before config.yaml is rewritten: another run's folder is refused
@@ -266,13 +267,6 @@ class Trainer:
         mine = list(range(self.rank, len(prompts), self.world))
         local = self.generator.generate([prompts[i] for i in mine], sampling, seeds=[seeds[i] for i in mine])
         return dist.all_gather_ordered(len(prompts), mine, local)[0]
-
-    def _first_weights(self) -> str:
-        """model.name, or sft.warm_start's folder in its place (the run's own copy once the source is gone)."""
-        src = self.cfg.sft.warm_start
-        if not src:
-            return self.cfg.model.name
-        return src if (Path(src).expanduser() / "config.json").is_file() else str(self.out_dir / "warm_start")
 
     @property
     def needs_reference(self) -> bool:
