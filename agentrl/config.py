@@ -154,6 +154,9 @@ class SFTCfg:
     # RL starts with a fresh optimizer state: Adam's second moments carried over from SFT, whose gradients
     # are several times RL's, shrink RL's updates ~4x for hundreds of steps (docs/make_train_seeds.md)
     reset_optimizer: bool = False
+    # passes made after SFT has stopped (after the selection rule and its best pass), the lr decaying
+    # linearly from sft.lr to 0: the warm start ends annealed instead of wherever full-lr batches left it
+    cooldown: int = 0
     # a warm start saved by an earlier run (RUN/warm_start, made with the same model.name): this run starts
     # from its weights and makes none (no demonstrations, no SFT), so methods and seeds compared on a GPU,
     # where the same seed does not give the same SFT, start from the very same weights
@@ -387,6 +390,8 @@ def _check_names(cfg: RecipeCfg) -> None:
         raise ConfigError(f"bad value for 'sft.warm_start': {s.warm_start!r} is not a model folder (no "
                           "config.json); give a run's warm_start folder (RUN/warm_start), or drop the key "
                           "to make a warm start")
+    if s.cooldown < 0:
+        raise ConfigError(f"bad value for 'sft.cooldown': {s.cooldown}; allowed: 0 (off) or more passes")
     if not s.select_every > 0:
         raise ConfigError(f"bad value for 'sft.select_every': {s.select_every}; allowed: > 0 (passes between readings)")
     if not 0.0 <= s.target_success <= 1.0:

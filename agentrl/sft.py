@@ -181,18 +181,20 @@ def still_rising(scores: list[float], patience: int = 1) -> bool:
 def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None,
             schedule: str = "constant", by_length: bool = False,
             term_weights: dict[str, float] | None = None, max_epochs: int = 0,
-            keep_going: Callable[[float], bool] | None = None, check_every: float = 1.0) -> dict[str, float]:
+            keep_going: Callable[[float], bool] | None = None, check_every: float = 1.0,
+            salt: str = "") -> dict[str, float]:
     """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes, lr per ``schedule``.
     ``term_weights``: the loss is sum_g w_g x the token-mean NLL of term g's rows (``meta["sft_term"]``),
     each term normalized by its own tokens (LEAFE's L_cf + beta L_reh). With ``keep_going``, passes go on
     past ``epochs`` (up to ``max_epochs``) while ``keep_going(passes done)`` says so; it is asked after
     pass ``epochs`` and then every ``check_every`` passes (0.25: each quarter pass, where a pass moves
     success by 10-20 points), at the capped end too (its answer then only reads it), with the generator
-    already holding those weights. ``passes done`` is a whole number at a pass's end, else a fraction."""
+    already holding those weights. ``passes done`` is a whole number at a pass's end, else a fraction.
+    ``salt``: another shuffle from the same seed (a later call should not replay the first passes' order)."""
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
     saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
-    rng = random.Random(trainer.cfg.trainer.seed)
+    rng = random.Random(f"{trainer.cfg.trainer.seed}{salt}" if salt else trainer.cfg.trainer.seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
         # a sample's advantages weigh its tokens (1.0 for plain SFT; LEAFE's rehearsal uses beta)
@@ -217,8 +219,8 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
         losses.append(eng.step(batch, loss)["loss"])
         done += 1
         if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
-            trainer.echo(f"sft pass {epoch + 1}/{of}: batch {b}/{n_batches}, loss {losses[-1]:.3f}, "
-                         f"{time.perf_counter() - t0:.0f}s")
+            trainer.echo(f"sft {salt + ' ' if salt else ''}pass {epoch + 1}/{of}: batch {b}/{n_batches}, "
+                         f"loss {losses[-1]:.3f}, {time.perf_counter() - t0:.0f}s")
         past = done - epochs * n_batches
         if asking and past >= 0 and (past % every == 0 or done == last * n_batches):
             trainer.sync_weights()

@@ -182,6 +182,38 @@ def test_sft_target_success_read_every_half_pass(tiny_model_dir, tmp_path, monke
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_sft_cooldown_anneals_the_lr_to_zero_after_the_passes_sft_chose(tiny_model_dir, tmp_path, monkeypatch):
+    """sft.cooldown=1: after SFT's passes (here the target rule's two), one more pass at an lr falling
+    linearly from sft.lr towards 0, in a new shuffle; then RL at its own lr."""
+    from agentrl.learner.engine import TorchEngine
+    from agentrl.trainer import Trainer
+
+    readings, evaluate = iter([0.1, 0.5]), Trainer.evaluate
+
+    def scripted(self, n_tasks=None, samples=None, split=None, **kw):
+        return evaluate(self, n_tasks, samples, split, **kw) if split != "test" else {"eval/success": next(readings)}
+
+    lrs, step = [], TorchEngine.step
+
+    def recorded(self, *a, **kw):
+        lrs.append(self.optimizer.param_groups[0]["lr"])
+        return step(self, *a, **kw)
+
+    monkeypatch.setattr(Trainer, "evaluate", scripted)
+    monkeypatch.setattr(TorchEngine, "step", recorded)
+    trainer, _ = run(load_config("grpo", env="sokoban", overrides=small(
+        tmp_path, tiny_model_dir, "trainer.steps=0", "sft.max_epochs=3", "sft.target_success=0.3",
+        "sft.batch_size=1", "sft.lr=0.001", "sft.cooldown=1")))
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["sft_passes"] == 2 and row["sft_cooldown_passes"] == 1
+    n = int(row["sft_samples"])
+    assert lrs[:2 * n] == [pytest.approx(1e-3)] * (2 * n)
+    assert lrs[2 * n:] == [pytest.approx(1e-3 * (1 - i / n)) for i in range(n)]
+    assert all(g["lr"] == pytest.approx(trainer.cfg.optim.lr) for g in trainer.engine.optimizer.param_groups)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_run_starts_from_another_runs_warm_start_without_sft(tiny_model_dir, tmp_path):
     """sft.warm_start: the run's first weights are the saved warm start's, bit for bit, no demonstrations
     are played, and the run folder keeps a copy as its own warm_start."""
@@ -208,6 +240,8 @@ def test_sft_selection_must_not_read_the_evaluation_split(tmp_path):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.select_split=valid"])
     with pytest.raises(ConfigError, match=r"bad value for 'sft.select_every': 0"):
         load_config("grpo", overrides=["sft.select_every=0"])
+    with pytest.raises(ConfigError, match=r"bad value for 'sft.cooldown': -1"):
+        load_config("grpo", overrides=["sft.cooldown=-1"])
     with pytest.raises(ConfigError, match=r"sft.max_epochs=6 with sft.schedule=linear"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.schedule=linear"])
     assert load_config("grpo", overrides=["sft.max_epochs=6"]).sft.select_split == "test"
