@@ -99,7 +99,7 @@ class Recipe:
                 shutil.rmtree(best_dir, ignore_errors=True)
         if s.cooldown:
             cool = fit_sft(trainer, samples, s.cooldown, s.batch_size, s.lr, "linear", s.group_by_length,
-                           salt="cooldown")
+                           stage="cooldown")
             stats |= {"sft_cooldown_passes": cool["sft_passes"], "sft_loss_last": cool["sft_loss_last"]}
         if s.reset_optimizer:
             reset_optimizer_state(trainer.engine)

@@ -182,7 +182,7 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
             schedule: str = "constant", by_length: bool = False,
             term_weights: dict[str, float] | None = None, max_epochs: int = 0,
             keep_going: Callable[[float], bool] | None = None, check_every: float = 1.0,
-            salt: str = "") -> dict[str, float]:
+            stage: str = "") -> dict[str, float]:
     """Plain NLL on the target tokens, shuffled mini-batches, ``epochs`` passes, lr per ``schedule``.
     ``term_weights``: the loss is sum_g w_g x the token-mean NLL of term g's rows (``meta["sft_term"]``),
     each term normalized by its own tokens (LEAFE's L_cf + beta L_reh). With ``keep_going``, passes go on
@@ -190,11 +190,12 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     pass ``epochs`` and then every ``check_every`` passes (0.25: each quarter pass, where a pass moves
     success by 10-20 points), at the capped end too (its answer then only reads it), with the generator
     already holding those weights. ``passes done`` is a whole number at a pass's end, else a fraction.
-    ``salt``: another shuffle from the same seed (a later call should not replay the first passes' order)."""
+    ``stage``: a later SFT stage's name (e.g. "cooldown"): its own shuffle from the seed, so it does not
+    replay the first passes' order, and its name in the progress lines."""
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
     saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
-    rng = random.Random(f"{trainer.cfg.trainer.seed}{salt}" if salt else trainer.cfg.trainer.seed)
+    rng = random.Random(f"{trainer.cfg.trainer.seed}{stage}" if stage else trainer.cfg.trainer.seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
         # a sample's advantages weigh its tokens (1.0 for plain SFT; LEAFE's rehearsal uses beta)
@@ -219,7 +220,7 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
         losses.append(eng.step(batch, loss)["loss"])
         done += 1
         if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
-            trainer.echo(f"sft {salt + ' ' if salt else ''}pass {epoch + 1}/{of}: batch {b}/{n_batches}, "
+            trainer.echo(f"sft {stage + ' ' if stage else ''}pass {epoch + 1}/{of}: batch {b}/{n_batches}, "
                          f"loss {losses[-1]:.3f}, {time.perf_counter() - t0:.0f}s")
         past = done - epochs * n_batches
         if asking and past >= 0 and (past % every == 0 or done == last * n_batches):
