@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# RL methods and seeds from ONE warm start on one GPU (docs/gpu.md): on CUDA the same seed can give two
+# different warm starts, so a fair CRPS-vs-GRPO comparison starts every run from the very same weights.
+#
+#   bash scripts/gpu_from_one_warm_start.sh OUT "crps:0 grpo:0" [extra overrides...]
+#
+# Makes OUT/ws (SmolLM2 fully fine-tuned by the ALFWorld overlay, ~3 min on an H200), then runs the given
+# recipe:seed pairs PARALLEL at a time (default 2: two SmolLM2 runs hold ~70 GB of GPU memory), each
+# until ENV_STEPS (default 6000) env steps, and writes OUT/summary.jsonl: held-out success at every
+# evaluation of every run. MODEL (default smollm2) and ENV (default alfworld) choose the policy and env;
+# with DEPS set, DEPS/env.sh is sourced first (the folder `scripts/offline_bundle.py unpack` wrote).
+set -euo pipefail
+OUT=${1:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
+RUNS=${2:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
+shift 2
+[[ -n "${DEPS:-}" ]] && source "$DEPS/env.sh"
+PY=${PY:-python3}
+ENV=${ENV:-alfworld}
+PARALLEL=${PARALLEL:-2}
+C=(--env "$ENV" --model "${MODEL:-smollm2}" trainer.tensorboard=false trainer.progress=false)
+mkdir -p "$OUT"
+if [[ ! -f "$OUT/ws/warm_start/config.json" ]]; then
+  $PY -m agentrl.cli train crps "${C[@]}" --seed 0 --out "$OUT/ws" trainer.steps=0 "$@" > "$OUT/ws.log" 2>&1
+fi
+i=0
+for rs in $RUNS; do
+  r=${rs%%:*} s=${rs##*:}
+  $PY -m agentrl.cli train "$r" "${C[@]}" --seed "$s" --out "$OUT/$r-s$s" sft.warm_start="$OUT/ws/warm_start" \
+    trainer.steps=40 trainer.env_steps="${ENV_STEPS:-6000}" eval.every=5 "$@" > "$OUT/$r-s$s.log" 2>&1 &
+  (( ++i % PARALLEL == 0 )) && wait
+done
+wait
+$PY - "$OUT" <<'EOF' > "$OUT/summary.jsonl"
+import json, sys
+from pathlib import Path
+for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
+    rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
+    ev = {r["step"]: r["eval/success"] for r in rows if "eval/success" in r}
+    kinds = {k.split("/")[-1]: r[k] for r in rows[:1] for k in r if k.startswith("eval/success/")}
+    steps = sum(r.get("env_steps", 0) for r in rows if r.get("step", 0) > 0)
+    print(json.dumps({"run": m.parent.name, "eval_success": ev, "warm_start_by_type": kinds, "env_steps": steps}))
+EOF
+cat "$OUT/summary.jsonl"
