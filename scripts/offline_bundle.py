@@ -109,8 +109,9 @@ def unpack(src: Path, dest: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    head, *rest = __doc__.split("\n\n")
+    ap = argparse.ArgumentParser(description=head, epilog="\n\n".join(rest),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="write the bundle's parts into OUT")
     p.add_argument("out", type=Path)
