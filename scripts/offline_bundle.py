@@ -50,9 +50,9 @@ def _module_paths(module: str) -> list[Path]:
     return out + sorted(p for p in site.glob("*.dist-info") if p.name.split("-")[0].lower() in names)
 
 
-def pack(out: Path, modules: list[str], cache: list[str], part_mb: int) -> list[Path]:
+def pack(out: Path, modules: list[str], cache: list[str], part_bytes: int) -> list[Path]:
     """One xz tar of site/<module> for every module and cache/<name> for every AGENTRL_CACHE entry,
-    written as out/bundle.tar.xz.partNN files of at most part_mb MiB each; returns the part paths."""
+    written as out/bundle.tar.xz.partNN files of at most part_bytes each; returns the part paths."""
     from agentrl.envs.cache import cache_dir
 
     out.mkdir(parents=True, exist_ok=True)
@@ -70,7 +70,7 @@ def pack(out: Path, modules: list[str], cache: list[str], part_mb: int) -> list[
         info = tarfile.TarInfo("manifest.json")
         info.size = len(manifest)
         tar.addfile(info, io.BytesIO(manifest))
-    data, size = buf.getvalue(), part_mb << 20
+    data, size = buf.getvalue(), part_bytes
     parts = []
     for i in range(0, len(data), size):
         parts.append(out / f"bundle.tar.xz.part{i // size:02d}")
@@ -86,11 +86,11 @@ def unpack(src: Path, dest: Path) -> dict:
         raise SystemExit(f"offline_bundle: no bundle.tar.xz.part* files in {src}")
     data = b"".join(p.read_bytes() for p in parts)
     dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
-        try:
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
             tar.extractall(dest, filter="data")
-        except (lzma.LZMAError, EOFError, tarfile.ReadError) as e:
-            raise SystemExit(f"offline_bundle: the parts in {src} do not form one bundle ({e}); is one missing?") from e
+    except (lzma.LZMAError, EOFError, tarfile.ReadError) as e:
+        raise SystemExit(f"offline_bundle: the parts in {src} do not form one bundle ({e}); is one missing?") from e
     manifest = json.loads((dest / "manifest.json").read_text())
     site, aside = dest / "site", dest / "present-on-target"
     kept, skipped = [], []
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.cmd == "pack":
         if a.part_mb < 1:
             ap.error("--part-mb must be at least 1")
-        parts = pack(a.out, [m for m in a.modules.split(",") if m], [c for c in a.cache.split(",") if c], a.part_mb)
+        parts = pack(a.out, [m for m in a.modules.split(",") if m], [c for c in a.cache.split(",") if c],
+                     a.part_mb << 20)
         for part in parts:
             print(f"{part}  {part.stat().st_size / 2**20:.1f} MiB")
     else:
