@@ -20,7 +20,7 @@ PARALLEL=${PARALLEL:-2}
 C=(--env "$ENV" --model "${MODEL:-smollm2}" trainer.tensorboard=false trainer.progress=false)
 mkdir -p "$OUT"
 if [[ ! -f "$OUT/ws/warm_start/config.json" ]]; then
-  $PY -m agentrl.cli train crps "${C[@]}" --seed 0 --out "$OUT/ws" trainer.steps=0 "$@" > "$OUT/ws.log" 2>&1
+  $PY -m agentrl.cli train crps "${C[@]}" --seed 0 --out "$OUT/ws" "$@" trainer.steps=0 > "$OUT/ws.log" 2>&1
 fi
 i=0
 for rs in $RUNS; do
