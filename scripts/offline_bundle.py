@@ -21,7 +21,6 @@ import importlib.util
 import io
 import json
 import lzma
-import os
 import shutil
 import sys
 import tarfile
@@ -61,8 +60,9 @@ def pack(out: Path, modules: list[str], cache: list[str], part_bytes: int) -> li
     buf, files = io.BytesIO(), {}
     with tarfile.open(fileobj=buf, mode="w:xz") as tar:
         for m in modules:
-            files[m] = [p.name for p in _module_paths(m)]
-            for p in _module_paths(m):
+            paths = _module_paths(m)
+            files[m] = [p.name for p in paths]
+            for p in paths:
                 tar.add(p, arcname=f"site/{p.name}", filter=lambda t: None if "__pycache__" in t.name else t)
         for name in cache:
             tar.add(cache_dir(name), arcname=f"cache/{name}")
@@ -134,5 +134,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     main()
