@@ -5,9 +5,9 @@
 #   bash scripts/gpu_from_one_warm_start.sh OUT "crps:0 grpo:0" [extra overrides...]
 #
 # Makes OUT/ws (SmolLM2 fully fine-tuned by the ALFWorld overlay, ~3 min on an H200), then runs the given
-# recipe:seed pairs PARALLEL at a time (default 2: two SmolLM2 runs hold ~70 GB of GPU memory), each
-# until ENV_STEPS (default 6000) env steps, and writes OUT/summary.jsonl: held-out success at every
-# evaluation of every run. MODEL (default smollm2) and ENV (default alfworld) choose the policy and env;
+# recipe:seed pairs PARALLEL at a time (default 2: two SmolLM2 runs hold ~70 GB of GPU memory, three
+# ~131 GB), each until ENV_STEPS (default 6000) env steps, and writes OUT/summary.jsonl: held-out success
+# at every evaluation of every run, also when the script is stopped early (`timeout`, Ctrl-C). MODEL (default smollm2) and ENV (default alfworld) choose the policy and env;
 # with DEPS set, DEPS/env.sh is sourced first (the folder `scripts/offline_bundle.py unpack` wrote).
 set -euo pipefail
 OUT=${1:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
@@ -19,8 +19,26 @@ ENV=${ENV:-alfworld}
 PARALLEL=${PARALLEL:-2}
 C=(--env "$ENV" --model "${MODEL:-smollm2}" trainer.tensorboard=false trainer.progress=false)
 mkdir -p "$OUT"
+summarize() {
+  $PY - "$OUT" <<'EOF2' > "$OUT/summary.jsonl"
+import json, sys
+from pathlib import Path
+for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
+    rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
+    ev = {r["step"]: r["eval/success"] for r in rows if "eval/success" in r}
+    kinds = {k.split("/")[-1]: r[k] for r in rows[:1] for k in r if k.startswith("eval/success/")}
+    steps = sum(r.get("env_steps", 0) for r in rows if r.get("step", 0) > 0)
+    print(json.dumps({"run": m.parent.name, "eval_success": ev, "warm_start_by_type": kinds, "env_steps": steps}))
+EOF2
+  cat "$OUT/summary.jsonl"
+}
+# stopped early (`timeout`, Ctrl-C): stop the runs and still summarise what they logged
+trap 'trap - TERM INT; kill $(jobs -p) 2>/dev/null || true; summarize; exit 124' TERM INT
 if [[ ! -f "$OUT/ws/warm_start/config.json" ]]; then
-  $PY -m agentrl.cli train crps "${C[@]}" --seed 0 --out "$OUT/ws" "$@" trainer.steps=0 > "$OUT/ws.log" 2>&1
+  # no evaluation here: every run below evaluates these weights at its step 0 (in the background so that
+  # a stop reaches the trap at once)
+  $PY -m agentrl.cli train crps "${C[@]}" --seed 0 --out "$OUT/ws" "$@" trainer.steps=0 eval.tasks=0 > "$OUT/ws.log" 2>&1 &
+  wait $!
 fi
 i=0
 for rs in $RUNS; do
@@ -30,14 +48,4 @@ for rs in $RUNS; do
   (( ++i % PARALLEL == 0 )) && wait
 done
 wait
-$PY - "$OUT" <<'EOF' > "$OUT/summary.jsonl"
-import json, sys
-from pathlib import Path
-for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
-    rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
-    ev = {r["step"]: r["eval/success"] for r in rows if "eval/success" in r}
-    kinds = {k.split("/")[-1]: r[k] for r in rows[:1] for k in r if k.startswith("eval/success/")}
-    steps = sum(r.get("env_steps", 0) for r in rows if r.get("step", 0) > 0)
-    print(json.dumps({"run": m.parent.name, "eval_success": ev, "warm_start_by_type": kinds, "env_steps": steps}))
-EOF
-cat "$OUT/summary.jsonl"
+summarize

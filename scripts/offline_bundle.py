@@ -3,7 +3,7 @@ has torch, transformers and peft but not the env packages), in parts small enoug
 
 On this machine (the installed venv is the source):
 
-    .venv/bin/python scripts/offline_bundle.py pack bundle/ [--part-mb 60] [--modules a,b] [--cache alfworld]
+    .venv/bin/python scripts/offline_bundle.py pack bundle/ [--part-mb 50] [--modules a,b] [--cache alfworld]
 
 On the target, in a checkout of the repository, with every part copied into bundle/:
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--modules", default=",".join(DEFAULT_MODULES), help="top-level modules to carry (comma-separated)")
     p.add_argument("--cache", default="", help="AGENTRL_CACHE entries to carry, e.g. alfworld,models/tiny")
-    p.add_argument("--part-mb", type=int, default=60, help="largest part in MiB (default 60)")
+    p.add_argument("--part-mb", type=int, default=50, help="largest part in MiB (default 50)")
     u = sub.add_parser("unpack", help="join SRC's parts and extract them under DEST")
     u.add_argument("src", type=Path)
     u.add_argument("dest", type=Path)
