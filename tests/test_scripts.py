@@ -1,5 +1,11 @@
-"""Scripts a user runs beside the CLI: scripts/offline_bundle.py."""
+"""Scripts a user runs beside the CLI: scripts/offline_bundle.py, scripts/gpu_from_one_warm_start.sh."""
 import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,3 +40,40 @@ def test_offline_bundle_round_trip_skips_what_the_target_has(tmp_path, monkeypat
     parts[0].unlink()
     with pytest.raises(SystemExit, match="do not form one bundle"):
         ob.unpack(tmp_path / "b", tmp_path / "d2")
+
+
+FAKE_TRAIN = """#!/usr/bin/env bash
+# stands in for `python -m agentrl.cli train ...`; any other use runs the real Python
+[[ "$1" != "-m" ]] && exec {py} "$@"
+while [[ $# -gt 0 ]]; do case "$1" in --out) out=$2; shift;; esac; shift; done
+mkdir -p "$out"
+if [[ "$out" == */ws ]]; then mkdir -p "$out/warm_start"; echo {{}} > "$out/warm_start/config.json"; exit 0; fi
+echo '{{"step": 0, "eval/success": 0.25, "eval/success/Pick": 0.5}}' > "$out/metrics.jsonl"
+echo '{{"step": 1, "env_steps": 7}}' >> "$out/metrics.jsonl"
+sleep 300
+"""
+
+
+def test_gpu_script_stopped_early_stops_its_runs_and_still_summarises(tmp_path):
+    """A device command ends everything it started: when `timeout` stops the script, the runs stop
+    with it and OUT/summary.jsonl still holds what they logged (the training CLI faked by a shell script)."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_TRAIN.format(py=sys.executable))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_from_one_warm_start.sh"), str(out), "crps:0 grpo:1"],
+                            env={**os.environ, "PY": str(fake)}, stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not all((out / r / "metrics.jsonl").exists() for r in ("crps-s0", "grpo-s1")) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 124
+    rows = {r["run"]: r for r in map(json.loads, (out / "summary.jsonl").read_text().splitlines())}
+    assert rows["crps-s0"] == {"run": "crps-s0", "eval_success": {"0": 0.25}, "warm_start_by_type": {"Pick": 0.5},
+                               "env_steps": 7}
+    assert set(rows) == {"crps-s0", "grpo-s1"} and stdout.count("\n") == 2
+    time.sleep(0.5)
+    alive = subprocess.run(["pgrep", "-f", f"--out {out}/"], capture_output=True, text=True).stdout.split()
+    assert not alive, "the runs outlived the script"
