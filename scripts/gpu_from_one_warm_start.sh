@@ -7,8 +7,9 @@
 # Makes OUT/ws (SmolLM2 fully fine-tuned by the ALFWorld overlay, ~3 min on an H200), then runs the given
 # recipe:seed pairs PARALLEL at a time (default 2: two SmolLM2 runs hold ~70 GB of GPU memory, three
 # 128 GiB), each until ENV_STEPS (default 6000) env steps, and writes OUT/summary.jsonl: held-out success
-# at every evaluation of every run, also when the script is stopped early (`timeout`, Ctrl-C). MODEL (default smollm2) and ENV (default alfworld) choose the policy and env;
-# with DEPS set, DEPS/env.sh is sourced first (the folder `scripts/offline_bundle.py unpack` wrote).
+# at every evaluation of every run, also when the script is stopped early (`timeout`, Ctrl-C). MODEL
+# (default smollm2) and ENV (default alfworld) choose the policy and env; with DEPS set, DEPS/env.sh is
+# sourced first (the folder `scripts/offline_bundle.py unpack` wrote).
 set -euo pipefail
 OUT=${1:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
 RUNS=${2:?usage: $0 OUT \"recipe:seed ...\" [overrides]}

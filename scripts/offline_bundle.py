@@ -5,7 +5,8 @@ On this machine (the installed venv is the source):
 
     .venv/bin/python scripts/offline_bundle.py pack bundle/ [--part-mb 50] [--modules a,b] [--cache alfworld]
 
-On the target, in a checkout of the repository, with every part copied into bundle/:
+On the target, in a checkout of the repository, with every part copied into one folder (bundle/ here;
+where each copy to the target carries one part, copy each out of the checkout as it arrives):
 
     python3 scripts/offline_bundle.py unpack bundle/ /tmp/deps && source /tmp/deps/env.sh
 
