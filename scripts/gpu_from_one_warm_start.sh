@@ -20,12 +20,15 @@ ENV=${ENV:-alfworld}
 PARALLEL=${PARALLEL:-2}
 C=(--env "$ENV" --model "${MODEL:-smollm2}" trainer.tensorboard=false trainer.progress=false)
 mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 summarize() {
-  $PY - "$OUT" <<'EOF2' > "$OUT/summary.jsonl"
+  $PY - "$OUT" "$ROOT" <<'EOF2' > "$OUT/summary.jsonl"
 import json, sys
 from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from agentrl.metrics import read_metrics  # a run stopped mid-write leaves a torn last line: skipped
 for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
-    rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
+    rows = read_metrics(m.parent)
     ev = {r["step"]: r["eval/success"] for r in rows if "eval/success" in r}
     kinds = {k.split("/")[-1]: r[k] for r in rows[:1] for k in r if k.startswith("eval/success/")}
     steps = sum(r.get("env_steps", 0) for r in rows if r.get("step", 0) > 0)

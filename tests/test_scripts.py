@@ -50,13 +50,15 @@ mkdir -p "$out"
 if [[ "$out" == */ws ]]; then mkdir -p "$out/warm_start"; echo {{}} > "$out/warm_start/config.json"; exit 0; fi
 echo '{{"step": 0, "eval/success": 0.25, "eval/success/Pick": 0.5}}' > "$out/metrics.jsonl"
 echo '{{"step": 1, "env_steps": 7}}' >> "$out/metrics.jsonl"
+printf '{{"step": 2, "env_st' >> "$out/metrics.jsonl"  # a row torn by the stop
 sleep 300
 """
 
 
 def test_gpu_script_stopped_early_stops_its_runs_and_still_summarises(tmp_path):
     """A device command ends everything it started: when `timeout` stops the script, the runs stop
-    with it and OUT/summary.jsonl still holds what they logged (the training CLI faked by a shell script)."""
+    with it and OUT/summary.jsonl still holds what they logged, a torn last row skipped (the training CLI
+    faked by a shell script)."""
     fake = tmp_path / "fakepy"
     fake.write_text(FAKE_TRAIN.format(py=sys.executable))
     fake.chmod(0o755)
