@@ -101,6 +101,9 @@ class AlgoCfg:
     # optimizer steps per epoch: the batch is shuffled and split into this many mini-batches (verl's
     # ppo_mini_batch_size). One full-batch step per RL step left the tiny model all but unmoved in 15 steps.
     mini_batches: int = 1
+    # > 0: mini-batches of about this many samples instead (ceil(samples / this) of them), so a step left
+    # with few informative samples after the filters takes fewer optimizer steps, not as many on less data
+    mini_batch_samples: int = 0
     value_coef: float = 0.5
     value_clip: float | None = 0.2
     filters: list[str] = field(default_factory=lambda: ["dropped"])

@@ -294,7 +294,8 @@ class Trainer:
             # but Adam's momentum would still move the weights. No signal, no step.
             return dict(skipped_update=1.0, loss=0.0, grad_norm=0.0, time_learn_s=time.perf_counter() - t)
         order = list(range(len(batch)))
-        n_mb = max(1, min(a.mini_batches, len(order)))
+        n_mb = -(-len(order) // a.mini_batch_samples) if a.mini_batch_samples > 0 else a.mini_batches
+        n_mb = max(1, min(n_mb, len(order)))
         sums: dict[str, float] = {}
         n_steps = 0
         for _ in range(a.ppo_epochs):

@@ -379,6 +379,31 @@ def test_mini_batches_give_one_optimizer_step_each(tiny_model_dir, tmp_path):
         t.close()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_mini_batch_samples_scale_the_optimizer_steps_with_the_batch(tiny_model_dir, tmp_path):
+    """algo.mini_batch_samples: ceil(samples / it) mini-batches an epoch, whatever algo.mini_batches says."""
+    import agentrl.recipes  # noqa: F401
+    from agentrl.learner.batch import turn_sample
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "algo.mini_batches=4",
+                                                              "algo.mini_batch_samples=4", "algo.ppo_epochs=2"))
+    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    try:
+        seen = []
+        step = t.engine.step
+        t.engine.step = lambda batch, *a, **k: (seen.append(len(batch)), step(batch, *a, **k))[1]
+        for n, expect in ((7, [4, 3, 4, 3]), (2, [2, 2])):  # a small batch: one step an epoch, not four
+            samples = [turn_sample([5, 6, 7 + i], [8, 9], [-1.0, -1.0], 1.0 if i % 2 else -1.0) for i in range(n)]
+            seen.clear()
+            stats = t.update(samples, t.recipe.loss_fn(t))
+            assert seen == expect and stats["optim_steps"] == len(expect)
+    finally:
+        t.close()
+
+
 def test_dynamic_sampling_rolls_out_until_enough_groups_vary(tiny_model_dir, tmp_path):
     """rollout.fill_groups: more rounds of fresh starts until that many groups have reward variance,
     never more than rollout.max_rounds; every round's episodes reach the batch and after_rollout."""
