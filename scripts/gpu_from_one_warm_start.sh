@@ -7,9 +7,9 @@
 # Makes OUT/ws (SmolLM2 fully fine-tuned by the ALFWorld overlay, ~3 min on an H200), then runs the given
 # recipe:seed pairs PARALLEL at a time (default 2: two SmolLM2 runs hold ~70 GB of GPU memory, three
 # 128 GiB), each until ENV_STEPS (default 6000) env steps, and writes OUT/summary.jsonl: held-out success
-# at every evaluation of every run, also when the script is stopped early (`timeout`, Ctrl-C). MODEL
-# (default smollm2) and ENV (default alfworld) choose the policy and env; with DEPS set, DEPS/env.sh is
-# sourced first (the folder `scripts/offline_bundle.py unpack` wrote).
+# at every evaluation of every run (and pass@k with eval.samples=k), also when the script is stopped early
+# (`timeout`, Ctrl-C). MODEL (default smollm2) and ENV (default alfworld) choose the policy and env; with
+# DEPS set, DEPS/env.sh is sourced first (the folder `scripts/offline_bundle.py unpack` wrote).
 set -euo pipefail
 OUT=${1:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
 RUNS=${2:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
@@ -32,7 +32,12 @@ for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
     ev = {r["step"]: r["eval/success"] for r in rows if "eval/success" in r}
     kinds = {k.split("/")[-1]: r[k] for r in rows[:1] for k in r if k.startswith("eval/success/")}
     steps = sum(r.get("env_steps", 0) for r in rows if r.get("step", 0) > 0)
-    print(json.dumps({"run": m.parent.name, "eval_success": ev, "warm_start_by_type": kinds, "env_steps": steps}))
+    row = {"run": m.parent.name, "eval_success": ev, "warm_start_by_type": kinds, "env_steps": steps}
+    # sampled evaluation (eval.samples=k > 1): pass@k at every evaluation too
+    pk = {r["step"]: {k[5:]: r[k] for k in r if k.startswith("eval/pass@") and k != "eval/pass@1"} for r in rows}
+    if any(pk.values()):
+        row["eval_pass"] = {s: v for s, v in pk.items() if v}
+    print(json.dumps(row))
 EOF2
   cat "$OUT/summary.jsonl"
 }

@@ -48,7 +48,7 @@ FAKE_TRAIN = """#!/usr/bin/env bash
 while [[ $# -gt 0 ]]; do case "$1" in --out) out=$2; shift;; esac; shift; done
 mkdir -p "$out"
 if [[ "$out" == */ws ]]; then mkdir -p "$out/warm_start"; echo {{}} > "$out/warm_start/config.json"; exit 0; fi
-echo '{{"step": 0, "eval/success": 0.25, "eval/success/Pick": 0.5}}' > "$out/metrics.jsonl"
+echo '{{"step": 0, "eval/success": 0.25, "eval/success/Pick": 0.5, "eval/pass@1": 0.25, "eval/pass@4": 0.5}}' > "$out/metrics.jsonl"
 echo '{{"step": 1, "env_steps": 7}}' >> "$out/metrics.jsonl"
 printf '{{"step": 2, "env_st' >> "$out/metrics.jsonl"  # a row torn by the stop
 sleep 300
@@ -74,7 +74,7 @@ def test_gpu_script_stopped_early_stops_its_runs_and_still_summarises(tmp_path):
     assert proc.returncode == 124
     rows = {r["run"]: r for r in map(json.loads, (out / "summary.jsonl").read_text().splitlines())}
     assert rows["crps-s0"] == {"run": "crps-s0", "eval_success": {"0": 0.25}, "warm_start_by_type": {"Pick": 0.5},
-                               "env_steps": 7}
+                               "env_steps": 7, "eval_pass": {"0": {"pass@4": 0.5}}}
     assert set(rows) == {"crps-s0", "grpo-s1"} and stdout.count("\n") == 2
     time.sleep(0.5)
     alive = subprocess.run(["pgrep", "-f", f"--out {out}/"], capture_output=True, text=True).stdout.split()
