@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -79,3 +80,27 @@ def test_gpu_script_stopped_early_stops_its_runs_and_still_summarises(tmp_path):
     time.sleep(0.5)
     alive = subprocess.run(["pgrep", "-f", f"--out {out}/"], capture_output=True, text=True).stdout.split()
     assert not alive, "the runs outlived the script"
+
+
+def test_gpu_sitting_study_outlives_its_start_command_and_is_collected(tmp_path):
+    """`gpu_sitting.sh start` returns while the study runs on in its own session (stopped here by its
+    LIMIT), and `collect` prints the summary and packs the runs' logs and metrics, not their weights."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_TRAIN.format(py=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "PY": str(fake), "SITTING": str(tmp_path / "s"), "OUT": str(tmp_path / "out")}
+    script = str(ROOT / "scripts" / "gpu_sitting.sh")
+    t = time.time()
+    start = subprocess.run(["bash", script, "start", "4", "60", "crps:0"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=90)
+    assert start.returncode == 0, start.stderr
+    assert time.time() - t < 45 and "crps-s0: step 1, held-out 0:0.250" in start.stdout
+    assert (tmp_path / "s" / "repo" / "agentrl" / "metrics.py").exists()
+    got = subprocess.run(["bash", script, "collect", "30"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout.splitlines()[0])["eval_success"] == {"0": 0.25}
+    with tarfile.open(tmp_path / "out" / "results.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"r/crps-s0/metrics.jsonl", "r/crps-s0.log", "r/summary.jsonl"} <= names
+    assert not any("warm_start" in n for n in names)

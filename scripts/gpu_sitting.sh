@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One sitting on a borrowed GPU machine for scripts/gpu_from_one_warm_start.sh (docs/gpu.md, "Next time"),
+# where each command copies at most 64 MiB to the machine and ends the processes it started, but the
+# machine and its /tmp stay between commands. Run from the checkout there, one command each:
+#
+#   bash scripts/gpu_sitting.sh part                          # the first commands, each carrying a part
+#   bash scripts/gpu_sitting.sh start LIMIT WAIT "crps:0 crps:1" [overrides]   # carrying the last part
+#   bash scripts/gpu_sitting.sh collect WAIT                  # the next command, started at once
+#
+# part: copies the carried bundle/ parts to $SITTING/bundle (a later command's copy removes them from the
+# checkout). start: unpacks them, copies the checkout to $SITTING/repo and starts the study there in its
+# own process session under `timeout LIMIT`, so that it outlives this command, then prints its progress
+# for up to WAIT seconds. collect: waits up to WAIT seconds for its summary, prints it and packs the runs'
+# logs, metrics and configs (not the weights) into $OUT/results.tgz. Extra `start` arguments are
+# overrides for every run; PARALLEL, ENV_STEPS and MODEL pass through to the study.
+set -euo pipefail
+S=${SITTING:-/tmp/sitting}
+PY=${PY:-python3}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+what=${1:?usage: $0 part | start LIMIT WAIT RUNS [overrides] | collect WAIT}
+shift
+progress() {  # each run's last step and its held-out readings so far
+  [[ -d $S/r ]] || return 0
+  $PY - "$S/r" "$S/repo" <<'EOF' || true
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from agentrl.metrics import read_metrics
+for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
+    rows = read_metrics(m.parent)
+    ev = " ".join(f"{r['step']}:{r['eval/success']:.3f}" for r in rows if "eval/success" in r)
+    print(f"{m.parent.name}: step {rows[-1].get('step', 0) if rows else 0}, held-out {ev or '-'}")
+EOF
+}
+wait_for_summary() {  # until the study's summary exists or $1 seconds have passed
+  local end=$(( $(date +%s) + $1 ))
+  while [[ ! -s $S/r/summary.jsonl ]] && (( $(date +%s) < end )); do sleep 5; done
+}
+case $what in
+  part)
+    mkdir -p "$S/bundle"
+    cp bundle/bundle.tar.xz.part* "$S/bundle/"
+    ls -l "$S/bundle"
+    ;;
+  start)
+    limit=${1:?start LIMIT WAIT RUNS}; wait_s=${2:?start LIMIT WAIT RUNS}; runs=${3:?start LIMIT WAIT RUNS}
+    shift 3
+    mkdir -p "$S/bundle" "$S/repo"
+    if compgen -G "bundle/bundle.tar.xz.part*" > /dev/null; then cp bundle/bundle.tar.xz.part* "$S/bundle/"; fi
+    if compgen -G "$S/bundle/bundle.tar.xz.part*" > /dev/null && [[ ! -f $S/deps/env.sh ]]; then
+      $PY "$ROOT/scripts/offline_bundle.py" unpack "$S/bundle" "$S/deps"
+    fi
+    # the study runs from a copy of what it imports: a later command's copy of the checkout must not change it
+    tar -C "$ROOT" -cf - agentrl envs recipes configs scripts | tar -C "$S/repo" -xf -
+    deps=""; [[ -f $S/deps/env.sh ]] && deps=$S/deps
+    (cd "$S/repo" && DEPS=$deps setsid nohup timeout "$limit" bash scripts/gpu_from_one_warm_start.sh "$S/r" "$runs" "$@" \
+      > "$S/study.log" 2>&1 < /dev/null &)
+    echo "study started at $(date +%T), stopped after $limit s at the latest; log $S/study.log"
+    wait_for_summary "$wait_s"
+    progress
+    ;;
+  collect)
+    wait_for_summary "${1:?collect WAIT}"
+    sleep 2  # the summary is written in one go, but give its writer a moment to exit
+    cat "$S/r/summary.jsonl" 2>/dev/null || { echo "no summary yet: the study is still running"; progress; }
+    out=${OUT:-$S/out}
+    mkdir -p "$out"
+    (cd "$S" && find r \( -name '*.jsonl' -o -name '*.log' -o -name '*.yaml' \) -not -path '*/checkpoint*' \
+      -not -path '*/warm_start/*' | tar czf "$out/results.tgz" -T -)
+    cp "$S/study.log" "$out/" 2>/dev/null || true
+    ls -l "$out"
+    ;;
+  *) echo "usage: $0 part | start LIMIT WAIT RUNS [overrides] | collect WAIT" >&2; exit 2 ;;
+esac
