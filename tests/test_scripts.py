@@ -49,7 +49,8 @@ FAKE_TRAIN = """#!/usr/bin/env bash
 while [[ $# -gt 0 ]]; do case "$1" in --out) out=$2; shift;; esac; shift; done
 mkdir -p "$out"
 if [[ "$out" == */ws ]]; then mkdir -p "$out/warm_start"; echo {{}} > "$out/warm_start/config.json"; exit 0; fi
-echo '{{"step": 0, "eval/success": 0.25, "eval/success/Pick": 0.5, "eval/pass@1": 0.25, "eval/pass@4": 0.5}}' > "$out/metrics.jsonl"
+row0='{{"step": 0, "eval/success": 0.25, "eval/success/Pick": 0.5, "eval/pass@1": 0.25, "eval/pass@4": 0.5}}'
+echo "$row0" > "$out/metrics.jsonl"
 echo '{{"step": 1, "env_steps": 7}}' >> "$out/metrics.jsonl"
 printf '{{"step": 2, "env_st' >> "$out/metrics.jsonl"  # a row torn by the stop
 sleep 300
