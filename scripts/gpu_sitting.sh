@@ -8,7 +8,7 @@
 #   bash scripts/gpu_sitting.sh collect WAIT                  # the next command, started at once
 #
 # part: copies the carried bundle/ parts to $SITTING/bundle (a later command's copy removes them from the
-# checkout). start: unpacks them, copies the checkout to $SITTING/repo and starts the study there in its
+# checkout). start: unpacks them, copies the code to $SITTING/repo and starts the study there in its
 # own process session under `timeout LIMIT`, so that it outlives this command, then prints its progress
 # for up to WAIT seconds. collect: waits up to WAIT seconds for its summary, prints it and packs the runs'
 # logs, metrics and configs (not the weights) into $OUT/results.tgz. Extra `start` arguments are
