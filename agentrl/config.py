@@ -173,6 +173,8 @@ class EvalCfg:
     split: Literal["train", "valid", "test"] = "valid"
     samples: int = 1  # samples per task (pass@k needs k <= samples)
     temperature: float = 0.5
+    # False: no evaluation before the first RL step (runs sharing one warm start need it read only once)
+    at_start: bool = True
 
 
 @dataclass

@@ -465,7 +465,7 @@ class Trainer:
                 truncate_metrics(self.out_dir, self.step)
         if self.step == 0 and not resumed:
             pre = self.recipe.before_training(self) if hasattr(self.recipe, "before_training") else {}
-            first = self.evaluate() if self.cfg.eval.tasks else {}
+            first = self.evaluate() if self.cfg.eval.tasks and self.cfg.eval.at_start else {}
             self._log(0, {**pre, **first})
             self._print(0, first)
             if pre:  # a warm start (minutes of SFT) is not redone when the run is killed before its first checkpoint

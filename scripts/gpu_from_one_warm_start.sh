@@ -6,8 +6,9 @@
 #
 # Makes OUT/ws (SmolLM2 fully fine-tuned by the ALFWorld overlay, ~3 min on an H200), then runs the given
 # recipe:seed pairs PARALLEL at a time (default 2: two SmolLM2 runs hold ~70 GB of GPU memory, three
-# 128 GiB), each until ENV_STEPS (default 6000) env steps, and writes OUT/summary.jsonl: held-out success
-# at every evaluation of every run (and pass@k with eval.samples=k), also when the script is stopped early
+# 128 GiB), each until ENV_STEPS (default 6000) env steps, and writes OUT/summary.jsonl: the warm start's
+# held-out success (read once, by the first run, per task type), then each run's at every later evaluation
+# (and pass@k with eval.samples=k), also when the script is stopped early
 # (`timeout`, Ctrl-C). MODEL (default smollm2) and ENV (default alfworld) choose the policy and env; with
 # DEPS set, DEPS/env.sh is sourced first (the folder `scripts/offline_bundle.py unpack` wrote).
 set -euo pipefail
@@ -27,16 +28,25 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from agentrl.metrics import read_metrics  # a run stopped mid-write leaves a torn last line: skipped
+ws, out = [], []
 for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
+    if m.parent.name == "ws":
+        continue
     rows = read_metrics(m.parent)
     ev = {r["step"]: r["eval/success"] for r in rows if "eval/success" in r}
-    kinds = {k.split("/")[-1]: r[k] for r in rows[:1] for k in r if k.startswith("eval/success/")}
     steps = sum(r.get("env_steps", 0) for r in rows if r.get("step", 0) > 0)
-    row = {"run": m.parent.name, "eval_success": ev, "warm_start_by_type": kinds, "env_steps": steps}
+    row = {"run": m.parent.name, "eval_success": ev, "env_steps": steps}
     # sampled evaluation (eval.samples=k > 1): pass@k at every evaluation too
     pk = {r["step"]: {k[5:]: r[k] for k in r if k.startswith("eval/pass@") and k != "eval/pass@1"} for r in rows}
     if any(pk.values()):
         row["eval_pass"] = {s: v for s, v in pk.items() if v}
+    # the one run that read the shared warm start (the first; the others skip it) gives the first line
+    if rows and "eval/success" in rows[0] and not ws:
+        kinds = {k.split("/")[-1]: v for k, v in rows[0].items() if k.startswith("eval/success/")}
+        ws.append({"run": "warm_start", "eval_success": rows[0]["eval/success"], "by_type": kinds,
+                   "read_by": m.parent.name})
+    out.append(row)
+for row in ws + out:
     print(json.dumps(row))
 EOF2
   cat "$OUT/summary.jsonl"
@@ -50,10 +60,13 @@ if [[ ! -f "$OUT/ws/warm_start/config.json" ]]; then
   wait $!
 fi
 i=0
+first=true  # greedy readings of the same weights are equal: only the first run reads the warm start
 for rs in $RUNS; do
   r=${rs%%:*} s=${rs##*:}
   $PY -m agentrl.cli train "$r" "${C[@]}" --seed "$s" --out "$OUT/$r-s$s" sft.warm_start="$OUT/ws/warm_start" \
-    trainer.steps=40 trainer.env_steps="${ENV_STEPS:-6000}" eval.every=5 "$@" > "$OUT/$r-s$s.log" 2>&1 &
+    trainer.steps=40 trainer.env_steps="${ENV_STEPS:-6000}" eval.every=5 eval.at_start=$first "$@" \
+    > "$OUT/$r-s$s.log" 2>&1 &
+  first=false
   (( ++i % PARALLEL == 0 )) && wait
 done
 wait

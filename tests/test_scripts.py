@@ -46,10 +46,12 @@ def test_offline_bundle_round_trip_skips_what_the_target_has(tmp_path, monkeypat
 FAKE_TRAIN = """#!/usr/bin/env bash
 # stands in for `python -m agentrl.cli train ...`; any other use runs the real Python
 [[ "$1" != "-m" ]] && exec {py} "$@"
+args=" $* "
 while [[ $# -gt 0 ]]; do case "$1" in --out) out=$2; shift;; esac; shift; done
 mkdir -p "$out"
 if [[ "$out" == */ws ]]; then mkdir -p "$out/warm_start"; echo {{}} > "$out/warm_start/config.json"; exit 0; fi
 row0='{{"step": 0, "eval/success": 0.25, "eval/success/Pick": 0.5, "eval/pass@1": 0.25, "eval/pass@4": 0.5}}'
+[[ "$args" == *" eval.at_start=false "* ]] && row0='{{"step": 0}}'  # another run reads the warm start
 echo "$row0" > "$out/metrics.jsonl"
 echo '{{"step": 1, "env_steps": 7}}' >> "$out/metrics.jsonl"
 printf '{{"step": 2, "env_st' >> "$out/metrics.jsonl"  # a row torn by the stop
@@ -74,10 +76,14 @@ def test_gpu_script_stopped_early_stops_its_runs_and_still_summarises(tmp_path):
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=60)
     assert proc.returncode == 124
-    rows = {r["run"]: r for r in map(json.loads, (out / "summary.jsonl").read_text().splitlines())}
-    assert rows["crps-s0"] == {"run": "crps-s0", "eval_success": {"0": 0.25}, "warm_start_by_type": {"Pick": 0.5},
-                               "env_steps": 7, "eval_pass": {"0": {"pass@4": 0.5}}}
-    assert set(rows) == {"crps-s0", "grpo-s1"} and stdout.count("\n") == 2
+    lines = [json.loads(x) for x in (out / "summary.jsonl").read_text().splitlines()]
+    rows = {r["run"]: r for r in lines}
+    # the first run read the shared warm start, the second skipped it (eval.at_start=false)
+    assert lines[0] == {"run": "warm_start", "eval_success": 0.25, "by_type": {"Pick": 0.5}, "read_by": "crps-s0"}
+    assert rows["crps-s0"] == {"run": "crps-s0", "eval_success": {"0": 0.25}, "env_steps": 7,
+                               "eval_pass": {"0": {"pass@4": 0.5}}}
+    assert rows["grpo-s1"] == {"run": "grpo-s1", "eval_success": {}, "env_steps": 7}
+    assert len(lines) == 3 and stdout.count("\n") == 3
     time.sleep(0.5)
     alive = subprocess.run(["pgrep", "-f", f"--out {out}/"], capture_output=True, text=True).stdout.split()
     assert not alive, "the runs outlived the script"
@@ -100,7 +106,8 @@ def test_gpu_sitting_study_outlives_its_start_command_and_is_collected(tmp_path)
     got = subprocess.run(["bash", script, "collect", "30"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=60)
     assert got.returncode == 0, got.stderr
-    assert json.loads(got.stdout.splitlines()[0])["eval_success"] == {"0": 0.25}
+    first, run = map(json.loads, got.stdout.splitlines()[:2])
+    assert (first["run"], first["eval_success"], run["eval_success"]) == ("warm_start", 0.25, {"0": 0.25})
     with tarfile.open(tmp_path / "out" / "results.tgz") as tar:
         names = set(tar.getnames())
     assert {"r/crps-s0/metrics.jsonl", "r/crps-s0.log", "r/summary.jsonl"} <= names

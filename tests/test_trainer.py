@@ -404,6 +404,19 @@ def test_mini_batch_samples_scale_the_optimizer_steps_with_the_batch(tiny_model_
         t.close()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_eval_at_start_false_reads_only_the_trained_policy(tiny_model_dir, tmp_path):
+    """eval.at_start: false skips the step-0 evaluation (another run read the shared warm start) and
+    keeps the evaluation after the last step."""
+    cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=1",
+                                                              "eval.at_start=false"))
+    _, final = run(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert not any(k.startswith("eval/") for k in rows[0]) and "eval/success" in rows[1] and "eval/success" in final
+
+
 def test_dynamic_sampling_rolls_out_until_enough_groups_vary(tiny_model_dir, tmp_path):
     """rollout.fill_groups: more rounds of fresh starts until that many groups have reward variance,
     never more than rollout.max_rounds; every round's episodes reach the batch and after_rollout."""
