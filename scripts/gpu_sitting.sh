@@ -27,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from agentrl.metrics import read_metrics
 for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
+    if m.parent.name == "ws":  # the warm start's own folder: no RL steps
+        continue
     rows = read_metrics(m.parent)
     ev = " ".join(f"{r['step']}:{r['eval/success']:.3f}" for r in rows if "eval/success" in r)
     print(f"{m.parent.name}: step {rows[-1].get('step', 0) if rows else 0}, held-out {ev or '-'}")
