@@ -183,6 +183,10 @@ class TrainerCfg:
     # >0: also stop once the training rollouts have taken this many env steps (the policy's actions, summed
     # over ranks), so recipes whose groups cost different numbers of steps compare at equal interaction
     env_steps: int = 0
+    # >0: start no step that would end more than this many seconds after the trainer started (judged by
+    # the longest step so far); the last step is still evaluated and checkpointed, so a job with a hard
+    # wall-clock limit ends with a reading if this leaves time for one
+    time_limit_s: float = 0.0
     seed: int = 0
     out_dir: str = "runs/{recipe}-{env}-s{seed}"
     checkpoint_every: int = 5

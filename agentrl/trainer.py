@@ -51,7 +51,7 @@ class RunError(RuntimeError):
 # what may change when a run resumes (how long it trains, how it is evaluated and logged, where servers
 # are); any other difference from the config its checkpoint was written with makes it another run
 RESUMABLE = ("trainer.steps", "trainer.progress", "trainer.tensorboard", "trainer.wandb", "trainer.checkpoint_every",
-             "trainer.out_dir", "trainer.generator_url", "eval.")
+             "trainer.time_limit_s", "trainer.out_dir", "trainer.generator_url", "eval.")
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:
@@ -93,6 +93,7 @@ class Trainer:
     def __init__(self, cfg: RecipeCfg, recipe: "Recipe"):
         from agentrl.model_zoo import resolve_model
 
+        self._t0 = time.monotonic()  # trainer.time_limit_s counts from here: loading and the warm start included
         self.cfg, self.recipe = cfg, recipe
         self.out_dir = cfg.out_dir
         self.device = self._resolve_device()
@@ -114,6 +115,7 @@ class Trainer:
         self.rng = random.Random(cfg.trainer.seed)  # the same stream on every rank: same decisions
         self.step = 0
         self.env_steps = 0  # the training rollouts' env steps so far (``trainer.env_steps`` budgets them)
+        self._time_up, self._longest_step = False, 0.0  # trainer.time_limit_s
         self.engine: LearnerEngine = self._make_engine()
         self.tokenizer = self.engine.tokenizer
         self.generator: Generator = self._make_generator()
@@ -490,6 +492,7 @@ class Trainer:
                 metrics["time_step_s"] = time.perf_counter() - t
                 history.append(metrics)
                 metrics.update(echo_trap_flags(history))
+                self._time_up = self._next_step_too_late(metrics["time_step_s"])  # decided once: finished() reads it
                 e, last = self.cfg.eval, self.finished()
                 if self.cfg.eval.tasks and ((e.every and self.step % e.every == 0) or last):
                     metrics.update(self.evaluate())
@@ -516,7 +519,23 @@ class Trainer:
     def finished(self) -> bool:
         """Every rank agrees: the step count and the env steps (summed over the gathered episodes) are global."""
         t = self.cfg.trainer
-        return self.step >= t.steps or (t.env_steps > 0 and self.env_steps >= t.env_steps)
+        return self.step >= t.steps or (t.env_steps > 0 and self.env_steps >= t.env_steps) or self._time_up
+
+    def _next_step_too_late(self, step_s: float) -> bool:
+        """trainer.time_limit_s: would one more step (as long as the longest so far) end past the limit? Rank 0's
+        clock decides for every rank, so that all stop after the same step and evaluate it."""
+        limit = self.cfg.trainer.time_limit_s
+        if limit <= 0:
+            return False
+        self._longest_step = max(self._longest_step, step_s)
+        elapsed = time.monotonic() - self._t0
+        late = bool(dist.broadcast_object(elapsed + self._longest_step > limit))
+        t = self.cfg.trainer
+        if late and self.step < t.steps and not (t.env_steps > 0 and self.env_steps >= t.env_steps):
+            self.echo(f"trainer.time_limit_s={limit:g}: stopping after step {self.step} ({elapsed:.0f} s so far; a "
+                      f"step takes up to {self._longest_step:.0f} s); its evaluation and checkpoint follow, and "
+                      "the same command resumes from here")
+        return late
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:  # every row says how much memory the run has needed so far

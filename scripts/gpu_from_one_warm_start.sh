@@ -10,7 +10,9 @@
 # held-out success (read once, by the first run, per task type), then each run's at every later evaluation
 # (and pass@k with eval.samples=k), also when the script is stopped early
 # (`timeout`, Ctrl-C). MODEL (default smollm2) and ENV (default alfworld) choose the policy and env; with
-# DEPS set, DEPS/env.sh is sourced first (the folder `scripts/offline_bundle.py unpack` wrote).
+# DEPS set, DEPS/env.sh is sourced first (the folder `scripts/offline_bundle.py unpack` wrote). With
+# FINISH_BY set (a time in seconds since the epoch), each run gets a trainer.time_limit_s that stops its
+# steps READING_S seconds (default 200) before then, leaving that time for its last held-out reading.
 set -euo pipefail
 OUT=${1:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
 RUNS=${2:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
@@ -63,8 +65,13 @@ i=0
 first=true  # greedy readings of the same weights are equal: only the first run reads the warm start
 for rs in $RUNS; do
   r=${rs%%:*} s=${rs##*:}
+  budget=()
+  if [[ -n "${FINISH_BY:-}" ]]; then  # at least one step, however late the run starts
+    left=$(( FINISH_BY - $(date +%s) - ${READING_S:-200} ))
+    budget=(trainer.time_limit_s=$(( left > 1 ? left : 1 )))
+  fi
   $PY -m agentrl.cli train "$r" "${C[@]}" --seed "$s" --out "$OUT/$r-s$s" sft.warm_start="$OUT/ws/warm_start" \
-    trainer.steps=40 trainer.env_steps="${ENV_STEPS:-6000}" eval.every=5 eval.at_start=$first "$@" \
+    trainer.steps=40 trainer.env_steps="${ENV_STEPS:-6000}" eval.every=5 eval.at_start=$first "${budget[@]}" "$@" \
     > "$OUT/$r-s$s.log" 2>&1 &
   first=false
   (( ++i % PARALLEL == 0 )) && wait

@@ -12,7 +12,8 @@
 # own process session under `timeout LIMIT`, so that it outlives this command, then prints its progress
 # for up to WAIT seconds. collect: waits up to WAIT seconds for its summary, prints it and packs the runs'
 # logs, metrics and configs (not the weights) into $OUT/results.tgz. Extra `start` arguments are
-# overrides for every run; PARALLEL, ENV_STEPS and MODEL pass through to the study.
+# overrides for every run; PARALLEL, ENV_STEPS, MODEL and READING_S pass through to the study, whose runs
+# stop stepping in time to end with a held-out reading before LIMIT (FINISH_BY, 10 s before it).
 set -euo pipefail
 S=${SITTING:-/tmp/sitting}
 PY=${PY:-python3}
@@ -55,7 +56,8 @@ case $what in
     # the study runs from a copy of what it imports: a later command's copy of the checkout must not change it
     tar -C "$ROOT" -cf - agentrl envs recipes configs scripts | tar -C "$S/repo" -xf -
     deps=""; [[ -f $S/deps/env.sh ]] && deps=$S/deps
-    (cd "$S/repo" && DEPS=$deps setsid nohup timeout "$limit" bash scripts/gpu_from_one_warm_start.sh "$S/r" "$runs" "$@" \
+    finish_by=$(( $(date +%s) + limit - 10 ))
+    (cd "$S/repo" && DEPS=$deps FINISH_BY=$finish_by setsid nohup timeout "$limit" bash scripts/gpu_from_one_warm_start.sh "$S/r" "$runs" "$@" \
       > "$S/study.log" 2>&1 < /dev/null &)
     echo "study started at $(date +%T), stopped after $limit s at the latest; log $S/study.log"
     wait_for_summary "$wait_s"

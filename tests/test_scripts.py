@@ -49,6 +49,7 @@ FAKE_TRAIN = """#!/usr/bin/env bash
 args=" $* "
 while [[ $# -gt 0 ]]; do case "$1" in --out) out=$2; shift;; esac; shift; done
 mkdir -p "$out"
+echo "$args" > "$out/args.txt"
 if [[ "$out" == */ws ]]; then mkdir -p "$out/warm_start"; echo {{}} > "$out/warm_start/config.json"; exit 0; fi
 row0='{{"step": 0, "eval/success": 0.25, "eval/success/Pick": 0.5, "eval/pass@1": 0.25, "eval/pass@4": 0.5}}'
 [[ "$args" == *" eval.at_start=false "* ]] && row0='{{"step": 0}}'  # another run reads the warm start
@@ -84,6 +85,7 @@ def test_gpu_script_stopped_early_stops_its_runs_and_still_summarises(tmp_path):
                                "eval_pass": {"0": {"pass@4": 0.5}}}
     assert rows["grpo-s1"] == {"run": "grpo-s1", "eval_success": {}, "env_steps": 7}
     assert len(lines) == 3 and stdout.count("\n") == 3
+    assert "time_limit_s" not in (out / "crps-s0" / "args.txt").read_text()  # no FINISH_BY: no time budget
     time.sleep(0.5)
     alive = subprocess.run(["pgrep", "-f", f"--out {out}/"], capture_output=True, text=True).stdout.split()
     assert not alive, "the runs outlived the script"
@@ -103,6 +105,8 @@ def test_gpu_sitting_study_outlives_its_start_command_and_is_collected(tmp_path)
     assert start.returncode == 0, start.stderr
     assert time.time() - t < 45 and "crps-s0: step 1, held-out 0:0.250" in start.stdout
     assert (tmp_path / "s" / "repo" / "agentrl" / "metrics.py").exists()
+    # the runs stop stepping in time for their last reading; with a LIMIT this short, after one step
+    assert " trainer.time_limit_s=1 " in (tmp_path / "s" / "r" / "crps-s0" / "args.txt").read_text()
     got = subprocess.run(["bash", script, "collect", "30"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=60)
     assert got.returncode == 0, got.stderr

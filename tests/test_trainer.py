@@ -417,6 +417,34 @@ def test_eval_at_start_false_reads_only_the_trained_policy(tiny_model_dir, tmp_p
     assert not any(k.startswith("eval/") for k in rows[0]) and "eval/success" in rows[1] and "eval/success" in final
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_time_limit_stops_after_a_step_with_its_reading_and_the_same_command_resumes(tiny_model_dir, tmp_path):
+    """trainer.time_limit_s: no step starts that would end past the limit; the last step done is evaluated
+    and checkpointed, and the run resumes from it."""
+    import time
+
+    import agentrl.recipes  # noqa: F401
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+
+    cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=3",
+                                                              "eval.every=0", "trainer.checkpoint_every=5",
+                                                              "trainer.time_limit_s=1000"))
+    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    try:
+        t._t0 = time.monotonic() - 999.9  # as if loading had taken almost all of the limit: one step fits, not two
+        final = t.train()
+    finally:
+        t.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert "eval/success" in rows[1] and "eval/success" in final  # the last step's reading, despite eval.every=0
+    t2, _ = run(cfg)  # the same command, with time to spare: resumes from step 1's checkpoint
+    assert t2.step == 3
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
 def test_dynamic_sampling_rolls_out_until_enough_groups_vary(tiny_model_dir, tmp_path):
     """rollout.fill_groups: more rounds of fresh starts until that many groups have reward variance,
     never more than rollout.max_rounds; every round's episodes reach the batch and after_rollout."""
