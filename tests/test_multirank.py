@@ -129,6 +129,20 @@ def test_two_rank_run_killed_mid_run_resumes_exactly(reference):
     assert_same_numbers(rows(root / "w2"), rows(out), [1, 2, 3])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_time_limit_is_decided_by_rank_0_for_every_rank(sokoban_sft_model_dir, tmp_path):
+    """trainer.time_limit_s with clocks that disagree: rank 0 late stops both ranks after step 1, each with
+    its last step's evaluation; rank 1 late alone stops neither."""
+    proc = launch(2, [str(sokoban_sft_model_dir), str(tmp_path)], script=str(ROOT / "tests" / "time_limit_worker.py"),
+                  timeout=540)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["late0"] == dict(step=1, evaluated=True), (r, got)
+        assert got["late1"] == dict(step=2, evaluated=True), (r, got)
+
+
 # ----- every recipe on two ranks ----------------------------------------------------------------------
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
 
