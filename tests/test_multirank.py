@@ -39,8 +39,22 @@ def env() -> dict[str, str]:
 
 def launch(nproc: int, args: list[str], launcher: str = "torchrun", script: str | None = None,
            timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(command(nproc, args, launcher, script), env=env(), cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    cmd = command(nproc, args, launcher, script)
+    with subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # a hung run: its ranks too, which may sit in sessions of their own, or they outlive the test
+            import psutil
+
+            for p in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def rows(run_dir: Path) -> dict[int, dict]:
