@@ -518,8 +518,12 @@ class Trainer:
 
     def finished(self) -> bool:
         """Every rank agrees: the step count and the env steps (summed over the gathered episodes) are global."""
+        return self._budget_spent() or self._time_up
+
+    def _budget_spent(self) -> bool:
+        """trainer.steps or trainer.env_steps reached."""
         t = self.cfg.trainer
-        return self.step >= t.steps or (t.env_steps > 0 and self.env_steps >= t.env_steps) or self._time_up
+        return self.step >= t.steps or (t.env_steps > 0 and self.env_steps >= t.env_steps)
 
     def _next_step_too_late(self, step_s: float) -> bool:
         """trainer.time_limit_s: would one more step (as long as the longest so far) end past the limit? Rank 0's
@@ -530,8 +534,7 @@ class Trainer:
         self._longest_step = max(self._longest_step, step_s)
         elapsed = time.monotonic() - self._t0
         late = bool(dist.broadcast_object(elapsed + self._longest_step > limit))
-        t = self.cfg.trainer
-        if late and self.step < t.steps and not (t.env_steps > 0 and self.env_steps >= t.env_steps):
+        if late and not self._budget_spent():
             self.echo(f"trainer.time_limit_s={limit:g}: stopping after step {self.step} ({elapsed:.0f} s so far; a "
                       f"step takes up to {self._longest_step:.0f} s); its evaluation and checkpoint follow, and "
                       "the same command resumes from here")

@@ -69,6 +69,11 @@ def main(model_dir, out_root, names):
         trainer.envs.close()
         del trainer
         gc.collect()
+    report_and_leave(out_root, report)
+
+
+def report_and_leave(out_root, report):
+    """This rank's rank{r}.json, then the process group left in step with the other ranks."""
     with open(f"{out_root}/rank{dist.rank()}.json", "w") as f:
         json.dump(report, f)
     dist.barrier()

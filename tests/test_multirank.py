@@ -4,7 +4,6 @@ errors a bad launch gets before any work."""
 import inspect
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -37,21 +36,28 @@ def env() -> dict[str, str]:
     return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
+def kill_run(proc: subprocess.Popen) -> None:
+    """The launcher and its ranks: torchrun may start the ranks in sessions of their own, so a kill of the
+    launcher (or its process group) alone can leave them running."""
+    import psutil
+
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    for p in [psutil.Process(proc.pid), *ranks]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(ranks, timeout=30)
+
+
 def launch(nproc: int, args: list[str], launcher: str = "torchrun", script: str | None = None,
            timeout: int = 600) -> subprocess.CompletedProcess:
     cmd = command(nproc, args, launcher, script)
     with subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # a hung run: its ranks too, which may sit in sessions of their own, or they outlive the test
-            import psutil
-
-            for p in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
+        except subprocess.TimeoutExpired:  # a hung run: its ranks too, or they outlive the test
+            kill_run(proc)
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -123,18 +129,7 @@ def test_two_rank_run_killed_mid_run_resumes_exactly(reference):
             break
         time.sleep(0.1)
     assert proc.poll() is None, "the run ended before it could be killed"
-    # the launcher and both ranks, mid step 2 (torchrun may start the ranks in sessions of their own, so a
-    # kill of its process group alone can leave them running to the end)
-    import psutil
-
-    ranks = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for p in ranks:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(ranks, timeout=30)
+    kill_run(proc)  # the launcher and both ranks, mid step 2
     proc.wait()
     assert not (out / "final.json").exists()
     resumed = launch(2, args + [f"trainer.out_dir={out}"])

@@ -3,17 +3,15 @@ ranks' clocks disagree. In each case one rank's trainer believes it started almo
 rank 0's clock must decide for both, so that they stop after the same step (or train on together)
 instead of one waiting forever in a collective the other never joins. Each rank writes rank{r}.json."""
 import gc
-import json
 import sys
 import time
-
-import torch
 
 import agentrl.recipes  # noqa: F401
 from agentrl import dist
 from agentrl.config import load_config
 from agentrl.recipe import RECIPES
 from agentrl.trainer import Trainer
+from tests.ds_recipes_worker import report_and_leave
 from tests.test_trainer import small
 
 
@@ -31,10 +29,7 @@ def main(model_dir, out_root):
         trainer.envs.close()  # not trainer.close(): the DeepSpeed engine's close ends the process group
         del trainer
         gc.collect()
-    with open(f"{out_root}/rank{dist.rank()}.json", "w") as f:
-        json.dump(report, f)
-    dist.barrier()
-    torch.distributed.destroy_process_group()
+    report_and_leave(out_root, report)
 
 
 if __name__ == "__main__":
