@@ -66,6 +66,11 @@ class RolloutCfg:
     # in all. 0: one round.
     fill_groups: int = 0
     max_rounds: int = 3
+    # which tasks fresh groups start from: "uniform" (at random from the split) or "learnability" (a share
+    # of each round replays levels whose last group had reward variance; agentrl/curriculum/task_sampler.py)
+    task_sampler: str = "uniform"
+    frontier_share: float = 0.5  # learnability: the share of a round's groups drawn from the frontier
+    frontier_size: int = 256  # learnability: the most levels kept in the frontier (the oldest leave first)
 
 
 @dataclass
@@ -354,6 +359,7 @@ def _check_names(cfg: RecipeCfg) -> None:
     from agentrl.algos.advantages import ESTIMATORS
     from agentrl.algos.filters import FILTERS
     from agentrl.algos.losses import LOSSES
+    from agentrl.curriculum.task_sampler import TASK_SAMPLERS
     from agentrl.recipe import RECIPES
     from agentrl.envs import registry
     import agentrl.recipes  # noqa: F401  (registers the recipe classes)
@@ -412,6 +418,13 @@ def _check_names(cfg: RecipeCfg) -> None:
         if s.schedule != "constant":
             raise ConfigError(f"sft.max_epochs={s.max_epochs} with sft.schedule={s.schedule}: a decaying lr "
                               "needs a known number of passes; use sft.schedule=constant or drop sft.max_epochs")
+    r = cfg.rollout
+    if r.task_sampler not in TASK_SAMPLERS:
+        raise ConfigError(f"bad value for 'rollout.task_sampler': {r.task_sampler!r}; allowed: "
+                          f"{', '.join(TASK_SAMPLERS.names())}")
+    if not 0.0 <= r.frontier_share <= 1.0 or r.frontier_size < 1:
+        raise ConfigError(f"bad value for 'rollout.frontier_share' ({r.frontier_share}) or 'rollout.frontier_size' "
+                          f"({r.frontier_size}); allowed: a share from 0 to 1, a size >= 1")
     if cfg.rollout.max_rounds < 1 or cfg.rollout.fill_groups < 0:
         raise ConfigError(f"bad value for 'rollout.max_rounds' ({cfg.rollout.max_rounds}) or 'rollout.fill_groups' "
                           f"({cfg.rollout.fill_groups}); allowed: max_rounds >= 1, fill_groups >= 0")

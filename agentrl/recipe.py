@@ -17,6 +17,7 @@ from agentrl.algos.advantages import ESTIMATORS, AdvantageInput, Estimator
 from agentrl.algos.filters import FILTERS, FilterContext, informative_groups
 from agentrl.algos.kl_control import KLController
 from agentrl.algos.losses import ppo_objective, value_loss
+from agentrl.curriculum.task_sampler import TASK_SAMPLERS
 from agentrl.learner.batch import Sample, collate, episode_sample, turn_sample, with_token_targets
 from agentrl.registry import Registry
 from agentrl.rollout.engine import Start
@@ -42,6 +43,7 @@ class Recipe:
         a = cfg.algo
         self.kl_ctl = KLController(a.kl_reward_coef, a.kl_reward_target, a.kl_reward_horizon) \
             if a.kl_reward_coef > 0 else None
+        self.tasks = TASK_SAMPLERS.get(cfg.rollout.task_sampler)(cfg.rollout)  # where fresh groups start
 
     # ----- hooks -------------------------------------------------------------------------------
     def before_training(self, trainer: "Trainer") -> dict[str, float]:
@@ -114,7 +116,7 @@ class Recipe:
 
     def fresh_starts(self, trainer: "Trainer", n_groups: int) -> list[Start]:
         out = []
-        for task_id, seed in trainer.sample_tasks(n_groups):
+        for task_id, seed in self.tasks.sample(trainer, n_groups):
             gid = f"{trainer.step}:{task_id}:{seed}"
             out += [Start(task_id, seed, gid) for _ in range(self.cfg.rollout.group_size)]
         return out
@@ -267,8 +269,11 @@ class Recipe:
         r = self.cfg.rollout
         episodes: list[Episode] = []
         rounds = 0
+        seen: dict[str, float] = {}  # the task sampler's counts, summed over the rounds
         while True:
             eps = trainer.rollout(self.starts(trainer))
+            for k, v in self.tasks.observe(eps, self.reward).items():
+                seen[k] = seen.get(k, 0.0) + v
             self.after_rollout(trainer, eps)
             if rounds:  # group ids are unique within a round only (CRPS numbers its replay groups 0, 1, ...)
                 for e in eps:
@@ -278,7 +283,8 @@ class Recipe:
             informative = informative_groups(episodes, self.reward)
             if r.fill_groups <= 0 or rounds >= r.max_rounds or informative >= r.fill_groups:
                 break
-        return episodes, dict(rollout_rounds=float(rounds), informative_groups=float(informative))
+        return episodes, dict(seen, **self.tasks.gauges(), rollout_rounds=float(rounds),
+                              informative_groups=float(informative))
 
     def step(self, trainer: "Trainer") -> dict[str, float]:
         episodes, collected = self.collect(trainer)
@@ -300,9 +306,11 @@ class Recipe:
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs; recipes with buffers or controllers extend it (and call super)."""
-        return dict(kl_ctl=self.kl_ctl.state_dict()) if self.kl_ctl is not None else {}
+        out = dict(tasks=self.tasks.state_dict()) if self.cfg.rollout.task_sampler != "uniform" else {}
+        return dict(out, kl_ctl=self.kl_ctl.state_dict()) if self.kl_ctl is not None else out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tasks.load_state_dict(state.get("tasks", {}))
         if self.kl_ctl is not None and state.get("kl_ctl"):
             self.kl_ctl.load_state_dict(state["kl_ctl"])
 
