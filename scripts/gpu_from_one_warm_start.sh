@@ -13,6 +13,9 @@
 # DEPS set, DEPS/env.sh is sourced first (the folder `scripts/offline_bundle.py unpack` wrote). With
 # FINISH_BY set (a time in seconds since the epoch), each run gets a trainer.time_limit_s that stops its
 # steps READING_S seconds (default 200) before then, leaving that time for its last held-out reading.
+# READ_WS=after: no run reads the warm start at its step 0; a run of no steps from it (OUT/ws-read) reads
+# it once the runs have ended, so every run gets the same time for its steps (READING_S must then hold
+# both readings).
 set -euo pipefail
 OUT=${1:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
 RUNS=${2:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
@@ -31,7 +34,8 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from agentrl.metrics import read_metrics  # a run stopped mid-write leaves a torn last line: skipped
 ws, out = [], []
-for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
+# the warm start's own reading (READ_WS=after) first, when there is one
+for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl"), key=lambda m: (m.parent.name != "ws-read", m.parent.name)):
     if m.parent.name == "ws":
         continue
     rows = read_metrics(m.parent)
@@ -47,7 +51,8 @@ for m in sorted(Path(sys.argv[1]).glob("*/metrics.jsonl")):
         kinds = {k.split("/")[-1]: v for k, v in rows[0].items() if k.startswith("eval/success/")}
         ws.append({"run": "warm_start", "eval_success": rows[0]["eval/success"], "by_type": kinds,
                    "read_by": m.parent.name})
-    out.append(row)
+    if m.parent.name != "ws-read":
+        out.append(row)
 for row in ws + out:
     print(json.dumps(row))
 EOF2
@@ -63,6 +68,7 @@ if [[ ! -f "$OUT/ws/warm_start/config.json" ]]; then
 fi
 i=0
 first=true  # greedy readings of the same weights are equal: only the first run reads the warm start
+[[ "${READ_WS:-first}" == after ]] && first=false
 for rs in $RUNS; do
   r=${rs%%:*} s=${rs##*:}
   budget=()
@@ -77,4 +83,9 @@ for rs in $RUNS; do
   (( ++i % PARALLEL == 0 )) && wait
 done
 wait
+if [[ "${READ_WS:-first}" == after ]]; then
+  $PY -m agentrl.cli train crps "${C[@]}" --seed 0 --out "$OUT/ws-read" sft.warm_start="$OUT/ws/warm_start" "$@" \
+    trainer.steps=0 eval.at_start=true > "$OUT/ws-read.log" 2>&1 &
+  wait $!
+fi
 summarize

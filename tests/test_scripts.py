@@ -56,7 +56,7 @@ row0='{{"step": 0, "eval/success": 0.25, "eval/success/Pick": 0.5, "eval/pass@1"
 echo "$row0" > "$out/metrics.jsonl"
 echo '{{"step": 1, "env_steps": 7}}' >> "$out/metrics.jsonl"
 printf '{{"step": 2, "env_st' >> "$out/metrics.jsonl"  # a row torn by the stop
-sleep 300
+sleep ${{FAKE_SLEEP:-300}}
 """
 
 
@@ -89,6 +89,25 @@ def test_gpu_script_stopped_early_stops_its_runs_and_still_summarises(tmp_path):
     time.sleep(0.5)
     alive = subprocess.run(["pgrep", "-f", f"--out {out}/"], capture_output=True, text=True).stdout.split()
     assert not alive, "the runs outlived the script"
+
+
+def test_gpu_script_reads_the_warm_start_after_the_runs_with_read_ws_after(tmp_path):
+    """READ_WS=after: no run spends its time on the warm start's reading; a run of no steps from the
+    warm start reads it once they have ended, and the summary's first line is that reading."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_TRAIN.format(py=sys.executable))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    got = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_from_one_warm_start.sh"), str(out), "crps:0 crps:1",
+                          "trainer.steps=12"], env={**os.environ, "PY": str(fake), "FAKE_SLEEP": "0",
+                                                    "READ_WS": "after"}, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    lines = [json.loads(x) for x in (out / "summary.jsonl").read_text().splitlines()]
+    assert lines[0] == {"run": "warm_start", "eval_success": 0.25, "by_type": {"Pick": 0.5}, "read_by": "ws-read"}
+    assert [r["run"] for r in lines[1:]] == ["crps-s0", "crps-s1"]
+    assert all(" eval.at_start=false " in (out / r / "args.txt").read_text() for r in ("crps-s0", "crps-s1"))
+    read = (out / "ws-read" / "args.txt").read_text()
+    assert f" sft.warm_start={out}/ws/warm_start trainer.steps=12 trainer.steps=0 eval.at_start=true " in read
 
 
 def test_gpu_sitting_study_outlives_its_start_command_and_is_collected(tmp_path):
