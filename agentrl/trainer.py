@@ -536,7 +536,7 @@ class Trainer:
         late = bool(dist.broadcast_object(elapsed + self._longest_step > limit))
         if late and not self._budget_spent():
             self.echo(f"trainer.time_limit_s={limit:g}: stopping after step {self.step} ({elapsed:.0f} s so far; a "
-                      f"step takes up to {self._longest_step:.0f} s); its evaluation and checkpoint follow, and "
+                      f"step takes up to {self._longest_step:.1f} s); its evaluation and checkpoint follow, and "
                       "the same command resumes from here")
         return late
 
