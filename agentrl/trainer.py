@@ -50,8 +50,8 @@ class RunError(RuntimeError):
 
 # what may change when a run resumes (how long it trains, how it is evaluated and logged, where servers
 # are); any other difference from the config its checkpoint was written with makes it another run
-RESUMABLE = ("trainer.steps", "trainer.progress", "trainer.tensorboard", "trainer.wandb", "trainer.checkpoint_every",
-             "trainer.time_limit_s", "trainer.out_dir", "trainer.generator_url", "eval.")
+RESUMABLE = ("trainer.steps", "trainer.env_steps", "trainer.progress", "trainer.tensorboard", "trainer.wandb",
+             "trainer.checkpoint_every", "trainer.time_limit_s", "trainer.out_dir", "trainer.generator_url", "eval.")
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:
@@ -79,8 +79,9 @@ def check_run_folder(out_dir: Path, cfg: RecipeCfg) -> None:
     if diff:
         shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
         raise ConfigError(f"{out_dir} holds a checkpoint of another run ({shown}): resuming it would mix the two. "
-                          "Start a new run with another trainer.out_dir (--out), or delete that folder; only "
-                          "trainer.steps, evaluation and logging settings may change on resume")
+                          "Start a new run with another trainer.out_dir (--out), or delete that folder; only the "
+                          "budgets (trainer.steps, trainer.env_steps, trainer.time_limit_s), evaluation and "
+                          "logging settings may change on resume")
 
 
 def seed_everything(seed: int) -> None:

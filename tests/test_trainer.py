@@ -519,14 +519,15 @@ def test_rl_lr_schedule_decays_per_step_and_resumes(tiny_model_dir, tmp_path):
 
 def test_env_step_budget_ends_the_run_and_survives_a_kill(tiny_model_dir, tmp_path):
     """trainer.env_steps: the run stops after the step that reaches the budget (evaluated and checkpointed
-    there), and a run killed before it resumes with the env steps it had already spent."""
+    there), a run killed before it resumes with the env steps it had already spent, and a finished run
+    trains on when the budget is raised."""
     import agentrl.recipes  # noqa: F401
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer
 
-    def run_until(kill_at):
+    def run_until(kill_at, budget=100):
         cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=50",
-                                                                  "trainer.env_steps=100", "eval.every=0",
+                                                                  f"trainer.env_steps={budget}", "eval.every=0",
                                                                   "trainer.checkpoint_every=2", "sft.enabled=false"))
         t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
 
@@ -551,6 +552,7 @@ def test_env_step_budget_ends_the_run_and_survives_a_kill(tiny_model_dir, tmp_pa
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert [r.get("env_steps_total") for r in rows[1:]] == [30, 60, 90, 120]
     assert run_until(kill_at=None)[1:] == (4, 120)  # a finished run is not trained on
+    assert run_until(kill_at=None, budget=150)[1:] == (5, 150)  # a raised budget trains on, as the message says
 
 
 def test_expert_demos_are_the_same_from_two_worker_processes():
