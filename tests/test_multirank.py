@@ -14,15 +14,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The command, small enough for CI, with dynamic sampling on (its extra rounds are decided on
 # gathered episodes), env rewards with a format penalty (reward variance from a barely trained model),
-# and evaluation at the start and the end (sharded too).
+# evaluation at the start and the end (sharded too), and the learnability task sampler (its frontier is fed
+# the gathered episodes and drawn with the shared RNG, so every rank must hold the same one).
 RUN = ["train", "grpo", "--env", "sokoban", "trainer.engine=deepspeed", "sft.enabled=false", "trainer.steps=3",
        "eval.tasks=4", "eval.every=0", "rollout.groups=4", "rollout.group_size=2", "rollout.slots=8",
        "rollout.fill_groups=3", "rollout.max_rounds=2", "rollout.max_turns=3", "rollout.max_new_tokens=16",
        "algo.reward=env_return", "rollout.format_penalty=-0.1", "trainer.tensorboard=false",
-       "trainer.checkpoint_every=1"]
+       "trainer.checkpoint_every=1", "rollout.task_sampler=learnability"]
 EXACT = ("success", "reward_mean", "in_group_reward_std", "env_steps", "generated_tokens", "rollout_rounds",
          "informative_groups", "samples", "filtered_zero_variance", "valid_format", "eval/success",
-         "eval/generated_tokens")
+         "eval/generated_tokens", "frontier_groups", "fresh_groups", "frontier_levels")
 CLOSE = ("loss", "entropy", "grad_norm", "clip_frac", "approx_kl")
 
 
@@ -104,6 +105,7 @@ def test_two_ranks_under_the_deepspeed_launcher_match_one_process(reference):
     a, b = rows(root / "w1"), rows(root / "w2")
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]
     assert any(b[s].get("loss") for s in (1, 2, 3)), "no update ran: the comparison would be vacuous"
+    assert any(b[s]["frontier_groups"] for s in (1, 2, 3)), "no group came from the frontier"
     assert_same_numbers(a, b, [0, 1, 2, 3])
     # rank 0 alone logs and prints: one row per step, one final report
     assert len((root / "w2" / "metrics.jsonl").read_text().splitlines()) == 4
