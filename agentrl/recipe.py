@@ -33,6 +33,9 @@ class Recipe:
     name = "base"
     online = True  # False: a staged recipe (collect -> fit -> eval) that overrides ``run``
     Params: type | None = None  # a dataclass of the recipe's own knobs (the YAML's ``extra:`` section)
+    # False: the recipe draws its tasks itself, not through ``fresh_starts`` and ``collect``, so
+    # ``rollout.task_sampler`` would not be fed (anything but uniform is refused)
+    task_sampling = True
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -43,6 +46,11 @@ class Recipe:
         a = cfg.algo
         self.kl_ctl = KLController(a.kl_reward_coef, a.kl_reward_target, a.kl_reward_horizon) \
             if a.kl_reward_coef > 0 else None
+        if cfg.rollout.task_sampler != "uniform" and not self.task_sampling:
+            from agentrl.schema import ConfigError
+
+            raise ConfigError(f"'rollout.task_sampler: {cfg.rollout.task_sampler}' needs a recipe that rolls out "
+                              f"groups through the base step; {cfg.method} draws its tasks itself: use uniform")
         self.tasks = TASK_SAMPLERS.get(cfg.rollout.task_sampler)(cfg.rollout)  # where fresh groups start
 
     # ----- hooks -------------------------------------------------------------------------------

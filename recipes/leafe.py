@@ -112,6 +112,7 @@ def branch_queue_step(queue: deque, count: int, budget: int) -> Branch | None:
 
 class LEAFE(Recipe):
     Params = LEAFEParams
+    task_sampling = False
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)

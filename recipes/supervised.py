@@ -12,6 +12,7 @@ from agentrl.sft import expert_samples, fit_sft
 @RECIPES.register("sft")
 class SFT(Recipe):
     """Each step fits another slice of expert demonstrations (sft.demos episodes, sft.epochs passes)."""
+    task_sampling = False
 
     def before_training(self, trainer: Any) -> dict[str, float]:
         return {}
@@ -27,6 +28,7 @@ class SFT(Recipe):
 @RECIPES.register("rft")
 class RFT(Recipe):
     """Roll out groups, keep the successful episodes, SFT on their generated tokens."""
+    task_sampling = False
 
     def step(self, trainer: Any) -> dict[str, float]:
         episodes = trainer.rollout(self.starts(trainer))
@@ -43,6 +45,8 @@ class RFT(Recipe):
 
 @RECIPES.register("eval")
 class Eval(Recipe):
+    task_sampling = False
+
     def before_training(self, trainer: Any) -> dict[str, float]:
         return {}
 

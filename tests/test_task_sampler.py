@@ -120,3 +120,18 @@ def test_bad_sampler_settings_name_the_key():
     with pytest.raises(ConfigError, match="rollout.frontier_share"):
         load_config("grpo", overrides=["rollout.task_sampler=learnability", "rollout.frontier_share=1.5"])
     assert load_config("grpo", env="sokoban").rollout.task_sampler == "uniform"
+
+
+def test_a_recipe_that_draws_its_own_tasks_refuses_another_sampler():
+    """RRO, LEAFE and the staged recipes never feed the frontier: a learnability run of theirs would be
+    uniform in all but name."""
+    import agentrl.recipes  # noqa: F401
+    from agentrl.recipe import RECIPES
+
+    for name in ("rro", "leafe", "rft"):
+        cfg = load_config(name, env="sokoban", overrides=["rollout.task_sampler=learnability"])
+        with pytest.raises(ConfigError, match=f"rollout.task_sampler: learnability.*{name} draws its tasks itself"):
+            RECIPES.get(cfg.method)(cfg)
+    for name in ("grpo", "crps", "spear"):
+        cfg = load_config(name, env="sokoban", overrides=["rollout.task_sampler=learnability"])
+        assert RECIPES.get(cfg.method)(cfg).tasks.share == 0.5
