@@ -22,11 +22,18 @@ class FilterContext:
     variance_keep: float = 0.75  # ``variance``: the fraction of groups kept (algo.variance_keep)
 
 
-def group_std(rewards: Sequence[float]) -> float:
+MIN_STD = 1e-12  # a group whose rewards' std is at most this has no group-relative gradient
+
+
+def group_variance(rewards: Sequence[float]) -> float:
     if len(rewards) < 2:
         return 0.0
     m = sum(rewards) / len(rewards)
-    return math.sqrt(sum((r - m) ** 2 for r in rewards) / len(rewards))
+    return sum((r - m) ** 2 for r in rewards) / len(rewards)
+
+
+def group_std(rewards: Sequence[float]) -> float:
+    return math.sqrt(group_variance(rewards))
 
 
 @FILTERS.register("variance")
@@ -62,7 +69,7 @@ def varying_groups(episodes: list[Episode], reward: Callable[[Episode], float]) 
     groups: dict[str, list[float]] = defaultdict(list)
     for e in episodes:
         groups[e.group_id].append(reward(e))
-    return {g for g, rs in groups.items() if group_std(rs) > 1e-12}
+    return {g for g, rs in groups.items() if group_std(rs) > MIN_STD}
 
 
 def informative_groups(episodes: list[Episode], reward: Callable[[Episode], float]) -> int:

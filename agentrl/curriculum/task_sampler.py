@@ -12,9 +12,11 @@ which is the same stream on every rank.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
 
+from agentrl.algos.filters import MIN_STD, group_variance
 from agentrl.registry import Registry
 from agentrl.types import Episode
 
@@ -86,14 +88,13 @@ class LearnabilityTasks(UniformTasks):
             if len(eps) < 2:
                 continue
             key = (eps[0].task_id, eps[0].seed)
-            rs = [reward(e) for e in eps]
-            mean = sum(rs) / len(rs)
-            var = sum((x - mean) ** 2 for x in rs) / len(rs)
+            var = group_variance([reward(e) for e in eps])
+            varies = math.sqrt(var) > MIN_STD  # the zero_variance filter's test: the group has a gradient
             kind = "frontier" if key in self._replayed else "fresh"
             out[f"{kind}_groups"] += 1
-            out[f"{kind}_informative_groups"] += var > 0
+            out[f"{kind}_informative_groups"] += varies
             self.frontier.pop(key, None)
-            if var > 0:
+            if varies:
                 self.frontier[key] = var  # re-inserted: the newest
         while len(self.frontier) > self.size:
             del self.frontier[next(iter(self.frontier))]
