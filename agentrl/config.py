@@ -81,6 +81,9 @@ class AlgoCfg:
     # trajectory weighs the same; "uniform" lets long (often failed) episodes outweigh short ones
     turn_weight: Literal["uniform", "episode"] = "uniform"
     reward: Literal["score", "success", "env_return"] = "success"
+    # success/score plus coef x the env's progress at the episode's end (Sokoban: the share of the
+    # box-to-target distance closed), so that a group whose every episode fails still ranks them
+    progress_coef: float = 0.0
     gamma: float = 1.0
     lam: float = 1.0
     whiten: bool = False  # advantages normalized to mean 0, std 1 over the batch (verl's PPO does this to GAE)
@@ -418,6 +421,10 @@ def _check_names(cfg: RecipeCfg) -> None:
         if s.schedule != "constant":
             raise ConfigError(f"sft.max_epochs={s.max_epochs} with sft.schedule={s.schedule}: a decaying lr "
                               "needs a known number of passes; use sft.schedule=constant or drop sft.max_epochs")
+    a = cfg.algo
+    if a.progress_coef < 0 or (a.progress_coef and a.reward == "env_return"):
+        raise ConfigError(f"bad value for 'algo.progress_coef': {a.progress_coef}; allowed: >= 0, added to "
+                          "algo.reward=success or score (env_return takes the env's own step rewards)")
     r = cfg.rollout
     if r.task_sampler not in TASK_SAMPLERS:
         raise ConfigError(f"bad value for 'rollout.task_sampler': {r.task_sampler!r}; allowed: "

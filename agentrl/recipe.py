@@ -136,14 +136,14 @@ class Recipe:
         """Each turn's share of the episode's reward (GAE's per-step rewards; they sum to ``reward``).
         A turn's ``reward`` already holds the env's reward plus the rollout's format and ineffective-action
         penalties, so ``env_return`` takes it as is; ``success``/``score`` keep the penalties and put the
-        outcome on the last turn."""
+        outcome (plus ``progress_coef`` x the env's progress) on the last turn."""
         kind = self.cfg.algo.reward
         if kind == "env_return":
             return [t.reward for t in ep.turns]
         r = self.cfg.rollout
         out = [(r.format_penalty if not t.format_ok else 0.0) + (r.ineffective_penalty if t.info.get("ineffective")
                                                                   else 0.0) for t in ep.turns] or [0.0]
-        out[-1] += float(ep.won) if kind == "success" else ep.score
+        out[-1] += (float(ep.won) if kind == "success" else ep.score) + self.cfg.algo.progress_coef * ep.progress
         return out
 
     def reward(self, ep: Episode) -> float:

@@ -63,6 +63,7 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     won: bool = False
     score: float = 0.0
+    progress: float = 0.0  # the env's info["progress"] at the end (its score where it reports none)
     dropped: bool = False  # an env worker was lost and the episode could not be rebuilt: never train on it
     truncated: bool = False  # hit the turn limit before the env ended
 

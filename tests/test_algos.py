@@ -276,6 +276,23 @@ def test_penalties_in_the_turn_rewards_are_counted_once(kind, expected):
     assert samples[0].returns[samples[0].loss_mask.index(1)] == pytest.approx(expected)
 
 
+def test_progress_coef_ranks_failed_episodes_by_progress():
+    from agentrl.config import ConfigError, load_config
+    from agentrl.recipe import Recipe
+
+    recipe = Recipe(load_config("grpo", env="sokoban", overrides=["algo.progress_coef=0.5"]))
+    far, near = (Episode("sokoban", "t", 0, group_id="g", turns=[_shaped_episode(False).turns[1]], progress=p)
+                 for p in (0.0, 0.4))
+    won = Episode("sokoban", "t", 0, group_id="g", turns=[_shaped_episode(True).turns[1]], won=True, progress=1.0)
+    assert [recipe.reward(e) for e in (far, near, won)] == pytest.approx([0.0, 0.2, 1.5])
+    # an all-fail group keeps a group-relative signal: the episode that got nearer is pushed up
+    samples, _ = recipe.make_batch(None, [far, near])
+    assert [s.advantages[s.loss_mask.index(1)] for s in samples] == pytest.approx([-1.0, 1.0], abs=1e-4)
+    for bad in (["algo.progress_coef=-1"], ["algo.progress_coef=0.5", "algo.reward=env_return"]):
+        with pytest.raises(ConfigError, match="algo.progress_coef"):
+            load_config("grpo", env="sokoban", overrides=bad)
+
+
 def _loss(name, logp, old, adv, mask, **cfg):
     from agentrl.algos.losses import LOSSES
 

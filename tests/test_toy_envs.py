@@ -52,6 +52,24 @@ def test_sokoban_push_off_target_and_solve():
     assert r == pytest.approx(10.9) and term and info["won"]
 
 
+def test_sokoban_progress_is_the_share_of_box_distance_closed():
+    env = make("sokoban", dim=7)
+    env.reset("train/00000")
+    walls = {(r, c) for r in range(7) for c in range(7) if r != 3 or c in (0, 6)}
+    env.level = Level(walls, frozenset({(3, 5)}), (3, 1), frozenset({(3, 2)}), 7)  # box 3 cells from its target
+    env.player, env.boxes = (3, 1), env.level.boxes
+    _, _, _, _, info = env.step("Right")
+    assert info["progress"] == pytest.approx(1 / 3) and info["score"] == 0.0
+    _, _, _, _, info = env.step("Right")
+    assert info["progress"] == pytest.approx(2 / 3)
+    env.player, env.boxes = (3, 3), frozenset({(3, 2)})  # walk round and push it back past the start
+    _, _, _, _, info = env.step("Left")
+    assert info["progress"] == 0.0  # further than at the start: no negative progress
+    env.player, env.boxes = (3, 3), frozenset({(3, 4)})
+    _, _, term, _, info = env.step("Right")
+    assert term and info["progress"] == 1.0 and info["won"]
+
+
 def test_sokoban_invalid_action_is_reported():
     env = make("sokoban")
     obs0, _ = env.reset("train/00001")

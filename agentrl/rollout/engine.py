@@ -238,6 +238,7 @@ class RolloutEngine:
                 turn.done = r.done
                 sl.admissible = r.info.get("admissible_actions")
                 sl.ep.won, sl.ep.score = bool(r.info.get("won")), float(r.info.get("score", 0.0))
+                sl.ep.progress = float(r.info.get("progress", sl.ep.score))
                 self.stats["env_steps"] += 1
             k += 1
         self.stats["env_s"] += time.perf_counter() - t
