@@ -56,3 +56,23 @@ def test_zero3_two_process_cpu_matches_single_process_torch(tiny_model_dir, tmp_
     ref = eng.model.state_dict()
     worst = max((exported[k] - ref[k]).abs().max().item() for k in ref if k in exported)
     assert worst < 1e-4, worst
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_second_engine_after_close_in_one_process(tiny_model_dir):
+    # close() destroys the process group; DeepSpeed's cached groups made from it must go with it, or the
+    # next engine in this process (a sweep, a notebook) fails with "Group ... is not registered"
+    code = (
+        "import sys\n"
+        "from agentrl.learner.deepspeed_engine import DeepSpeedEngine\n"
+        "from agentrl.learner.engine import EngineConfig\n"
+        "for i in range(2):\n"
+        "    e = DeepSpeedEngine(sys.argv[1], EngineConfig(device='cpu'))\n"
+        "    print('engine', i, e.rank, e.world, flush=True)\n"
+        "    e.close()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], capture_output=True, text=True,
+                         env=env, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "engine 0 0 1" in out.stdout and "engine 1 0 1" in out.stdout

@@ -305,6 +305,21 @@ class DeepSpeedEngine:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+            _forget_deepspeed_groups()
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed caches the groups it made from the world group (a clone of it, ZeRO's and the experts'
+    groups) in module globals; once that group is destroyed, an engine made later in this process would
+    use them and fail ("Group ... is not registered"). Drop them so it makes new ones."""
+    from deepspeed.utils import groups
+
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and (name.endswith("_GROUP") or name.endswith("_GROUP_RANKS")):
+            if isinstance(value, dict):
+                value.clear()
+            elif value is not None and not callable(value):
+                setattr(groups, name, None)
 
 
 class _WithValueHead(torch.nn.Module):
