@@ -41,6 +41,7 @@ class RolloutCfg:
     groups: int = 4  # distinct start states per step
     group_size: int = 4  # rollouts per start state (G)
     slots: int = 16  # env slots rolled out together
+    refill: bool = False  # a slot takes the next start when its episode ends (no waves; same episodes, fewer calls)
     pool: Literal["inprocess", "process"] = "inprocess"
     max_turns: int = 8
     history_len: int = 2

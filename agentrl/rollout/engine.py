@@ -40,6 +40,9 @@ class RolloutConfig:
     max_actions_per_turn: int | None = None  # default: the env's PromptSpec
     max_episode_actions: int = 0  # the episode is truncated once it has taken this many actions (0: no cap)
     show_admissible: bool = True
+    # an env slot takes the next start as soon as its episode ends, instead of waves of the pool's size that
+    # each wait for their longest episode (fewer generate calls when starts outnumber slots)
+    refill: bool = False
     prompt: str = "paper"  # "paper": the env's template as its paper writes it | "compact": the same content,
     # fewer tokens | "compact_tried": compact, with the actions tried so far listed apart | "numbered": those
     # actions numbered, answered by number
@@ -119,40 +122,74 @@ class RolloutEngine:
         if streams is None:
             base = self.cfg.sampling.seed or 0
             streams = [mix_seed(base, i) for i in range(len(starts))]
-        episodes: list[Episode] = []
         n = len(self.envs)
+        if self.cfg.refill and len(starts) > n:
+            return self._refilled(starts, streams)
+        episodes: list[Episode] = []
         for i in range(0, len(starts), n):
             episodes += self._wave(starts[i:i + n], streams[i:i + n])
         return episodes
 
-    # ----- one wave ----------------------------------------------------------------------------
-    def _wave(self, starts: list[Start], streams: list[int]) -> list[Episode]:
+    # ----- episodes in env slots ---------------------------------------------------------------
+    def _open(self, starts: dict[int, tuple[Start, int]]) -> dict[int, _Slot]:
+        """Reset (or restore) env slot i to its start, with sampling stream: the episode at its first state."""
         t = time.perf_counter()
-        fresh = {i: (s.task_id, s.seed) for i, s in enumerate(starts) if s.trace is None}
-        restored = {i: (s.trace, s.t0, s.reseed) for i, s in enumerate(starts) if s.trace is not None}
+        fresh = {i: (s.task_id, s.seed) for i, (s, _) in starts.items() if s.trace is None}
+        restored = {i: (s.trace, s.t0, s.reseed) for i, (s, _) in starts.items() if s.trace is not None}
         results = {**(self.envs.reset(fresh) if fresh else {}), **(self.envs.restore(restored) if restored else {})}
         self.stats["env_s"] += time.perf_counter() - t
-        slots: list[_Slot] = []
-        for i, s in enumerate(starts):
+        slots = {}
+        for i, (s, stream) in starts.items():
             r = results[i]
             spec = self.envs.call(i, "prompt_spec")
             ep = Episode(self.env_name, s.task_id, s.seed, s.group_id, r.info.get("category", ""),
                          self.envs.call(i, "instruction"), s.t0 if s.trace else 0,
                          list(s.trace.actions[:s.t0]) if s.trace else [], r.obs, r.info.get("fingerprint", ""))
             ep.dropped = r.dropped
-            slot = _Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
-                         done=r.dropped, max_turns=s.max_turns or self.cfg.max_turns, note=s.note,
-                         stream=streams[i])
-            slots.append(slot)
-        for _ in range(self.cfg.max_turns):
-            live = [i for i, sl in enumerate(slots) if not sl.done and len(sl.ep.turns) < sl.max_turns]
-            if not live:
-                break
+            slots[i] = _Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
+                             done=r.dropped, max_turns=min(s.max_turns or self.cfg.max_turns, self.cfg.max_turns),
+                             note=s.note, stream=stream)
+        return slots
+
+    @staticmethod
+    def _live(slots: list[_Slot], among: Any) -> list[int]:
+        return [i for i in among if not slots[i].done and len(slots[i].ep.turns) < slots[i].max_turns]
+
+    @staticmethod
+    def _close(sl: _Slot) -> Episode:
+        if not sl.done:
+            sl.ep.truncated = True
+        return sl.ep
+
+    def _wave(self, starts: list[Start], streams: list[int]) -> list[Episode]:
+        opened = self._open({i: (s, streams[i]) for i, s in enumerate(starts)})
+        slots = [opened[i] for i in range(len(starts))]
+        while live := self._live(slots, range(len(slots))):
             self._turn(slots, live)
-        for sl in slots:
-            if not sl.done:
-                sl.ep.truncated = True
-        return [sl.ep for sl in slots]
+        return [self._close(sl) for sl in slots]
+
+    def _refilled(self, starts: list[Start], streams: list[int]) -> list[Episode]:
+        """Like waves, but a slot whose episode has ended takes the next start before the next turn."""
+        n = len(self.envs)
+        opened = self._open({i: (starts[i], streams[i]) for i in range(n)})
+        slots = [opened[i] for i in range(n)]
+        holds = list(range(n))  # the start each slot is rolling out
+        out: list[Episode | None] = [None] * len(starts)
+        active, nxt = set(range(n)), n
+        while active:
+            live = self._live(slots, sorted(active))
+            if live:
+                self._turn(slots, live)
+            following: dict[int, tuple[Start, int]] = {}
+            for i in sorted(active - set(self._live(slots, sorted(active)))):
+                out[holds[i]] = self._close(slots[i])
+                if nxt < len(starts):
+                    following[i], holds[i], nxt = (starts[nxt], streams[nxt]), nxt, nxt + 1
+                else:
+                    active.discard(i)
+            for i, sl in self._open(following).items() if following else ():
+                slots[i] = sl
+        return [ep for ep in out if ep is not None]
 
     def _prompt(self, sl: _Slot) -> list[int]:
         admissible = sl.admissible if self.cfg.show_admissible else None
