@@ -62,7 +62,7 @@ def test_sokoban_progress_is_the_share_of_box_distance_closed():
     assert info["progress"] == pytest.approx(1 / 3) and info["score"] == 0.0
     _, _, _, _, info = env.step("Right")
     assert info["progress"] == pytest.approx(2 / 3)
-    env.player, env.boxes = (3, 3), frozenset({(3, 2)})  # walk round and push it back past the start
+    env.player, env.boxes = (3, 3), frozenset({(3, 2)})  # from its right, push it back past the start
     _, _, _, _, info = env.step("Left")
     assert info["progress"] == 0.0  # further than at the start: no negative progress
     env.player, env.boxes = (3, 3), frozenset({(3, 4)})
