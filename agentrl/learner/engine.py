@@ -394,7 +394,11 @@ class TorchEngine:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.export_weights(folder / "model")  # loadable by transformers and vLLM as is
-        state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
+        model_state = self.model.state_dict()
+        if self.cfg.lora is not None:  # the frozen base is the model folder the engine is built on: adapters only
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_state = {k: v for k, v in model_state.items() if k in trainable}
+        state = dict(model=model_state, optimizer=self.optimizer.state_dict(),
                      scheduler=self.scheduler.state_dict(), rng=rng_state(),
                      value_head=self.value_head.state_dict() if self.value_head is not None else None)
         torch.save(state, folder / "engine.pt")
@@ -405,7 +409,14 @@ class TorchEngine:
     def load(self, folder: str | Path) -> None:
         folder = Path(folder)
         state = torch.load(folder / "engine.pt", weights_only=False)
-        self.model.load_state_dict(state["model"])
+        if self.cfg.lora is None:
+            self.model.load_state_dict(state["model"])
+        else:  # the adapters (a checkpoint of older runs holds the base too, the same weights)
+            missing = {n for n, p in self.model.named_parameters() if p.requires_grad} - set(state["model"])
+            if missing:
+                raise ValueError(f"{folder / 'engine.pt'} lacks adapter weights this LoRA engine trains (e.g. "
+                                 f"{sorted(missing)[0]}): it was saved with another model.lora_* setting")
+            self.model.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.value_head is not None and state.get("value_head") is not None:
