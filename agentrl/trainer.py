@@ -277,12 +277,14 @@ class Trainer:
         return (a.kl != "none" and a.kl_coef > 0) or a.kl_reward_coef > 0
 
     def reference_folder(self) -> Path | None:
-        """What KL terms measure against: the warm start (the SFT-only policy) when the run made one,
-        else the model the run started from; with LoRA the base model with adapters off (no copy)."""
-        if self.cfg.model.lora_r:
-            return None
+        """What KL terms measure against: the warm start (the SFT-only policy) when there is one, else the
+        model the run started from. With LoRA that is the engine's own model with its adapters off (None: no
+        copy), unless this run's SFT trained the adapters: then only the warm start's copy is that policy."""
         warm = self.out_dir / "warm_start"
-        return warm if (warm / "config.json").exists() else self.model_dir
+        made = (warm / "config.json").exists()
+        if self.cfg.model.lora_r and (self.cfg.sft.warm_start or not made):
+            return None
+        return warm if made else self.model_dir
 
     def update(self, samples: list[Sample], loss_fn: "LossFn", need_values: bool = False) -> dict[str, float]:
         batch = collate(samples, self.engine.pad_id)

@@ -709,3 +709,24 @@ def test_free_space_is_checked_before_any_work(tmp_path, monkeypatch):
         Trainer._check_free_space(fake)  # 2 checkpoints x (weights + 2 Adam moments) = 6000 bytes
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=7000, total=10**9, used=0))
     Trainer._check_free_space(fake)
+
+
+@pytest.mark.parametrize("sft_warm_start,made,expected", [
+    ("", False, None),  # no SFT: the adapters off are the starting model
+    ("elsewhere", True, None),  # the engine was built on the given warm start: adapters off are it
+    ("", True, "warm_start"),  # this run's SFT trained the adapters: adapters off would be the pre-SFT base
+])
+def test_kl_reference_of_a_lora_run_is_its_warm_start(tmp_path, sft_warm_start, made, expected):
+    from types import SimpleNamespace
+
+    from agentrl.trainer import Trainer
+
+    if made:
+        (tmp_path / "warm_start").mkdir()
+        (tmp_path / "warm_start" / "config.json").write_text("{}")
+    run = SimpleNamespace(out_dir=tmp_path, model_dir=tmp_path / "base", cfg=SimpleNamespace(
+        model=SimpleNamespace(lora_r=8), sft=SimpleNamespace(warm_start=sft_warm_start)))
+    got = Trainer.reference_folder(run)
+    assert got == (tmp_path / expected if expected else None)
+    run.cfg.model.lora_r = 0  # full weights: the warm start's copy whenever there is one
+    assert Trainer.reference_folder(run) == (tmp_path / "warm_start" if made else tmp_path / "base")
