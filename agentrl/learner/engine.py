@@ -390,13 +390,16 @@ class TorchEngine:
         pass
 
     # ----- checkpoints -------------------------------------------------------------------------
+    def _trainable_names(self) -> set[str]:
+        return {n for n, p in self.model.named_parameters() if p.requires_grad}
+
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.export_weights(folder / "model")  # loadable by transformers and vLLM as is
         model_state = self.model.state_dict()
         if self.cfg.lora is not None:  # the frozen base is the model folder the engine is built on: adapters only
-            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            trainable = self._trainable_names()
             model_state = {k: v for k, v in model_state.items() if k in trainable}
         state = dict(model=model_state, optimizer=self.optimizer.state_dict(),
                      scheduler=self.scheduler.state_dict(), rng=rng_state(),
@@ -412,7 +415,7 @@ class TorchEngine:
         if self.cfg.lora is None:
             self.model.load_state_dict(state["model"])
         else:  # the adapters (a checkpoint of older runs holds the base too, the same weights)
-            missing = {n for n, p in self.model.named_parameters() if p.requires_grad} - set(state["model"])
+            missing = self._trainable_names() - set(state["model"])
             if missing:
                 raise ValueError(f"{folder / 'engine.pt'} lacks adapter weights this LoRA engine trains (e.g. "
                                  f"{sorted(missing)[0]}): it was saved with another model.lora_* setting")

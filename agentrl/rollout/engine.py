@@ -122,12 +122,12 @@ class RolloutEngine:
         if streams is None:
             base = self.cfg.sampling.seed or 0
             streams = [mix_seed(base, i) for i in range(len(starts))]
+        if self.cfg.refill:
+            return self._roll(starts, streams)
         n = len(self.envs)
-        if self.cfg.refill and len(starts) > n:
-            return self._refilled(starts, streams)
         episodes: list[Episode] = []
-        for i in range(0, len(starts), n):
-            episodes += self._wave(starts[i:i + n], streams[i:i + n])
+        for i in range(0, len(starts), n):  # waves: each waits for its longest episode
+            episodes += self._roll(starts[i:i + n], streams[i:i + n])
         return episodes
 
     # ----- episodes in env slots ---------------------------------------------------------------
@@ -161,16 +161,10 @@ class RolloutEngine:
             sl.ep.truncated = True
         return sl.ep
 
-    def _wave(self, starts: list[Start], streams: list[int]) -> list[Episode]:
-        opened = self._open({i: (s, streams[i]) for i, s in enumerate(starts)})
-        slots = [opened[i] for i in range(len(starts))]
-        while live := self._live(slots, range(len(slots))):
-            self._turn(slots, live)
-        return [self._close(sl) for sl in slots]
-
-    def _refilled(self, starts: list[Start], streams: list[int]) -> list[Episode]:
-        """Like waves, but a slot whose episode has ended takes the next start before the next turn."""
-        n = len(self.envs)
+    def _roll(self, starts: list[Start], streams: list[int]) -> list[Episode]:
+        """Roll out ``starts`` in the env slots, one turn of every live slot per generate call; a slot whose
+        episode has ended takes the next start before the next turn (no more starts than slots: one wave)."""
+        n = min(len(self.envs), len(starts))
         opened = self._open({i: (starts[i], streams[i]) for i in range(n)})
         slots = [opened[i] for i in range(n)]
         holds = list(range(n))  # the start each slot is rolling out
@@ -187,7 +181,7 @@ class RolloutEngine:
                     following[i], holds[i], nxt = (starts[nxt], streams[nxt]), nxt, nxt + 1
                 else:
                     active.discard(i)
-            for i, sl in self._open(following).items() if following else ():
+            for i, sl in self._open(following).items():
                 slots[i] = sl
         return [ep for ep in out if ep is not None]
 
