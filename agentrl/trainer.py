@@ -497,8 +497,12 @@ class Trainer:
                 metrics.update(echo_trap_flags(history))
                 self._time_up = self._next_step_too_late(metrics["time_step_s"])  # decided once: finished() reads it
                 e, last = self.cfg.eval, self.finished()
-                if self.cfg.eval.tasks and ((e.every and self.step % e.every == 0) or last):
+                regular = bool(e.every and self.step % e.every == 0)
+                if self.cfg.eval.tasks and (regular or last):
+                    rng = self.rng.getstate()
                     metrics.update(self.evaluate())
+                    if not regular:  # the last step's extra reading leaves the run's random stream where a longer
+                        self.rng.setstate(rng)  # run has it: a run trained on later goes on as one uninterrupted
                     final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
                 self._log(self.step, metrics)
                 progress.update(self.step, metrics)

@@ -6,19 +6,26 @@
 #   bash scripts/gpu_sitting.sh part                          # the first commands, each carrying a part
 #   bash scripts/gpu_sitting.sh start LIMIT WAIT "crps:0 crps:1" [overrides]   # carrying the last part
 #   bash scripts/gpu_sitting.sh collect WAIT                  # the next command, started at once
+#   bash scripts/gpu_sitting.sh ship                          # for a study that spans sittings: its state,
+#   bash scripts/gpu_sitting.sh give K                        # K = 1, 2, ...: four pieces a command
 #
 # part: copies the carried bundle/ parts to $SITTING/bundle (a later command's copy removes them from the
 # checkout). start: unpacks them, copies the code to $SITTING/repo and starts the study there in its
 # own process session under `timeout LIMIT`, so that it outlives this command, then prints its progress
 # for up to WAIT seconds. collect: waits up to WAIT seconds for its summary, prints it and packs the runs'
-# logs, metrics and configs (not the weights) into $OUT/results.tgz. Extra `start` arguments are
+# logs, metrics and configs (not the weights) into $OUT/results.tgz. ship: packs what a later sitting
+# needs to resume the study (scripts/sitting_state.py: the warm start, each run's learner state) into
+# pieces of 15 MiB and returns the first four in $OUT; give K returns pieces 4K to 4K+3. Carried back
+# (carry/state.partNN and carry/state.sha256, one part per command, as the bundle's), `part` keeps them
+# and `start` unpacks them to $SITTING/r before the study, whose runs then resume. Extra `start` arguments are
 # overrides for every run; PARALLEL, ENV_STEPS, MODEL and READING_S pass through to the study, whose runs
 # stop stepping in time to end with a held-out reading before LIMIT (FINISH_BY, 10 s before it).
 set -euo pipefail
 S=${SITTING:-/tmp/sitting}
 PY=${PY:-python3}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-what=${1:?usage: $0 part | start LIMIT WAIT RUNS [overrides] | collect WAIT}
+USAGE="usage: $0 part | start LIMIT WAIT RUNS [overrides] | collect WAIT | ship | give K"
+what=${1:?$USAGE}
 shift
 progress() {  # each run's last step and its held-out readings so far
   [[ -d $S/r ]] || return 0
@@ -39,22 +46,39 @@ wait_for_summary() {  # until the study's summary exists or $1 seconds have pass
   local end=$(( $(date +%s) + $1 ))
   while [[ ! -s $S/r/summary.jsonl ]] && (( $(date +%s) < end )); do sleep 5; done
 }
+keep_carried() {  # the parts this command carried, out of the checkout before a later copy removes them
+  mkdir -p "$S/bundle" "$S/state"
+  if compgen -G "bundle/bundle.tar.xz.part*" > /dev/null; then cp bundle/bundle.tar.xz.part* "$S/bundle/"; fi
+  if compgen -G "carry/state.*" > /dev/null; then cp carry/state.* "$S/state/"; fi
+}
+give() {  # pieces 4K to 4K+3 of the packed state into $OUT (files of at most 16 MiB, 64 MiB a command)
+  local out=${OUT:-$S/out} k=$1 i
+  mkdir -p "$out"
+  (( k == 0 )) && cp "$S/ship/state.sha256" "$out/"
+  for i in 0 1 2 3; do
+    i=$(printf '%02d' $(( 4 * k + i )))
+    [[ -f $S/ship/state.part$i ]] && cp "$S/ship/state.part$i" "$out/"
+  done
+  ls -l "$out"
+}
 case $what in
   part)
-    mkdir -p "$S/bundle"
-    cp bundle/bundle.tar.xz.part* "$S/bundle/"
-    ls -l "$S/bundle"
+    keep_carried
+    ls -l "$S/bundle" "$S/state"
     ;;
   start)
     limit=${1:?start LIMIT WAIT RUNS}; wait_s=${2:?start LIMIT WAIT RUNS}; runs=${3:?start LIMIT WAIT RUNS}
     shift 3
-    mkdir -p "$S/bundle" "$S/repo"
-    if compgen -G "bundle/bundle.tar.xz.part*" > /dev/null; then cp bundle/bundle.tar.xz.part* "$S/bundle/"; fi
+    mkdir -p "$S/repo"
+    keep_carried
     if compgen -G "$S/bundle/bundle.tar.xz.part*" > /dev/null && [[ ! -f $S/deps/env.sh ]]; then
       $PY "$ROOT/scripts/offline_bundle.py" unpack "$S/bundle" "$S/deps"
     fi
     # the study runs from a copy of what it imports: a later command's copy of the checkout must not change it
     tar -C "$ROOT" -cf - agentrl envs recipes configs scripts | tar -C "$S/repo" -xf -
+    if [[ -f $S/state/state.sha256 && ! -d $S/r/ws ]]; then  # an earlier sitting's state: the runs resume
+      $PY "$ROOT/scripts/sitting_state.py" unpack "$S/state" "$S/r"
+    fi
     deps=""; [[ -f $S/deps/env.sh ]] && deps=$S/deps
     finish_by=$(( $(date +%s) + limit - 10 ))
     (cd "$S/repo" && DEPS=$deps FINISH_BY=$finish_by setsid nohup timeout "$limit" bash scripts/gpu_from_one_warm_start.sh "$S/r" "$runs" "$@" \
@@ -74,5 +98,17 @@ case $what in
     cp "$S/study.log" "$out/" 2>/dev/null || true
     ls -l "$out"
     ;;
-  *) echo "usage: $0 part | start LIMIT WAIT RUNS [overrides] | collect WAIT" >&2; exit 2 ;;
+  ship)
+    if pgrep -f -- "--out $S/r/" > /dev/null; then
+      echo "the study still runs: ship its state once it has ended (collect waits for it)" >&2; exit 1
+    fi
+    $PY "$ROOT/scripts/sitting_state.py" pack "$S/r" "$S/ship"
+    n=$(ls "$S/ship" | grep -c '^state.part' || true)
+    echo "$n pieces: this command returns the first 4 and state.sha256; then give 1 to give $(( (n - 1) / 4 ))"
+    give 0
+    ;;
+  give)
+    give "${1:?give K}"
+    ;;
+  *) echo "$USAGE" >&2; exit 2 ;;
 esac

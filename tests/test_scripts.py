@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,3 +136,129 @@ def test_gpu_sitting_study_outlives_its_start_command_and_is_collected(tmp_path)
         names = set(tar.getnames())
     assert {"r/crps-s0/metrics.jsonl", "r/crps-s0.log", "r/summary.jsonl"} <= names
     assert not any("warm_start" in n for n in names)
+
+
+def _sitting_state():
+    spec = importlib.util.spec_from_file_location("sitting_state", ROOT / "scripts" / "sitting_state.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sitting_state_carries_what_resumes_a_study_and_nothing_it_can_remake(tmp_path):
+    """scripts/sitting_state.py: the warm start and each run's current checkpoint (not its merged export,
+    its older checkpoints, its copy of the warm start or TensorBoard) survive pieces -> parts -> unpack;
+    the warm start's float32 tensors come back float32 with bf16-rounded values, other tensors exactly; a
+    missing part and an oversized state are refused with what to do."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ss = _sitting_state()
+    study = tmp_path / "r"
+    w = torch.randn(64, 32)
+    save_file({"w": w, "ids": torch.arange(5)}, str(tmp_path / "ws.safetensors"))
+    files = {"summary.jsonl": "{}\n", "crps-s0.log": "log", "ws/config.yaml": "a: 1", "ws/warm_start/config.json": "{}",
+             "ws/checkpoints/step-000000/engine.pt": "x" * 5000, "crps-s0/config.yaml": "a: 2",
+             "crps-s0/metrics.jsonl": "{}\n", "crps-s0/tb/events": "e", "crps-s0/warm_start/config.json": "{}",
+             "crps-s0/checkpoints/step-000003/engine.pt": "adapters", "crps-s0/checkpoints/step-000003/trainer.pt": "t",
+             "crps-s0/checkpoints/step-000003/model/model.safetensors": "merged" * 1000,
+             "crps-s0/checkpoints/step-000002/engine.pt": "stale"}
+    for rel, text in files.items():
+        (study / rel).parent.mkdir(parents=True, exist_ok=True)
+        (study / rel).write_text(text)
+    (study / "ws" / "warm_start" / "model.safetensors").write_bytes((tmp_path / "ws.safetensors").read_bytes())
+    (study / "ws" / "checkpoint").symlink_to("checkpoints/step-000000")
+    (study / "crps-s0" / "checkpoint").symlink_to("checkpoints/step-000003")
+
+    pieces = ss.pack(study, tmp_path / "pieces", piece_bytes=3000)
+    assert len(pieces) > 2 and all(p.stat().st_size <= 3000 for p in pieces)
+    (tmp_path / "returned").mkdir()  # what comes back: the pieces and the digest, copied into one folder
+    for p in pieces + [tmp_path / "pieces" / "state.sha256"]:
+        (tmp_path / "returned" / p.name).write_bytes(p.read_bytes())
+    parts = ss.repart(tmp_path / "returned", tmp_path / "carry", part_bytes=7000)
+    assert len(parts) < len(pieces)
+
+    got = ss.unpack(tmp_path / "carry", tmp_path / "next")
+    assert got["bf16_restored"] == ["ws/warm_start/model.safetensors"]
+    kept = {str(p.relative_to(tmp_path / "next")) for p in (tmp_path / "next").rglob("*")
+            if p.is_file() and p.name != "sitting_state.json"}
+    assert kept == {"summary.jsonl", "crps-s0.log", "ws/config.yaml", "ws/warm_start/config.json",
+                    "ws/warm_start/model.safetensors", "crps-s0/config.yaml", "crps-s0/metrics.jsonl",
+                    "crps-s0/checkpoints/step-000003/engine.pt", "crps-s0/checkpoints/step-000003/trainer.pt"}
+    assert (tmp_path / "next" / "crps-s0" / "checkpoint" / "engine.pt").read_text() == "adapters"
+    t = load_file(str(tmp_path / "next" / "ws" / "warm_start" / "model.safetensors"))
+    assert t["w"].dtype == torch.float32 and torch.equal(t["w"], w.to(torch.bfloat16).float())
+    assert not torch.equal(t["w"], w) and torch.equal(t["ids"], torch.arange(5))
+
+    (tmp_path / "carry" / parts[1].name).unlink()
+    with pytest.raises(SystemExit, match="is one missing"):
+        ss.unpack(tmp_path / "carry", tmp_path / "again")
+    with pytest.raises(SystemExit, match=r"over --max-mib 0 .*crps-s0/checkpoints/step-000003/engine.pt.*model.lora_r"):
+        ss.pack(study, tmp_path / "big", max_bytes=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lora_run_carried_as_its_learner_state_resumes_exactly(tiny_model_dir, tmp_path):
+    """A study packed, deleted and unpacked at the same path (another sitting) resumes its LoRA run from
+    the carried adapters, optimizer and trainer state, and its next step is the uninterrupted run's: the
+    reading a run takes at its last step leaves its random stream where the longer run has it."""
+    from tests.test_trainer import run, small
+
+    from agentrl.config import load_config
+
+    ss = _sitting_state()
+    study = tmp_path / "r"
+    run(load_config("grpo", env="sokoban", overrides=small(study / "ws", tiny_model_dir, "trainer.steps=0",
+                                                           "eval.tasks=0")))
+    # no group filter and an entropy bonus: the untrained tiny model's all-fail groups still give a gradient
+    rl = ["model.lora_r=4", f"sft.warm_start={study}/ws/warm_start", "eval.every=100", "algo.filters=[dropped]",
+          "algo.entropy_coef=0.01"]
+    run(load_config("grpo", env="sokoban", overrides=small(study / "grpo-s0", tiny_model_dir, *rl, "trainer.steps=1")))
+    run(load_config("grpo", env="sokoban", overrides=small(tmp_path / "whole", tiny_model_dir, *rl)))
+    ss.pack(study, tmp_path / "pieces", keep_dtype=True)
+    shutil.rmtree(study)
+    ss.unpack(tmp_path / "pieces", study)
+    assert not (study / "grpo-s0" / "warm_start").exists() and not (study / "grpo-s0" / "checkpoint" / "model").exists()
+    trainer, _ = run(load_config("grpo", env="sokoban", overrides=small(study / "grpo-s0", tiny_model_dir, *rl)))
+    rows = [json.loads(x) for x in (study / "grpo-s0" / "metrics.jsonl").read_text().splitlines()]
+    whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and trainer.step == 2
+    keys = ("loss", "grad_norm", "success", "reward_mean", "env_steps")
+    assert {k: rows[2].get(k) for k in keys} == {k: whole[2].get(k) for k in keys}
+    assert rows[2]["grad_norm"] > 0
+
+
+def test_gpu_sitting_ships_a_study_whose_next_sitting_starts_from_it(tmp_path):
+    """`ship` returns the study's state in $OUT (the digest and pieces of at most 16 MiB); carried back
+    as carry/state.*, the next sitting's `start` unpacks it at the same path before the study, which
+    then finds its warm start made and leaves it alone."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_TRAIN.format(py=sys.executable))
+    fake.chmod(0o755)
+    sitting, out = tmp_path / "s", tmp_path / "out"
+    env = {**os.environ, "PY": str(fake), "SITTING": str(sitting), "OUT": str(out), "FAKE_SLEEP": "0"}
+    script = str(ROOT / "scripts" / "gpu_sitting.sh")
+
+    def sh(*args):
+        got = subprocess.run(["bash", script, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+        assert got.returncode == 0, got.stderr
+        return got.stdout
+
+    sh("start", "20", "60", "crps:0")
+    sh("collect", "30")
+    (sitting / "r" / "ws" / "args.txt").write_text("made in the first sitting")
+    shipped = sh("ship")
+    assert "1 pieces" in shipped and "give 1 to give 0" in shipped
+    assert sorted(p.name for p in out.iterdir()) == ["results.tgz", "state.part00", "state.sha256", "study.log"]
+    (tmp_path / "carry").mkdir()
+    for name in ("state.part00", "state.sha256"):
+        (tmp_path / "carry" / name).write_bytes((out / name).read_bytes())
+    shutil.rmtree(sitting)  # a fresh machine; the study comes back at the same path
+
+    started = sh("start", "20", "60", "crps:0")
+    assert '"study": "' + str(sitting / "r") + '"' in started
+    # the warm start came back and was not made again (the fake training CLI rewrites args.txt)
+    assert (sitting / "r" / "ws" / "warm_start" / "config.json").exists()
+    assert (sitting / "r" / "ws" / "args.txt").read_text() == "made in the first sitting"
+    assert (sitting / "r" / "crps-s0" / "args.txt").exists()
