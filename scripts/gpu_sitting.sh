@@ -14,10 +14,11 @@
 # own process session under `timeout LIMIT`, so that it outlives this command, then prints its progress
 # for up to WAIT seconds. collect: waits up to WAIT seconds for its summary, prints it and packs the runs'
 # logs, metrics and configs (not the weights) into $OUT/results.tgz. ship: packs what a later sitting
-# needs to resume the study (scripts/sitting_state.py: the warm start, each run's learner state) into
-# pieces of 15 MiB and returns the first four in $OUT; give K returns pieces 4K to 4K+3. Carried back
-# (carry/state.partNN and carry/state.sha256, one part per command, as the bundle's), `part` keeps them
-# and `start` unpacks them to $SITTING/r before the study, whose runs then resume. Extra `start` arguments are
+# needs to resume the study (scripts/sitting_state.py: the warm start, unless it came from an earlier
+# sitting, and each run's learner state) into pieces of 15 MiB and returns the digests and the first four
+# pieces in $OUT; give K returns pieces 4K to 4K+3. Carried back (carry/NAME.partNN and carry/NAME.sha256,
+# one part per command, as the bundle's), `part` keeps them and `start` unpacks them to $SITTING/r before
+# the study, whose runs then resume. Extra `start` arguments are
 # overrides for every run; PARALLEL, ENV_STEPS, MODEL and READING_S pass through to the study, whose runs
 # stop stepping in time to end with a held-out reading before LIMIT (FINISH_BY, 10 s before it).
 set -euo pipefail
@@ -49,16 +50,16 @@ wait_for_summary() {  # until the study's summary exists or $1 seconds have pass
 keep_carried() {  # the parts this command carried, out of the checkout before a later copy removes them
   mkdir -p "$S/bundle" "$S/state"
   if compgen -G "bundle/bundle.tar.xz.part*" > /dev/null; then cp bundle/bundle.tar.xz.part* "$S/bundle/"; fi
-  if compgen -G "carry/state.*" > /dev/null; then cp carry/state.* "$S/state/"; fi
+  if compgen -G "carry/*" > /dev/null; then cp carry/* "$S/state/"; fi
+}
+pieces() {  # the packed pieces, in the order give hands them out
+  ls "$S/ship" | grep '\.part[0-9]*$' | sort || true
 }
 give() {  # pieces 4K to 4K+3 of the packed state into $OUT (files of at most 16 MiB, 64 MiB a command)
-  local out=${OUT:-$S/out} k=$1 i
+  local out=${OUT:-$S/out} k=$1 p
   mkdir -p "$out"
-  (( k == 0 )) && cp "$S/ship/state.sha256" "$out/"
-  for i in 0 1 2 3; do
-    i=$(printf '%02d' $(( 4 * k + i )))
-    [[ -f $S/ship/state.part$i ]] && cp "$S/ship/state.part$i" "$out/"
-  done
+  (( k == 0 )) && cp "$S"/ship/*.sha256 "$out/"
+  for p in $(pieces | sed -n "$(( 4 * k + 1 )),$(( 4 * k + 4 ))p"); do cp "$S/ship/$p" "$out/"; done
   ls -l "$out"
 }
 case $what in
@@ -76,7 +77,7 @@ case $what in
     fi
     # the study runs from a copy of what it imports: a later command's copy of the checkout must not change it
     tar -C "$ROOT" -cf - agentrl envs recipes configs scripts | tar -C "$S/repo" -xf -
-    if [[ -f $S/state/state.sha256 && ! -d $S/r/ws ]]; then  # an earlier sitting's state: the runs resume
+    if compgen -G "$S/state/*.sha256" > /dev/null && [[ ! -d $S/r/ws ]]; then  # an earlier sitting's: the runs resume
       $PY "$ROOT/scripts/sitting_state.py" unpack "$S/state" "$S/r"
     fi
     deps=""; [[ -f $S/deps/env.sh ]] && deps=$S/deps
@@ -102,9 +103,11 @@ case $what in
     if pgrep -f -- "--out $S/r/" > /dev/null; then
       echo "the study still runs: ship its state once it has ended (collect waits for it)" >&2; exit 1
     fi
-    $PY "$ROOT/scripts/sitting_state.py" pack "$S/r" "$S/ship"
-    n=$(ls "$S/ship" | grep -c '^state.part' || true)
-    echo "$n pieces: this command returns the first 4 and state.sha256; then give 1 to give $(( (n - 1) / 4 ))"
+    rm -rf "$S/ship"
+    only=(); [[ -f $S/state/ws.sha256 ]] && only=(--only runs)  # the warm start was carried in: no need to return it
+    $PY "$ROOT/scripts/sitting_state.py" pack "$S/r" "$S/ship" "${only[@]}"
+    n=$(pieces | wc -l)
+    echo "$n pieces: this command returns the first 4 and the digests; then give 1 to give $(( (n - 1) / 4 ))"
     give 0
     ;;
   give)

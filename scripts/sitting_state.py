@@ -6,7 +6,7 @@ on the next machine, where rerunning the study resumes every run from its checkp
 
 On the GPU machine (`scripts/gpu_sitting.sh ship` and `give K` call this):
 
-    python3 scripts/sitting_state.py pack STUDY DEST [--piece-mib 15] [--max-mib 600] [--keep-dtype]
+    python3 scripts/sitting_state.py pack STUDY DEST [--only ws|runs] [--piece-mib 15] [--max-mib 600]
 
 Here, with the returned pieces copied into one folder:
 
@@ -16,14 +16,16 @@ On the next machine, with the carried parts in one folder (`gpu_sitting.sh start
 
     python3 scripts/sitting_state.py unpack PARTS STUDY
 
-What is packed is what a later sitting cannot remake: the shared warm start's weights (STUDY/ws/warm_start;
-CUDA does not remake them bit for bit), and each run's latest checkpoint without its merged `model/` export
-(engine.pt and trainer.pt: learner, optimizer, recipe and RNG state), config, metrics and logs. Left out:
-the runs' copies of the warm start, older checkpoints, TensorBoard files, and the warm-start run's own
-checkpoint. The warm start's float32 tensors travel as bf16, which halves them; unpack writes them back as
-float32, so only their values are rounded (bf16 autocast rounds the weights of every matmul anyway).
-`--keep-dtype` carries them exactly. A fully fine-tuned run's checkpoint holds every weight and Adam's two
-moments (~1.6 GB for SmolLM2): RL on LoRA adapters (`model.lora_r=16`) keeps it to tens of MB.
+What is packed is what a later sitting cannot remake, as two sets that travel apart: `ws`, the shared
+warm start's weights (STUDY/ws/warm_start; CUDA does not remake them bit for bit), which never change and so
+come back once, and `runs`, each run's latest checkpoint without its merged `model/` export (engine.pt and
+trainer.pt: learner, optimizer, recipe and RNG state), config, metrics and logs, which come back after every
+sitting. Left out: the runs' copies of the warm start, older checkpoints, TensorBoard files, and the
+warm-start run's own checkpoint. Each set is NAME.partNN files and NAME.sha256. The warm start's float32
+tensors travel as bf16, which halves them; unpack writes them back as float32, so only their values are
+rounded (bf16 autocast rounds the weights of every matmul anyway). `--keep-dtype` carries them exactly.
+A fully fine-tuned run's checkpoint holds every weight and Adam's two moments (~1.6 GB for SmolLM2): RL on
+LoRA adapters (`model.lora_r=16`) keeps it to tens of MB.
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-PART = "state.part"  # the pieces and parts: state.part00, state.part01, ...
-SUM = "state.sha256"  # the joined stream's size and digest: a missing or truncated part is found before extracting
+SETS = ("ws", "runs")  # NAME.part00, NAME.part01, ... and NAME.sha256: the joined stream's size and digest,
+# so that a missing or truncated part is found before extracting
 
 
 def _keep(rel: Path, ws: str, current: dict[str, str]) -> bool:
@@ -85,14 +87,29 @@ def _to_dtype(src: Path, dtype: str) -> bytes:
     return save({k: v.to(b) if v.dtype == a else v for k, v in t.items()}, metadata={"format": "pt"})
 
 
-def pack(study: Path, dest: Path, ws: str = "ws", piece_bytes: int = 15 << 20, max_bytes: int = 600 << 20,
-         keep_dtype: bool = False) -> list[Path]:
-    """STUDY's state as DEST/state.partNN pieces of at most piece_bytes, and DEST/state.sha256."""
-    files = _files(study, ws)
+def _parts(folder: Path, name: str) -> list[Path]:
+    return sorted(folder.glob(f"{name}.part*"), key=lambda p: int(p.name.rsplit(".part", 1)[1]))
+
+
+def pack(study: Path, dest: Path, sets: tuple[str, ...] = SETS, ws: str = "ws", piece_bytes: int = 15 << 20,
+         max_bytes: int = 600 << 20, keep_dtype: bool = False) -> list[Path]:
+    """STUDY's state as DEST/NAME.partNN pieces of at most piece_bytes and DEST/NAME.sha256, for each set
+    NAME in ``sets``; returns the pieces, set by set."""
+    every = _files(study, ws)
+    out = []
+    for name in sets:
+        in_ws = [f for f in every if f.parts[:2] == (ws, "warm_start")]
+        files = in_ws if name == "ws" else [f for f in every if f not in in_ws]
+        out += _pack(study, files, dest, name, ws, piece_bytes, max_bytes, keep_dtype)
+    return out
+
+
+def _pack(study: Path, files: list[Path], dest: Path, name: str, ws: str, piece_bytes: int, max_bytes: int,
+          keep_dtype: bool) -> list[Path]:
     cast = [] if keep_dtype else [str(f) for f in files
                                   if f.parts[:2] == (ws, "warm_start") and f.suffix == ".safetensors"]
     dest.mkdir(parents=True, exist_ok=True)
-    for old in list(dest.glob(PART + "*")) + [dest / SUM]:
+    for old in _parts(dest, name) + [dest / f"{name}.sha256"]:
         old.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
         tar_path = Path(tmp) / "state.tar"
@@ -106,37 +123,42 @@ def pack(study: Path, dest: Path, ws: str = "ws", piece_bytes: int = 15 << 20, m
                 else:
                     tar.add(study / rel, arcname=str(rel), recursive=False)
             manifest = json.dumps({"files": [str(f) for f in files], "bf16": cast}).encode()
-            info = tarfile.TarInfo("sitting_state.json")
+            info = tarfile.TarInfo(f"sitting_state.{name}.json")
             info.size = len(manifest)
             tar.addfile(info, io.BytesIO(manifest))
         size = tar_path.stat().st_size
         if size > max_bytes:
             big = sorted(files, key=lambda f: (study / f).stat().st_size if (study / f).is_file() else 0)[-3:]
-            raise SystemExit(f"sitting_state: {study}'s state is {size / 2**20:.0f} MiB, over --max-mib "
+            raise SystemExit(f"sitting_state: {study}'s {name} set is {size / 2**20:.0f} MiB, over --max-mib "
                              f"{max_bytes >> 20} (largest: {', '.join(map(str, reversed(big)))}). A fully "
                              "fine-tuned run's checkpoint holds every weight and Adam's moments: train RL on LoRA "
                              "adapters (model.lora_r=16), or raise --max-mib")
-        return _cut(tar_path, dest, piece_bytes)
+        return _cut(tar_path, dest, name, piece_bytes)
 
 
-def _cut(stream: Path, dest: Path, piece_bytes: int) -> list[Path]:
+def _cut(stream: Path, dest: Path, name: str, piece_bytes: int) -> list[Path]:
     digest, pieces = hashlib.sha256(), []
     with open(stream, "rb") as f:
         while chunk := f.read(piece_bytes):
             digest.update(chunk)
-            pieces.append(dest / f"{PART}{len(pieces):02d}")
+            pieces.append(dest / f"{name}.part{len(pieces):02d}")
             pieces[-1].write_bytes(chunk)
-    (dest / SUM).write_text(json.dumps({"bytes": stream.stat().st_size, "sha256": digest.hexdigest(),
-                                        "parts": len(pieces)}) + "\n")
+    (dest / f"{name}.sha256").write_text(json.dumps({"bytes": stream.stat().st_size, "sha256": digest.hexdigest(),
+                                                     "parts": len(pieces)}) + "\n")
     return pieces
 
 
-def _join(src: Path, out: Path) -> None:
-    """src's parts, in order, into the file out; refused unless they are the whole stream."""
-    if not (src / SUM).is_file():
-        raise SystemExit(f"sitting_state: {src} has no {SUM}: carry it with the parts")
-    want = json.loads((src / SUM).read_text())
-    parts = sorted(src.glob(PART + "*"), key=lambda p: int(p.name[len(PART):]))
+def _sets(src: Path) -> list[str]:
+    names = sorted(p.name[:-len(".sha256")] for p in src.glob("*.sha256"))
+    if not names:
+        raise SystemExit(f"sitting_state: {src} has no NAME.sha256: carry each set's digest with its parts")
+    return names
+
+
+def _join(src: Path, name: str, out: Path) -> None:
+    """The set's parts in src, in order, into the file out; refused unless they are the whole stream."""
+    want = json.loads((src / f"{name}.sha256").read_text())
+    parts = _parts(src, name)
     digest = hashlib.sha256()
     with open(out, "wb") as f:
         for p in parts:
@@ -145,35 +167,45 @@ def _join(src: Path, out: Path) -> None:
             f.write(data)
     got = out.stat().st_size
     if got != want["bytes"] or digest.hexdigest() != want["sha256"]:
-        raise SystemExit(f"sitting_state: the {len(parts)} parts in {src} hold {got} bytes, not the {want['bytes']} "
-                         f"packed (in {want['parts']} parts), or other bytes: is one missing or cut short?")
+        raise SystemExit(f"sitting_state: the {len(parts)} {name} parts in {src} hold {got} bytes, not the "
+                         f"{want['bytes']} packed (in {want['parts']} parts), or other bytes: is one missing or "
+                         "cut short?")
 
 
 def repart(src: Path, dest: Path, part_bytes: int = 50 << 20) -> list[Path]:
-    """The returned pieces joined and cut again into parts of at most part_bytes (fewer copies to carry)."""
+    """Each set's returned pieces joined and cut again into parts of at most part_bytes (fewer copies to
+    carry)."""
     dest.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest) as tmp:
-        joined = Path(tmp) / "state.tar"
-        _join(src, joined)
-        for old in dest.glob(PART + "*"):
-            old.unlink()
-        return _cut(joined, dest, part_bytes)
+    out = []
+    for name in _sets(src):
+        with tempfile.TemporaryDirectory(dir=dest) as tmp:
+            joined = Path(tmp) / "state.tar"
+            _join(src, name, joined)
+            for old in _parts(dest, name):
+                old.unlink()
+            out += _cut(joined, dest, name, part_bytes)
+    return out
 
 
 def unpack(src: Path, study: Path) -> dict:
-    """Join the parts, extract them under STUDY (the path the runs were packed from: their configs name
-    it) and turn the warm start's bf16 tensors back into float32."""
+    """Join each set's parts, extract them under STUDY (the path the runs were packed from: their configs
+    name it) and turn the warm start's bf16 tensors back into float32."""
     study.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=study) as tmp:
-        joined = Path(tmp) / "state.tar"
-        _join(src, joined)
-        with tarfile.open(joined) as tar:
-            tar.extractall(study, filter="data")
-    manifest = json.loads((study / "sitting_state.json").read_text())
-    for rel in manifest["bf16"]:
-        path = study / rel
-        path.write_bytes(_to_dtype(path, "fp32"))
-    return {"files": len(manifest["files"]), "bf16_restored": manifest["bf16"], "study": str(study)}
+    got: dict = {"study": str(study), "files": 0, "bf16_restored": []}
+    for name in _sets(src):
+        with tempfile.TemporaryDirectory(dir=study) as tmp:
+            joined = Path(tmp) / "state.tar"
+            _join(src, name, joined)
+            with tarfile.open(joined) as tar:
+                tar.extractall(study, filter="data")
+        manifest = json.loads((study / f"sitting_state.{name}.json").read_text())
+        for rel in manifest["bf16"]:
+            path = study / rel
+            path.write_bytes(_to_dtype(path, "fp32"))
+        got["files"] += len(manifest["files"])
+        got["bf16_restored"] += manifest["bf16"]
+        got.setdefault("sets", []).append(name)
+    return got
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("study", type=Path)
     p.add_argument("dest", type=Path)
     p.add_argument("--ws", default="ws", help="the study's warm-start run folder (default ws)")
+    p.add_argument("--only", choices=SETS, help="pack one set: ws (the warm start) or runs (all else)")
     p.add_argument("--piece-mib", type=int, default=15, help="largest piece in MiB (default 15: four to a return)")
     p.add_argument("--max-mib", type=int, default=600, help="refuse a state larger than this (default 600)")
     p.add_argument("--keep-dtype", action="store_true", help="carry the warm start's float32 tensors as they are")
@@ -199,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.cmd == "pack":
         if a.piece_mib < 1:
             ap.error("--piece-mib must be at least 1")
-        got = pack(a.study, a.dest, a.ws, a.piece_mib << 20, a.max_mib << 20, a.keep_dtype)
+        got = pack(a.study, a.dest, (a.only,) if a.only else SETS, a.ws, a.piece_mib << 20, a.max_mib << 20,
+                   a.keep_dtype)
     elif a.cmd == "repart":
         if a.part_mib < 1:
             ap.error("--part-mib must be at least 1")

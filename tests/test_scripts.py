@@ -147,7 +147,8 @@ def _sitting_state():
 
 def test_sitting_state_carries_what_resumes_a_study_and_nothing_it_can_remake(tmp_path):
     """scripts/sitting_state.py: the warm start and each run's current checkpoint (not its merged export,
-    its older checkpoints, its copy of the warm start or TensorBoard) survive pieces -> parts -> unpack;
+    its older checkpoints, its copy of the warm start or TensorBoard), as two sets, survive pieces -> parts
+    -> unpack;
     the warm start's float32 tensors come back float32 with bf16-rounded values, other tensors exactly; a
     missing part and an oversized state are refused with what to do."""
     import torch
@@ -172,8 +173,9 @@ def test_sitting_state_carries_what_resumes_a_study_and_nothing_it_can_remake(tm
 
     pieces = ss.pack(study, tmp_path / "pieces", piece_bytes=3000)
     assert len(pieces) > 2 and all(p.stat().st_size <= 3000 for p in pieces)
-    (tmp_path / "returned").mkdir()  # what comes back: the pieces and the digest, copied into one folder
-    for p in pieces + [tmp_path / "pieces" / "state.sha256"]:
+    assert {p.name.split(".")[0] for p in pieces} == {"ws", "runs"}
+    (tmp_path / "returned").mkdir()  # what comes back: the pieces and the digests, copied into one folder
+    for p in pieces + [tmp_path / "pieces" / "ws.sha256", tmp_path / "pieces" / "runs.sha256"]:
         (tmp_path / "returned" / p.name).write_bytes(p.read_bytes())
     parts = ss.repart(tmp_path / "returned", tmp_path / "carry", part_bytes=7000)
     assert len(parts) < len(pieces)
@@ -181,7 +183,7 @@ def test_sitting_state_carries_what_resumes_a_study_and_nothing_it_can_remake(tm
     got = ss.unpack(tmp_path / "carry", tmp_path / "next")
     assert got["bf16_restored"] == ["ws/warm_start/model.safetensors"]
     kept = {str(p.relative_to(tmp_path / "next")) for p in (tmp_path / "next").rglob("*")
-            if p.is_file() and p.name != "sitting_state.json"}
+            if p.is_file() and not p.name.startswith("sitting_state.")}
     assert kept == {"summary.jsonl", "crps-s0.log", "ws/config.yaml", "ws/warm_start/config.json",
                     "ws/warm_start/model.safetensors", "crps-s0/config.yaml", "crps-s0/metrics.jsonl",
                     "crps-s0/checkpoints/step-000003/engine.pt", "crps-s0/checkpoints/step-000003/trainer.pt"}
@@ -190,11 +192,11 @@ def test_sitting_state_carries_what_resumes_a_study_and_nothing_it_can_remake(tm
     assert t["w"].dtype == torch.float32 and torch.equal(t["w"], w.to(torch.bfloat16).float())
     assert not torch.equal(t["w"], w) and torch.equal(t["ids"], torch.arange(5))
 
-    (tmp_path / "carry" / parts[1].name).unlink()
-    with pytest.raises(SystemExit, match="is one missing"):
+    (tmp_path / "carry" / "ws.part01").unlink()
+    with pytest.raises(SystemExit, match="ws parts .* is one missing"):
         ss.unpack(tmp_path / "carry", tmp_path / "again")
-    with pytest.raises(SystemExit, match=r"over --max-mib 0 .*crps-s0/checkpoints/step-000003/engine.pt.*model.lora_r"):
-        ss.pack(study, tmp_path / "big", max_bytes=0)
+    with pytest.raises(SystemExit, match=r"runs set .* over --max-mib 0 .*step-000003/engine.pt.*model.lora_r"):
+        ss.pack(study, tmp_path / "big", sets=("runs",), max_bytes=0)
 
 
 @pytest.mark.slow
@@ -230,9 +232,9 @@ def test_lora_run_carried_as_its_learner_state_resumes_exactly(tiny_model_dir, t
 
 
 def test_gpu_sitting_ships_a_study_whose_next_sitting_starts_from_it(tmp_path):
-    """`ship` returns the study's state in $OUT (the digest and pieces of at most 16 MiB); carried back
-    as carry/state.*, the next sitting's `start` unpacks it at the same path before the study, which
-    then finds its warm start made and leaves it alone."""
+    """`ship` returns the study's state in $OUT (digests and pieces of at most 16 MiB); carried back as
+    carry/*, the next sitting's `start` unpacks it at the same path before the study, which then finds its
+    warm start made and leaves it alone, and that sitting's `ship` returns the runs only."""
     fake = tmp_path / "fakepy"
     fake.write_text(FAKE_TRAIN.format(py=sys.executable))
     fake.chmod(0o755)
@@ -249,11 +251,13 @@ def test_gpu_sitting_ships_a_study_whose_next_sitting_starts_from_it(tmp_path):
     sh("collect", "30")
     (sitting / "r" / "ws" / "args.txt").write_text("made in the first sitting")
     shipped = sh("ship")
-    assert "1 pieces" in shipped and "give 1 to give 0" in shipped
-    assert sorted(p.name for p in out.iterdir()) == ["results.tgz", "state.part00", "state.sha256", "study.log"]
+    assert "2 pieces" in shipped and "give 1 to give 0" in shipped
+    state = ["runs.part00", "runs.sha256", "ws.part00", "ws.sha256"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["results.tgz", "study.log", *state])
     (tmp_path / "carry").mkdir()
-    for name in ("state.part00", "state.sha256"):
+    for name in state:
         (tmp_path / "carry" / name).write_bytes((out / name).read_bytes())
+    shutil.rmtree(out)
     shutil.rmtree(sitting)  # a fresh machine; the study comes back at the same path
 
     started = sh("start", "20", "60", "crps:0")
@@ -262,3 +266,6 @@ def test_gpu_sitting_ships_a_study_whose_next_sitting_starts_from_it(tmp_path):
     assert (sitting / "r" / "ws" / "warm_start" / "config.json").exists()
     assert (sitting / "r" / "ws" / "args.txt").read_text() == "made in the first sitting"
     assert (sitting / "r" / "crps-s0" / "args.txt").exists()
+    sh("collect", "30")
+    assert "1 pieces" in sh("ship")
+    assert sorted(p.name for p in out.iterdir()) == ["results.tgz", "runs.part00", "runs.sha256", "study.log"]
