@@ -15,7 +15,8 @@
 # steps READING_S seconds (default 200) before then, leaving that time for its last held-out reading.
 # READ_WS=after: no run reads the warm start at its step 0; a run of no steps from it (OUT/ws-read) reads
 # it once the runs have ended, so every run gets the same time for its steps (READING_S must then hold
-# both readings).
+# both readings). RL_ARGS: overrides for the runs (and that reading) but not for the warm start's SFT,
+# e.g. RL_ARGS="model.lora_r=16 model.lora_alpha=32": LoRA RL over a fully fine-tuned warm start.
 set -euo pipefail
 OUT=${1:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
 RUNS=${2:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
@@ -24,6 +25,7 @@ shift 2
 PY=${PY:-python3}
 ENV=${ENV:-alfworld}
 PARALLEL=${PARALLEL:-2}
+read -ra RL <<< "${RL_ARGS:-}"
 C=(--env "$ENV" --model "${MODEL:-smollm2}" trainer.tensorboard=false trainer.progress=false)
 mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -77,14 +79,14 @@ for rs in $RUNS; do
     budget=(trainer.time_limit_s=$(( left > 1 ? left : 1 )))
   fi
   $PY -m agentrl.cli train "$r" "${C[@]}" --seed "$s" --out "$OUT/$r-s$s" sft.warm_start="$OUT/ws/warm_start" \
-    trainer.steps=40 trainer.env_steps="${ENV_STEPS:-6000}" eval.every=5 eval.at_start=$first "${budget[@]}" "$@" \
+    trainer.steps=40 trainer.env_steps="${ENV_STEPS:-6000}" eval.every=5 eval.at_start=$first "${budget[@]}" "$@" "${RL[@]}" \
     > "$OUT/$r-s$s.log" 2>&1 &
   first=false
   (( ++i % PARALLEL == 0 )) && wait
 done
 wait
 if [[ "${READ_WS:-first}" == after ]]; then
-  $PY -m agentrl.cli train crps "${C[@]}" --seed 0 --out "$OUT/ws-read" sft.warm_start="$OUT/ws/warm_start" "$@" \
+  $PY -m agentrl.cli train crps "${C[@]}" --seed 0 --out "$OUT/ws-read" sft.warm_start="$OUT/ws/warm_start" "$@" "${RL[@]}" \
     trainer.steps=0 eval.at_start=true > "$OUT/ws-read.log" 2>&1 &
   wait $!
 fi

@@ -101,14 +101,19 @@ def test_gpu_script_reads_the_warm_start_after_the_runs_with_read_ws_after(tmp_p
     out = tmp_path / "out"
     got = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_from_one_warm_start.sh"), str(out), "crps:0 crps:1",
                           "trainer.steps=12"], env={**os.environ, "PY": str(fake), "FAKE_SLEEP": "0",
-                                                    "READ_WS": "after"}, capture_output=True, text=True, timeout=60)
+                                                    "READ_WS": "after", "RL_ARGS": "model.lora_r=16 optim.lr=2e-4"},
+                         capture_output=True, text=True, timeout=60)
     assert got.returncode == 0, got.stderr
     lines = [json.loads(x) for x in (out / "summary.jsonl").read_text().splitlines()]
     assert lines[0] == {"run": "warm_start", "eval_success": 0.25, "by_type": {"Pick": 0.5}, "read_by": "ws-read"}
     assert [r["run"] for r in lines[1:]] == ["crps-s0", "crps-s1"]
     assert all(" eval.at_start=false " in (out / r / "args.txt").read_text() for r in ("crps-s0", "crps-s1"))
     read = (out / "ws-read" / "args.txt").read_text()
-    assert f" sft.warm_start={out}/ws/warm_start trainer.steps=12 trainer.steps=0 eval.at_start=true " in read
+    assert " sft.warm_start={out}/ws/warm_start trainer.steps=12 model.lora_r=16 optim.lr=2e-4 trainer.steps=0 " \
+        "eval.at_start=true ".format(out=out) in read
+    # RL_ARGS reach the runs and the reading, not the warm start's SFT
+    assert all(" model.lora_r=16 optim.lr=2e-4 " in (out / r / "args.txt").read_text() for r in ("crps-s0", "crps-s1"))
+    assert "lora" not in (out / "ws" / "args.txt").read_text()
 
 
 def test_gpu_sitting_study_outlives_its_start_command_and_is_collected(tmp_path):
