@@ -107,7 +107,8 @@ case $what in
     only=(); [[ -f $S/state/ws.sha256 ]] && only=(--only runs)  # the warm start was carried in: no need to return it
     $PY "$ROOT/scripts/sitting_state.py" pack "$S/r" "$S/ship" "${only[@]}"
     n=$(pieces | wc -l)
-    echo "$n pieces: this command returns the first 4 and the digests; then give 1 to give $(( (n - 1) / 4 ))"
+    more="nothing more to give"; (( n > 4 )) && more="then give 1 to give $(( (n - 1) / 4 ))"
+    echo "$n pieces: this command returns the first 4 and the digests; $more"
     give 0
     ;;
   give)
