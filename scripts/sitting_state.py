@@ -96,11 +96,11 @@ def pack(study: Path, dest: Path, sets: tuple[str, ...] = SETS, ws: str = "ws", 
     """STUDY's state as DEST/NAME.partNN pieces of at most piece_bytes and DEST/NAME.sha256, for each set
     NAME in ``sets``; returns the pieces, set by set."""
     every = _files(study, ws)
+    of_set = {"ws": [f for f in every if f.parts[:2] == (ws, "warm_start")],
+              "runs": [f for f in every if f.parts[:2] != (ws, "warm_start")]}
     out = []
     for name in sets:
-        in_ws = [f for f in every if f.parts[:2] == (ws, "warm_start")]
-        files = in_ws if name == "ws" else [f for f in every if f not in in_ws]
-        out += _pack(study, files, dest, name, ws, piece_bytes, max_bytes, keep_dtype)
+        out += _pack(study, of_set[name], dest, name, ws, piece_bytes, max_bytes, keep_dtype)
     return out
 
 
@@ -129,10 +129,10 @@ def _pack(study: Path, files: list[Path], dest: Path, name: str, ws: str, piece_
         size = tar_path.stat().st_size
         if size > max_bytes:
             big = sorted(files, key=lambda f: (study / f).stat().st_size if (study / f).is_file() else 0)[-3:]
+            hint = (" A fully fine-tuned run's checkpoint holds every weight and Adam's moments: train RL on LoRA "
+                    "adapters (model.lora_r=16), or raise --max-mib" if name == "runs" else " Raise --max-mib")
             raise SystemExit(f"sitting_state: {study}'s {name} set is {size / 2**20:.0f} MiB, over --max-mib "
-                             f"{max_bytes >> 20} (largest: {', '.join(map(str, reversed(big)))}). A fully "
-                             "fine-tuned run's checkpoint holds every weight and Adam's moments: train RL on LoRA "
-                             "adapters (model.lora_r=16), or raise --max-mib")
+                             f"{max_bytes >> 20} (largest: {', '.join(map(str, reversed(big)))}).{hint}")
         return _cut(tar_path, dest, name, piece_bytes)
 
 
