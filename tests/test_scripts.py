@@ -1,4 +1,5 @@
-"""Scripts a user runs beside the CLI: scripts/offline_bundle.py, scripts/gpu_from_one_warm_start.sh."""
+"""Scripts a user runs beside the CLI: scripts/offline_bundle.py, gpu_from_one_warm_start.sh, gpu_sitting.sh,
+sitting_state.py."""
 import importlib.util
 import json
 import os
