@@ -18,9 +18,9 @@
 # sitting, and each run's learner state) into pieces of 15 MiB and returns the digests and the first four
 # pieces in $OUT; give K returns pieces 4K to 4K+3. Carried back (carry/NAME.partNN and carry/NAME.sha256,
 # one part per command, as the bundle's), `part` keeps them and `start` unpacks them to $SITTING/r before
-# the study, whose runs then resume. Extra `start` arguments are
-# overrides for every run; PARALLEL, ENV_STEPS, MODEL, READING_S, READ_WS and RL_ARGS pass through to the study, whose runs
-# stop stepping in time to end with a held-out reading before LIMIT (FINISH_BY, 10 s before it).
+# the study, whose runs then resume. Extra `start` arguments are overrides for every run; PARALLEL,
+# ENV_STEPS, MODEL, READING_S, READ_WS and RL_ARGS pass through to the study, whose runs stop stepping
+# in time to end with a held-out reading before LIMIT (FINISH_BY, 10 s before it).
 set -euo pipefail
 S=${SITTING:-/tmp/sitting}
 PY=${PY:-python3}

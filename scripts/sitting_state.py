@@ -44,7 +44,8 @@ SETS = ("ws", "runs")  # NAME.part00, NAME.part01, ... and NAME.sha256: the join
 
 
 def _keep(rel: Path, ws: str, current: dict[str, str]) -> bool:
-    """Whether STUDY/rel goes into the pack (see the module's docstring)."""
+    """Whether the file STUDY/rel goes into the pack (see the module's docstring); its first four path
+    components decide, so a file under a skipped folder is skipped too."""
     parts = rel.parts
     if len(parts) < 2:
         return True  # the study's own files: summary.jsonl, logs
@@ -56,8 +57,8 @@ def _keep(rel: Path, ws: str, current: dict[str, str]) -> bool:
     if rest[0] in ("checkpoint", "checkpoints"):
         if run == ws:  # all a later sitting takes from the warm-start run is the warm start
             return False
-        if rest[0] == "checkpoint" or len(rest) == 1:
-            return True  # the link itself, the folder of checkpoints
+        if rest[0] == "checkpoint":
+            return True  # the link itself
         return rest[1] == current.get(run) and not (len(rest) >= 3 and rest[2] == "model")
     return True
 
@@ -71,9 +72,7 @@ def _files(study: Path, ws: str) -> list[Path]:
     for path in sorted(study.rglob("*")):
         rel = path.relative_to(study)
         if (path.is_file() or path.is_symlink()) and _keep(rel, ws, current):
-            # a file under a skipped folder is skipped too
-            if all(_keep(Path(*rel.parts[:i]), ws, current) for i in range(2, len(rel.parts))):
-                out.append(rel)
+            out.append(rel)
     return out
 
 

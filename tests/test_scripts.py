@@ -16,13 +16,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _script(name: str):
+    """scripts/NAME.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_offline_bundle_round_trip_skips_what_the_target_has(tmp_path, monkeypatch):
     """scripts/offline_bundle.py: parts under the size cap rejoin into the packed files; a module the
     target Python already imports is moved aside (its copy wins), one it lacks goes on PYTHONPATH; a
     missing part is a clear error, not a traceback."""
-    spec = importlib.util.spec_from_file_location("offline_bundle", ROOT / "scripts" / "offline_bundle.py")
-    ob = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ob)
+    ob = _script("offline_bundle")
     monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cache" / "games").mkdir(parents=True)
     (tmp_path / "cache" / "games" / "g1.txt").write_text("a game")
@@ -144,13 +150,6 @@ def test_gpu_sitting_study_outlives_its_start_command_and_is_collected(tmp_path)
     assert not any("warm_start" in n for n in names)
 
 
-def _sitting_state():
-    spec = importlib.util.spec_from_file_location("sitting_state", ROOT / "scripts" / "sitting_state.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_sitting_state_carries_what_resumes_a_study_and_nothing_it_can_remake(tmp_path):
     """scripts/sitting_state.py: the warm start and each run's current checkpoint (not its merged export,
     its older checkpoints, its copy of the warm start or TensorBoard), as two sets, survive pieces -> parts
@@ -160,7 +159,7 @@ def test_sitting_state_carries_what_resumes_a_study_and_nothing_it_can_remake(tm
     import torch
     from safetensors.torch import load_file, save_file
 
-    ss = _sitting_state()
+    ss = _script("sitting_state")
     study = tmp_path / "r"
     w = torch.randn(64, 32)
     save_file({"w": w, "ids": torch.arange(5)}, str(tmp_path / "ws.safetensors"))
@@ -215,7 +214,7 @@ def test_lora_run_carried_as_its_learner_state_resumes_exactly(tiny_model_dir, t
 
     from agentrl.config import load_config
 
-    ss = _sitting_state()
+    ss = _script("sitting_state")
     study = tmp_path / "r"
     run(load_config("grpo", env="sokoban", overrides=small(study / "ws", tiny_model_dir, "trainer.steps=0",
                                                            "eval.tasks=0")))
