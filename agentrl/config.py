@@ -173,6 +173,9 @@ class SFTCfg:
     # from its weights and makes none (no demonstrations, no SFT), so methods and seeds compared on a GPU,
     # where the same seed does not give the same SFT, start from the very same weights
     warm_start: str = ""
+    # the seed that picks the demonstration tasks and their expert draws; -1: the run's seed. Apart from
+    # it, init and batch order still follow the run's seed (which of the three makes a seed weak)
+    demo_seed: int = -1
 
 
 @dataclass

@@ -105,7 +105,8 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     cfg = trainer.rollout_config()
     tok = trainer.tokenizer
     ids = trainer.task_ids(split)
-    rng = random.Random(trainer.cfg.trainer.seed + 17)
+    seed = trainer.cfg.sft.demo_seed if trainer.cfg.sft.demo_seed >= 0 else trainer.cfg.trainer.seed
+    rng = random.Random(seed + 17)
     jobs = [(task_id, rng.randrange(2**31)) for task_id in rng.sample(ids, min(n_episodes, len(ids)))]
     samples, wins = [], 0
     s = trainer.cfg.sft

@@ -134,6 +134,29 @@ def test_the_warm_start_is_the_sft_pass_with_the_best_selection_reading(tiny_mod
     assert not (tmp_path / "sft_best").exists()
 
 
+@pytest.mark.timeout(120)
+def test_sft_demo_seed_picks_another_seeds_demonstrations(tiny_model_dir, tmp_path):
+    """sft.demo_seed: the demonstrations (tasks and expert draws) are those the run of that seed would use,
+    whatever the run's own seed, so the demos can be told apart from the init and the batch order."""
+    import agentrl.recipes  # noqa: F401
+    from agentrl.recipe import RECIPES
+    from agentrl.sft import expert_samples
+    from agentrl.trainer import Trainer
+
+    def demos(seed, *extra):
+        cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path / f"{seed}{len(extra)}", tiny_model_dir,
+                                                                  f"trainer.seed={seed}", *extra))
+        t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        try:
+            samples, _ = expert_samples(t, 6)
+        finally:
+            t.close()
+        return [(s.meta["task"], list(s.ids)) for s in samples]
+
+    own = demos(4)
+    assert demos(0, "sft.demo_seed=4") == own != demos(0)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sft_target_success_adds_passes_until_the_reading_reaches_it(tiny_model_dir, tmp_path, monkeypatch):
