@@ -105,11 +105,10 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     cfg = trainer.rollout_config()
     tok = trainer.tokenizer
     ids = trainer.task_ids(split)
-    seed = trainer.cfg.sft.demo_seed if trainer.cfg.sft.demo_seed >= 0 else trainer.cfg.trainer.seed
-    rng = random.Random(seed + 17)
+    s = trainer.cfg.sft
+    rng = random.Random((s.demo_seed if s.demo_seed >= 0 else trainer.cfg.trainer.seed) + 17)
     jobs = [(task_id, rng.randrange(2**31)) for task_id in rng.sample(ids, min(n_episodes, len(ids)))]
     samples, wins = [], 0
-    s = trainer.cfg.sft
     for (task_id, _), demo in zip(jobs, expert_demos(trainer.cfg.env, trainer.cfg.env_kwargs, jobs, s.workers,
                                                     s.noise)):
         wins += bool(demo[2][-1].get("won"))
