@@ -176,6 +176,9 @@ class SFTCfg:
     # the seed that picks the demonstration tasks and their expert draws; -1: the run's seed. Apart from
     # it, init and batch order still follow the run's seed (which of the three makes a seed weak)
     demo_seed: int = -1
+    # the seed that shuffles SFT's mini-batches; -1: the run's seed. With demo_seed, a run's init (its own
+    # seed), demonstrations and batch order can each come from another seed
+    order_seed: int = -1
 
 
 @dataclass

@@ -195,7 +195,8 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
     saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
-    rng = random.Random(f"{trainer.cfg.trainer.seed}{stage}" if stage else trainer.cfg.trainer.seed)
+    seed = trainer.cfg.sft.order_seed if trainer.cfg.sft.order_seed >= 0 else trainer.cfg.trainer.seed
+    rng = random.Random(f"{seed}{stage}" if stage else seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
         # a sample's advantages weigh its tokens (1.0 for plain SFT; LEAFE's rehearsal uses beta)

@@ -157,6 +157,27 @@ def test_sft_demo_seed_picks_another_seeds_demonstrations(tiny_model_dir, tmp_pa
     assert demos(0, "sft.demo_seed=4") == own != demos(0)
 
 
+@pytest.mark.timeout(180)
+def test_sft_order_seed_shuffles_as_another_seed(tiny_model_dir, tmp_path, monkeypatch):
+    """sft.order_seed: SFT's mini-batches come in the order the run of that seed would use (same
+    demonstrations here), whatever the run's own seed, which still sets the init."""
+    import agentrl.sft as sft
+
+    real, orders = sft.sft_batches, []
+    monkeypatch.setattr(sft, "sft_batches", lambda *a, **k: orders.append(real(*a, **k)) or orders[-1])
+
+    def order(seed, *extra):
+        orders.clear()
+        run(load_config("grpo", env="sokoban", overrides=small(
+            tmp_path / f"{seed}{len(extra)}", tiny_model_dir, f"trainer.seed={seed}", "trainer.steps=0",
+            "sft.demos=6", "sft.batch_size=2", "sft.demo_seed=4", *extra)))
+        assert len(orders) == 1 and len(orders[0]) > 3
+        return orders[0]
+
+    own = order(4)
+    assert order(0, "sft.order_seed=4") == own != order(0)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sft_target_success_adds_passes_until_the_reading_reaches_it(tiny_model_dir, tmp_path, monkeypatch):
