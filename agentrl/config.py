@@ -417,6 +417,9 @@ def _check_names(cfg: RecipeCfg) -> None:
                           "to make a warm start")
     if s.cooldown < 0:
         raise ConfigError(f"bad value for 'sft.cooldown': {s.cooldown}; allowed: 0 (off) or more passes")
+    for key in ("demo_seed", "order_seed"):
+        if (v := getattr(s, key)) < -1:
+            raise ConfigError(f"bad value for 'sft.{key}': {v}; allowed: -1 (the run's seed) or a seed >= 0")
     if not s.select_every > 0:
         raise ConfigError(f"bad value for 'sft.select_every': {s.select_every}; allowed: > 0 (passes between readings)")
     if not 0.0 <= s.target_success <= 1.0:

@@ -286,6 +286,8 @@ def test_sft_selection_must_not_read_the_evaluation_split(tmp_path):
         load_config("grpo", overrides=["sft.select_every=0"])
     with pytest.raises(ConfigError, match=r"bad value for 'sft.cooldown': -1"):
         load_config("grpo", overrides=["sft.cooldown=-1"])
+    with pytest.raises(ConfigError, match=r"bad value for 'sft.order_seed': -2; allowed: -1"):
+        load_config("grpo", overrides=["sft.order_seed=-2"])
     with pytest.raises(ConfigError, match=r"sft.max_epochs=6 with sft.schedule=linear"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.schedule=linear"])
     assert load_config("grpo", overrides=["sft.max_epochs=6"]).sft.select_split == "test"
