@@ -173,11 +173,10 @@ class SFTCfg:
     # from its weights and makes none (no demonstrations, no SFT), so methods and seeds compared on a GPU,
     # where the same seed does not give the same SFT, start from the very same weights
     warm_start: str = ""
-    # the seed that picks the demonstration tasks and their expert draws; -1: the run's seed. Apart from
-    # it, init and batch order still follow the run's seed (which of the three makes a seed weak)
+    # the seed that picks the demonstration tasks and their expert draws; -1: the run's seed
     demo_seed: int = -1
-    # the seed that shuffles SFT's mini-batches; -1: the run's seed. With demo_seed, a run's init (its own
-    # seed), demonstrations and batch order can each come from another seed
+    # the seed that shuffles SFT's mini-batches; -1: the run's seed. With demo_seed, a run's demonstrations,
+    # batch order and RL draws (its own seed) can each come from another seed (which one makes a seed weak)
     order_seed: int = -1
 
 

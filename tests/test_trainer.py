@@ -137,7 +137,7 @@ def test_the_warm_start_is_the_sft_pass_with_the_best_selection_reading(tiny_mod
 @pytest.mark.timeout(120)
 def test_sft_demo_seed_picks_another_seeds_demonstrations(tiny_model_dir, tmp_path):
     """sft.demo_seed: the demonstrations (tasks and expert draws) are those the run of that seed would use,
-    whatever the run's own seed, so the demos can be told apart from the init and the batch order."""
+    whatever the run's own seed, so the demos can be told apart from the batch order and RL's draws."""
     import agentrl.recipes  # noqa: F401
     from agentrl.recipe import RECIPES
     from agentrl.sft import expert_samples
@@ -160,7 +160,7 @@ def test_sft_demo_seed_picks_another_seeds_demonstrations(tiny_model_dir, tmp_pa
 @pytest.mark.timeout(180)
 def test_sft_order_seed_shuffles_as_another_seed(tiny_model_dir, tmp_path, monkeypatch):
     """sft.order_seed: SFT's mini-batches come in the order the run of that seed would use (same
-    demonstrations here), whatever the run's own seed, which still sets the init."""
+    demonstrations here), whatever the run's own seed, which still sets RL's draws."""
     import agentrl.sft as sft
 
     real, orders = sft.sft_batches, []
