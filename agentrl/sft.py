@@ -195,7 +195,8 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
     saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
-    seed = trainer.cfg.sft.order_seed if trainer.cfg.sft.order_seed >= 0 else trainer.cfg.trainer.seed
+    order_seed = trainer.cfg.sft.order_seed
+    seed = order_seed if order_seed >= 0 else trainer.cfg.trainer.seed
     rng = random.Random(f"{seed}{stage}" if stage else seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
