@@ -99,6 +99,11 @@ def expert_demos(env_name: str, env_kwargs: dict, jobs: list[tuple[str, int]], w
         return list(pool.imap(_play_demo, todo, chunksize=4))
 
 
+def _seed_or_runs(trainer: "Trainer", seed: int) -> int:
+    """An SFT input's own seed (sft.demo_seed, sft.order_seed), or the run's where it is -1."""
+    return seed if seed >= 0 else trainer.cfg.trainer.seed
+
+
 def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") -> tuple[list[Sample], float]:
     """Turn samples from the env's expert on ``n_episodes`` tasks; returns samples and expert success.
     Full-history runs are trained turn by turn on windowed prompts (a documented simplification)."""
@@ -106,7 +111,7 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     tok = trainer.tokenizer
     ids = trainer.task_ids(split)
     s = trainer.cfg.sft
-    rng = random.Random((s.demo_seed if s.demo_seed >= 0 else trainer.cfg.trainer.seed) + 17)
+    rng = random.Random(_seed_or_runs(trainer, s.demo_seed) + 17)
     jobs = [(task_id, rng.randrange(2**31)) for task_id in rng.sample(ids, min(n_episodes, len(ids)))]
     samples, wins = [], 0
     for (task_id, _), demo in zip(jobs, expert_demos(trainer.cfg.env, trainer.cfg.env_kwargs, jobs, s.workers,
@@ -195,8 +200,7 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
     saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
-    order_seed = trainer.cfg.sft.order_seed
-    seed = order_seed if order_seed >= 0 else trainer.cfg.trainer.seed
+    seed = _seed_or_runs(trainer, trainer.cfg.sft.order_seed)
     rng = random.Random(f"{seed}{stage}" if stage else seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
