@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 
 
@@ -29,6 +30,9 @@ def main() -> None:
     ap.add_argument("--step-acc", type=int, default=0,
                     help="also the greedy policy's agreement with the expert on every state of this many held-out "
                          "expert episodes (eval.split, no noise), overall and by the expert's action verb")
+    ap.add_argument("--fit-acc", type=int, default=0,
+                    help="also the greedy policy's agreement with the labels of this many SFT samples (drawn once): "
+                         "how well it fits its own training data, against --step-acc's held-out states")
     ap.add_argument("--save", default="", help="folder for the model after the last pass")
     ap.add_argument("-o", "--overrides", nargs="*", default=[])
     a = ap.parse_args()
@@ -51,6 +55,7 @@ def main() -> None:
             print(json.dumps(dict(demos=cfg.sft.demos, samples=len(samples), expert_success=expert_success,
                                   demo_s=round(time.perf_counter() - t0, 1))), flush=True)
         held_out = _held_out_states(trainer, a.step_acc) if a.step_acc else []
+        fit_states = _sample_states(trainer, random.Random(a.seed).sample(samples, min(a.fit_acc, len(samples))))
         for p in range(1, a.passes + 1) or [0]:  # pass 0: the model as it is
             t0 = time.perf_counter()
             stats = (fit_sft(trainer, samples, 1, cfg.sft.batch_size, cfg.sft.lr, by_length=cfg.sft.group_by_length)
@@ -70,10 +75,12 @@ def main() -> None:
                 res["eval/sampled_success"] = smp["eval/success"]
             if held_out:
                 res.update(_step_accuracy(trainer, held_out))
+            if fit_states:
+                res.update({"fit_" + k: v for k, v in _step_accuracy(trainer, fit_states).items()})
             print(json.dumps(dict(sft_pass=p, sft_s=round(t_sft, 1), eval_s=round(time.perf_counter() - t0 - t_sft, 1),
                                   loss=round(stats["sft_loss_last"], 3) if stats else None,
                                   **{k: round(v, 3) for k, v in res.items()
-                                     if k.startswith(("eval/success", "eval/sampled", "step_acc"))
+                                     if k.startswith(("eval/success", "eval/sampled", "step_acc", "fit_step_acc"))
                                      or k in ("eval/turns_per_episode", "eval/valid_format")})), flush=True)
         if a.save:
             trainer.engine.export_weights(a.save)
@@ -90,11 +97,15 @@ def _held_out_states(trainer, n: int) -> list:
         samples, _ = expert_samples(trainer, n, split=trainer.cfg.eval.split)
     finally:
         trainer.cfg.sft.noise = noise
-    tok = trainer.tokenizer
+    return _sample_states(trainer, samples)
+
+
+def _sample_states(trainer, samples: list) -> list:
+    """(prompt ids, label text) of turn samples."""
     out = []
     for s in samples:
         first = s.loss_mask.index(1)
-        out.append((s.ids[:first], tok.decode(s.ids[first:], skip_special_tokens=True)))
+        out.append((s.ids[:first], trainer.tokenizer.decode(s.ids[first:], skip_special_tokens=True)))
     return out
 
 
