@@ -178,6 +178,9 @@ class SFTCfg:
     # the seed that shuffles SFT's mini-batches; -1: the run's seed. With demo_seed, a run's demonstrations,
     # batch order and RL draws (its own seed) can each come from another seed (which one makes a seed weak)
     order_seed: int = -1
+    # > 0: the prompt's tokens are SFT targets too, their token-mean NLL weighted this much against the
+    # action's: a model trained from scratch learns the env's text, copying included, not only the answers
+    prompt_weight: float = 0.0
 
 
 @dataclass
@@ -419,6 +422,8 @@ def _check_names(cfg: RecipeCfg) -> None:
     for key in ("demo_seed", "order_seed"):
         if (v := getattr(s, key)) < -1:
             raise ConfigError(f"bad value for 'sft.{key}': {v}; allowed: -1 (the run's seed) or a seed >= 0")
+    if not s.prompt_weight >= 0.0:
+        raise ConfigError(f"bad value for 'sft.prompt_weight': {s.prompt_weight}; allowed: 0 (off) or a weight > 0")
     if not s.select_every > 0:
         raise ConfigError(f"bad value for 'sft.select_every': {s.select_every}; allowed: > 0 (passes between readings)")
     if not 0.0 <= s.target_success <= 1.0:

@@ -171,6 +171,18 @@ def term_weighted(rows: list[Sample], weights: dict[str, float]) -> list[Sample]
     return out
 
 
+def with_prompt_loss(s: Sample, weight: float) -> Sample:
+    """The row with its prompt tokens as targets too: per row, weight x (the prompt's token-mean NLL) is
+    added to the targets' token-mean NLL, each scaled by the row's target weight, whatever the lengths."""
+    first = s.loss_mask.index(1)  # the first target; token 0 predicts nothing
+    if first < 2 or not weight:
+        return s
+    a = s.advantages[first]
+    per = weight * a * sum(s.loss_mask) / (first - 1)
+    return dataclasses.replace(s, loss_mask=[0] + [1] * (first - 1) + s.loss_mask[first:],
+                               advantages=[0.0] + [per] * (first - 1) + s.advantages[first:])
+
+
 def passes_of(batches: int, per_pass: int) -> float:
     """SFT passes made after ``batches`` batches: whole at a pass's end, else to two decimals."""
     p = batches / max(1, per_pass)
@@ -196,11 +208,13 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
     success by 10-20 points), at the capped end too (its answer then only reads it), with the generator
     already holding those weights. ``passes done`` is a whole number at a pass's end, else a fraction.
     ``stage``: a later SFT stage's name (e.g. "cooldown"): its own shuffle from the seed, so it does not
-    replay the first passes' order, and its name in the progress lines."""
+    replay the first passes' order, and its name in the progress lines. ``sft.prompt_weight`` > 0: the
+    prompts' tokens are targets too (``with_prompt_loss``)."""
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
     saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
     seed = _seed_or_runs(trainer, trainer.cfg.sft.order_seed)
+    prompt_weight = trainer.cfg.sft.prompt_weight
     rng = random.Random(f"{seed}{stage}" if stage else seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
@@ -222,7 +236,10 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
         if schedule != "constant":
             set_lr(eng, base_lr * lr_factor(epoch * n_batches + b - 1, epochs * n_batches, schedule))
         chosen = [samples[j] for j in rows]
-        batch = collate(term_weighted(chosen, term_weights) if term_weights else chosen, eng.pad_id)
+        rows = term_weighted(chosen, term_weights) if term_weights else chosen
+        if prompt_weight:
+            rows = [with_prompt_loss(r, prompt_weight) for r in rows]
+        batch = collate(rows, eng.pad_id)
         losses.append(eng.step(batch, loss)["loss"])
         done += 1
         if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent

@@ -279,6 +279,27 @@ def test_a_run_starts_from_another_runs_warm_start_without_sft(tiny_model_dir, t
     assert trainer.step == 1
 
 
+def test_prompt_loss_adds_the_prompts_token_mean_nll_at_its_weight():
+    """sft.prompt_weight: a row's loss becomes (targets' token-mean NLL) + w x (prompt's token-mean NLL),
+    times its number of targets, whatever its prompt length; token 0 predicts nothing."""
+    from agentrl.algos.losses import sft_loss
+    from agentrl.learner.batch import collate, turn_sample
+    from agentrl.sft import with_prompt_loss
+
+    short = turn_sample([5, 6, 7], [8, 9], [0.0, 0.0], 1.0)  # prompt targets: 6, 7
+    long = turn_sample([5, 6, 7, 6, 7], [8], [0.0], 1.0)  # prompt targets: 6, 7, 6, 7
+    rows = [with_prompt_loss(r, 0.5) for r in (short, long)]
+    assert rows[0].loss_mask == [0, 1, 1, 1, 1] and rows[0].advantages == [0.0, 0.5, 0.5, 1.0, 1.0]
+    assert rows[1].advantages == [0.0, 0.125, 0.125, 0.125, 0.125, 1.0]
+    nll = {5: 0.0, 6: 1.0, 7: 2.0, 8: 3.0, 9: 5.0}  # a made-up NLL per target token id
+    batch = collate(rows, pad_id=0)
+    logp = -batch.input_ids[:, 1:].float().apply_(lambda t: nll.get(int(t), 0.0))
+    got = float(sft_loss(logp * batch.advantages, batch.loss_mask))
+    # short: 2 x (4 + 0.5 x 1.5); long: 1 x (3 + 0.5 x 1.5); over the 4 + 5 target positions
+    assert got == pytest.approx((2 * 4.75 + 3.75) / 9)
+    assert with_prompt_loss(short, 0.0) is short
+
+
 def test_sft_selection_must_not_read_the_evaluation_split(tmp_path):
     with pytest.raises(ConfigError, match=r"sft.select_split=valid is also eval.split"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.select_split=valid"])
@@ -288,6 +309,8 @@ def test_sft_selection_must_not_read_the_evaluation_split(tmp_path):
         load_config("grpo", overrides=["sft.cooldown=-1"])
     with pytest.raises(ConfigError, match=r"bad value for 'sft.order_seed': -2; allowed: -1"):
         load_config("grpo", overrides=["sft.order_seed=-2"])
+    with pytest.raises(ConfigError, match=r"bad value for 'sft.prompt_weight': -0.5"):
+        load_config("grpo", overrides=["sft.prompt_weight=-0.5"])
     with pytest.raises(ConfigError, match=r"sft.max_epochs=6 with sft.schedule=linear"):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.schedule=linear"])
     assert load_config("grpo", overrides=["sft.max_epochs=6"]).sft.select_split == "test"
