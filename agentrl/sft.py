@@ -236,10 +236,10 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
         if schedule != "constant":
             set_lr(eng, base_lr * lr_factor(epoch * n_batches + b - 1, epochs * n_batches, schedule))
         chosen = [samples[j] for j in rows]
-        rows = term_weighted(chosen, term_weights) if term_weights else chosen
+        weighted = term_weighted(chosen, term_weights) if term_weights else chosen
         if prompt_weight:
-            rows = [with_prompt_loss(r, prompt_weight) for r in rows]
-        batch = collate(rows, eng.pad_id)
+            weighted = [with_prompt_loss(r, prompt_weight) for r in weighted]
+        batch = collate(weighted, eng.pad_id)
         losses.append(eng.step(batch, loss)["loss"])
         done += 1
         if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
