@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from agentrl.algos.losses import ppo_objective, sft_loss, value_loss
+from agentrl.config import SFTCfg
 from agentrl.learner.batch import collate, episode_sample, micro_batches, turn_sample
 from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
 from agentrl.types import Episode, Turn
@@ -292,7 +293,7 @@ def test_sft_linear_schedule_decays_the_lr_to_zero_by_the_last_step(tiny_model_d
     lrs = []
     step = eng.step
     eng.step = lambda *a, **k: lrs.append(eng.optimizer.param_groups[0]["lr"]) or step(*a, **k)
-    cfg = SimpleNamespace(trainer=SimpleNamespace(seed=0), sft=SimpleNamespace(order_seed=-1, prompt_weight=0.0))
+    cfg = SimpleNamespace(trainer=SimpleNamespace(seed=0), sft=SFTCfg())  # real defaults: new sft keys need no edit
     trainer = SimpleNamespace(engine=eng, cfg=cfg,
                               sync_weights=lambda: None, echo=print)
     fit_sft(trainer, _samples(n=6), epochs=2, batch_size=2, lr=6e-3, schedule="linear")
@@ -308,7 +309,7 @@ def _recording_sft_trainer(model_dir):
 
     eng = TorchEngine(model_dir, EngineConfig(optim=OptimConfig(lr=1e-4)))
     events = []
-    cfg = SimpleNamespace(trainer=SimpleNamespace(seed=0), sft=SimpleNamespace(order_seed=-1, prompt_weight=0.0))
+    cfg = SimpleNamespace(trainer=SimpleNamespace(seed=0), sft=SFTCfg())  # real defaults: new sft keys need no edit
     trainer = SimpleNamespace(engine=eng, cfg=cfg,
                               sync_weights=lambda: events.append("sync"), echo=print)
     step = eng.step
