@@ -89,10 +89,18 @@ def run_eval(args: argparse.Namespace) -> int:
     if trainer.is_main:
         with open(cfg.out_dir / "eval_episodes.jsonl", "w") as f:  # per-episode results, for paired comparisons
             for ep in trainer.eval_episodes:
-                f.write(json.dumps(dict(task_id=ep.task_id, won=bool(ep.won), reward=ep.total_reward,
-                                        turns=len(ep.turns))) + "\n")
+                f.write(json.dumps(episode_row(ep)) + "\n")
         print(json.dumps(res, indent=1))
     return 0
+
+
+def episode_row(ep: Any) -> dict[str, Any]:
+    """One evaluated episode: its outcome, and what the policy did each turn (the env actions it sent,
+    its raw text where none parsed) with the turns that left the env's state unchanged, so a reader can
+    see where a policy loops."""
+    return dict(task_id=ep.task_id, won=bool(ep.won), reward=ep.total_reward, turns=len(ep.turns),
+                actions=[" || ".join(t.actions) if t.actions else t.text for t in ep.turns],
+                ineffective=[i for i, t in enumerate(ep.turns) if t.info.get("ineffective")])
 
 
 def run_plot(args: argparse.Namespace) -> int:

@@ -701,6 +701,22 @@ def test_eval_line_prints_the_score_only_where_it_is_partial_credit():
                      "step 0: eval success 0.384 on 50 valid tasks"]
 
 
+def test_eval_episode_row_records_what_the_policy_did_each_turn():
+    from agentrl.train_cmd import episode_row
+    from agentrl.types import Episode, Turn
+
+    def turn(text, actions, reward=0.0, **info):
+        return Turn([1], [2], [-0.1], text, actions, bool(actions), "obs", reward, False, info=info)
+
+    ep = Episode("alfworld", "test/look/00001", 0, won=False, turns=[
+        turn("go to desk 1", ["go to desk 1"]), turn("go to desk 1", ["go to desk 1"], -0.1, ineffective=True),
+        turn("blah", [], -0.1), turn("open a | take b", ["open a", "take b"])])
+    row = episode_row(ep)
+    assert json.loads(json.dumps(row)) == dict(
+        task_id="test/look/00001", won=False, reward=pytest.approx(-0.2), turns=4,
+        actions=["go to desk 1", "go to desk 1", "blah", "open a || take b"], ineffective=[1])
+
+
 def test_compare_plot_averages_seeds_per_method_on_cumulative_env_steps(tmp_path):
     from agentrl.plot import COMPARE_PANELS, panels_with_data, plot_compare
 
