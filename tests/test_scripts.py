@@ -1,5 +1,5 @@
 """Scripts a user runs beside the CLI: scripts/offline_bundle.py, gpu_from_one_warm_start.sh, gpu_sitting.sh,
-sitting_state.py."""
+sitting_state.py, eval_loops.py."""
 import importlib.util
 import json
 import os
@@ -274,3 +274,18 @@ def test_gpu_sitting_ships_a_study_whose_next_sitting_starts_from_it(tmp_path):
     sh("collect", "30")
     assert "1 pieces" in sh("ship")
     assert sorted(p.name for p in out.iterdir()) == ["results.tgz", "runs.part00", "runs.sha256", "study.log"]
+
+
+def test_eval_loops_counts_repeats_revisits_and_verbs():
+    """scripts/eval_loops.py on hand-made rows: a won episode, a failed one that loops on its last action,
+    and an old row without actions (skipped)."""
+    el = _script("eval_loops")
+    rows = [dict(won=True, actions=["go to desk 1", "take pen 1 from desk 1"], ineffective=[]),
+            dict(won=False, actions=["go to desk 1", "open drawer 1", "open drawer 1", "open drawer 1"],
+                 ineffective=[2, 3]),
+            dict(won=False, turns=30)]
+    s = el.loop_stats(rows)
+    assert s["episodes"] == 2 and s["success"] == 0.5
+    assert s["ineffective"] == pytest.approx(2 / 6) and s["ineffective_repeating_last"] == 1.0
+    assert s["failed_turns_seen_before"] == pytest.approx(2 / 4) and s["failed_distinct_actions"] == 2
+    assert s["failed_verbs"] == {"open": 0.75, "go to": 0.25}
