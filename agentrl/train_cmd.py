@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentrl.types import Episode
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -94,12 +97,12 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def episode_row(ep: Any) -> dict[str, Any]:
+def episode_row(ep: Episode) -> dict[str, Any]:
     """One evaluated episode: its outcome, and what the policy did each turn (the env actions it sent,
     its raw text where none parsed) with the turns that left the env's state unchanged, so a reader can
     see where a policy loops."""
     return dict(task_id=ep.task_id, won=bool(ep.won), reward=ep.total_reward, turns=len(ep.turns),
-                actions=[" || ".join(t.actions) if t.actions else t.text for t in ep.turns],
+                actions=[t.action_text if t.actions else t.text for t in ep.turns],
                 ineffective=[i for i, t in enumerate(ep.turns) if t.info.get("ineffective")])
 
 

@@ -47,6 +47,11 @@ class Turn:
     fingerprints: list[str] = field(default_factory=list)  # env fingerprint after each action of this turn
     info: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def action_text(self) -> str:
+        """The turn's actions as the history shows them (one string, so replayed prefixes read the same)."""
+        return " || ".join(self.actions)
+
 
 @dataclass
 class Episode:

@@ -98,7 +98,7 @@ class SuccessBuffer:
         for t in ep.turns:  # turns that sent no action (bad format) are not part of the trace or history
             if t.actions:
                 observations.append(obs)
-                actions.append(" || ".join(t.actions))
+                actions.append(t.action_text)
                 n += len(t.actions)
                 boundaries.append(n)
             obs = t.observation

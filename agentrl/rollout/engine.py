@@ -284,7 +284,7 @@ class RolloutEngine:
             sl.ep.turns.append(turn)
             self.stats["turns"] += 1
             if turn.actions:
-                sl.history.append((sl.obs, " || ".join(turn.actions)))
+                sl.history.append((sl.obs, turn.action_text))
                 sl.env_steps += len(turn.actions)
             sl.obs = turn.observation
             if turn.done:
