@@ -183,7 +183,8 @@ class Recipe:
             else:
                 for k, t in enumerate(e.turns):
                     if t.gen_ids:
-                        samples.append(turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, 0.0, dict(meta, turn=k)))
+                        samples.append(turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, 0.0, dict(meta, turn=k),
+                                                   t.gen_allowed))
                         where.append((n, k))
         if self.kl_ctl is not None and samples:
             stats.update(self._kl_penalty(trainer, x, samples, where))

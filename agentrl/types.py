@@ -30,6 +30,9 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str  # "stop" (eos or a stop string) or "length"
+    # constrained decoding (``generate(..., choices=...)``): the token ids each token was drawn among, one
+    # list per token; ``logprobs`` are then under softmax over those ids only. Empty: the whole vocabulary
+    allowed: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -46,6 +49,9 @@ class Turn:
     finish_reason: str = "stop"
     fingerprints: list[str] = field(default_factory=list)  # env fingerprint after each action of this turn
     info: dict[str, Any] = field(default_factory=dict)
+    # ``Completion.allowed``: the ids each generated token was drawn among (empty: unconstrained); the
+    # learner renormalizes over them, so its log-probs are the constrained policy's
+    gen_allowed: list[list[int]] = field(default_factory=list)
 
     @property
     def action_text(self) -> str:

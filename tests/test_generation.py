@@ -297,3 +297,48 @@ def test_vllm_requests_carry_no_shared_seed():
     ours, vllm = RemoteGenerator("http://x", model="m"), RemoteGenerator("http://x", model="m", backend="vllm")
     assert ours._body([[1, 2]], SAMPLING)["seed"] == SAMPLING.seed
     assert "seed" not in vllm._body([[1, 2], [1, 2]], SAMPLING)
+
+
+def test_constrained_decoding_answers_only_among_the_choices_with_renormalized_logprobs(tiny_generator):
+    """Each constrained row's completion is one whole choice; each token's log-prob is under softmax over
+    the ids that continue a choice (by hand from the model's logits); an unconstrained row is unchanged."""
+    from agentrl.learner.logprobs import completion_logprobs
+
+    g, tok = tiny_generator, tiny_generator.tokenizer
+    prompt = chat_ids(tok, [{"role": "user", "content": "Push the box. Your move?"}])
+    choices = [tok(f"<answer>{a}</answer>", add_special_tokens=False)["input_ids"]
+               for a in ("Up", "Down", "Left", "Right")]
+    for sampling in (SAMPLING, SamplingParams(temperature=0.0, max_new_tokens=24, stop=["</answer>"])):
+        free = g.generate([prompt], sampling, seeds=[7])[0]
+        outs = g.generate([prompt] * 5, sampling, seeds=[3, 4, 5, 6, 7], choices=[choices] * 4 + [None])
+        assert all(o.ids in choices and o.finish_reason == "stop" for o in outs[:4])
+        assert outs[4].ids == free.ids and outs[4].logprobs == pytest.approx(free.logprobs, abs=1e-4)
+        assert outs[4].allowed == []
+        for o in outs[:4]:
+            assert len(o.allowed) == len(o.ids)
+            for j, (t, allowed) in enumerate(zip(o.ids, o.allowed)):
+                assert allowed == sorted({c[j] for c in choices if c[:j] == o.ids[:j]})
+                with torch.no_grad():
+                    logits = g.model(input_ids=torch.tensor([prompt + o.ids[:j]])).logits[0, -1].float()
+                if sampling.temperature > 0:
+                    logits = logits / sampling.temperature
+                want = torch.log_softmax(logits[allowed], -1)[allowed.index(t)]
+                assert abs(o.logprobs[j] - float(want)) < 1e-4
+            # where only one id continues the choice, the token is certain: log-prob 0
+            assert all(lp == pytest.approx(0.0, abs=1e-6) for lp, a in zip(o.logprobs, o.allowed) if len(a) == 1)
+            if sampling.temperature == 0:  # greedy among the choices, not the free argmax
+                assert o.ids != free.ids or free.ids in choices
+        assert completion_logprobs(g.model, prompt, outs[0].ids) != outs[0].logprobs  # the free policy differs
+
+
+def test_engine_constrains_answers_to_the_envs_admissible_actions(tiny_generator):
+    """``constrain_actions``: every turn's answer is an admissible action (the untrained model mostly answers
+    nonsense without it), and the turn keeps the ids each token was drawn among."""
+    g = tiny_generator
+    free = _engine(g, g.tokenizer).run([Start(f"train/{i:05d}", 0) for i in range(4)])
+    eps = _engine(g, g.tokenizer, constrain_actions=True).run([Start(f"train/{i:05d}", 0) for i in range(4)])
+    turns = [t for ep in eps for t in ep.turns]
+    assert all(t.format_ok and not t.info["inadmissible"] and len(t.gen_allowed) == len(t.gen_ids) for t in turns)
+    assert all(t.actions[0] in ("Up", "Down", "Left", "Right") for t in turns)
+    assert not any(t.gen_allowed for ep in free for t in ep.turns)
+    assert sum(not t.format_ok or t.info["inadmissible"] for ep in free for t in ep.turns) > len(turns) // 2

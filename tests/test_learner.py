@@ -1,5 +1,6 @@
 """The torch learner engine: batching, accumulation, loss decrease, LoRA, value head, exact resume."""
 import copy
+import math
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from agentrl.algos.losses import ppo_objective, sft_loss, value_loss
 from agentrl.config import SFTCfg
 from agentrl.learner.batch import collate, episode_sample, micro_batches, turn_sample
 from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
-from agentrl.types import Episode, Turn
+from agentrl.types import Episode, SamplingParams, Turn
 
 
 def _samples(n=6, seed=0):
@@ -499,3 +500,51 @@ def test_compile_under_deepspeed_is_refused_with_what_to_do(tiny_model_dir):
 
     with pytest.raises(NotImplementedError, match="trainer.engine=torch"):
         DeepSpeedEngine(tiny_model_dir, EngineConfig(compile=True))
+
+
+def test_mask_logits_keeps_only_the_allowed_ids_by_hand():
+    from agentrl.learner.logprobs import mask_logits
+
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    out = torch.log_softmax(mask_logits(logits, torch.tensor([[0, 2, -1], [-1, -1, -1]])), -1)
+    # row 0 drawn among ids 0 and 2: log(e^1 / (e^1 + e^3)); row 1 unconstrained
+    assert float(out[0, 0]) == pytest.approx(1.0 - math.log(math.exp(1) + math.exp(3)), abs=1e-6)
+    assert float(out[0, 1].exp()) == 0.0 and float(out[0, 3].exp()) == 0.0
+    assert torch.allclose(out[1], torch.log_softmax(logits[1], -1))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_learner_logprobs_of_constrained_turns_equal_the_generators(tiny_generator, tiny_model_dir, fast):
+    """A batch mixing constrained and free turns: the learner renormalizes over each constrained token's
+    allowed ids (both forward paths) and so reads the generator's own log-probs; free turns are unchanged."""
+    from agentrl.learner.engine import forward_batch
+
+    g, tok = tiny_generator, tiny_generator.tokenizer
+    prompts = [tok(f"Task {i}: move.", add_special_tokens=False)["input_ids"] for i in range(3)]
+    choices = [tok(f"<answer>{a}</answer>", add_special_tokens=False)["input_ids"] for a in ("Up", "Down", "Left")]
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=12, seed=1, stop=["</answer>"])
+    outs = g.generate(prompts, sampling, seeds=[1, 2, 3], choices=[choices, None, choices])
+    samples = [turn_sample(p, o.ids, o.logprobs, 1.0, gen_allowed=o.allowed) for p, o in zip(prompts, outs)]
+    eng = TorchEngine(tiny_model_dir)
+    eng.model.load_state_dict(g.model.state_dict())
+    b = collate(samples, pad_id=eng.pad_id)
+    assert b.allowed is not None and b.allowed.shape[:2] == b.loss_mask.shape
+    m = b.loss_mask.bool()
+    with torch.no_grad():
+        lp = forward_batch(eng.model, None, b, 0.7, targets_only=fast)["logp"]
+    assert torch.allclose(lp[m], b.old_logprobs[m], atol=1e-4)
+    assert torch.allclose(eng.logprobs(b, 0.7)[m], b.old_logprobs[m], atol=1e-4)
+    sub = b.select([1, 2])  # micro-batching keeps each row's allowed ids
+    assert torch.equal(sub.allowed[1][:sub.loss_mask.shape[1]], b.allowed[2][:sub.loss_mask.shape[1]])
+
+
+def test_episode_sample_carries_each_turns_allowed_ids():
+    t1 = Turn([1, 2], [5, 6], [-0.1, 0.0], "", [], True, "", 0.0, False, gen_allowed=[[5, 7], [6]])
+    t2 = Turn([1, 2, 5, 6, 9], [8], [-0.2], "", [], True, "", 1.0, True, gen_allowed=[[8, 4]])
+    ep = Episode("e", "t", 0)
+    ep.turns = [t1, t2]
+    s = episode_sample(ep, [1.0, 1.0])
+    assert s.allowed == {2: [5, 7], 3: [6], 5: [8, 4]}
+    b = collate([s], pad_id=0)
+    assert b.allowed[0, 1].tolist() == [5, 7] and b.allowed[0, 2].tolist() == [6, -1]
+    assert b.allowed[0, 4].tolist() == [8, 4] and (b.allowed[0, 0] == -1).all()

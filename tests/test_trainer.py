@@ -320,6 +320,14 @@ def test_sft_selection_must_not_read_the_evaluation_split(tmp_path):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.target_success=30"])
 
 
+def test_constrained_decoding_needs_the_embedded_generator_and_no_think():
+    with pytest.raises(ConfigError, match=r"rollout.constrain_actions needs trainer.generator=embedded \(got 'vllm'\)"):
+        load_config("grpo", overrides=["rollout.constrain_actions=true", "trainer.generator=vllm"])
+    with pytest.raises(ConfigError, match=r"set rollout.require_think=false"):
+        load_config("grpo", overrides=["rollout.constrain_actions=true", "rollout.require_think=true"])
+    assert load_config("grpo", overrides=["rollout.constrain_actions=true"]).rollout.constrain_actions
+
+
 def test_unknown_key_and_bad_value_fail_fast_with_the_key_named():
     with pytest.raises(ConfigError, match=r"unknown key 'rollout.max_turn'; allowed: .*max_turns"):
         load_config("grpo", overrides=["rollout.max_turn=3"])

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from agentrl.learner.logprobs import mask_logits, padded_ids
 from agentrl.prefix import shared_prefix_len
 from agentrl.types import Completion, SamplingParams
 
@@ -42,6 +43,25 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams,
     u = u.clamp_min(1e-12) * cdf[:, -1:]
     tok = torch.searchsorted(cdf, u)[:, 0].clamp(max=probs.shape[-1] - 1)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+class ChoiceTrie:
+    """Constrained decoding for one row: its answer must be one of ``choices`` (token-id sequences). At each
+    step the allowed next ids are those that continue a choice the row's tokens so far are a prefix of;
+    the row is done once its tokens equal a whole choice."""
+
+    def __init__(self, choices: list[list[int]]):
+        self.live = [list(c) for c in choices if c]
+        self.step = 0
+
+    def allowed(self) -> list[int]:
+        return sorted({c[self.step] for c in self.live if len(c) > self.step})
+
+    def advance(self, tok: int) -> bool:
+        """Take ``tok``; True when the row now holds a whole choice."""
+        self.live = [c for c in self.live if len(c) > self.step and c[self.step] == tok]
+        self.step += 1
+        return any(len(c) == self.step for c in self.live)
 
 
 def _select_rows(cache: Any, sel: torch.Tensor) -> None:
@@ -130,10 +150,16 @@ class EmbeddedGenerator:
         return out.past_key_values, mask, pos, out.logits[:, -1]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
-                 ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
+                 choices: list[list[list[int]] | None] | None = None) -> list[Completion]:
+        """``choices``: per prompt, the token-id sequences its completion must be one of (None: free); each
+        token is then drawn from softmax over the ids that continue a choice, and its log-prob is under
+        that distribution (``Completion.allowed`` lists those ids)."""
         if not prompts:
             return []
+        if choices is not None and len(choices) != len(prompts):
+            raise ValueError(f"{len(choices)} choice lists for {len(prompts)} prompts")
+        tries = [ChoiceTrie(c) if c else None for c in (choices or [None] * len(prompts))]
         if self.model.training:  # the learner's own module is left in train mode (dropout) after a step
             self.model.eval()
         gen: torch.Generator | None = None
@@ -151,15 +177,24 @@ class EmbeddedGenerator:
         rows = list(range(n))  # original index of each live row
         gen_ids: list[list[int]] = [[] for _ in range(n)]
         gen_lp: list[list[float]] = [[] for _ in range(n)]
+        gen_allowed: list[list[list[int]]] = [[] for _ in range(n)]
         finish = ["length"] * n
         for step in range(sampling.max_new_tokens):
-            tok, lp = sample_from_logits(logits, sampling, draws[rows, step] if draws is not None else gen)
+            allowed = [tries[r].allowed() if tries[r] is not None else None for r in rows]
+            if any(a is not None for a in allowed):
+                logits = mask_logits(logits, padded_ids(allowed).to(logits.device))
+            tok, lp = sample_from_logits(logits, sampling,
+                                         draws[rows, step] if draws is not None else gen)
             keep = []
             for j, r in enumerate(rows):
                 t = int(tok[j])
                 gen_ids[r].append(t)
                 gen_lp[r].append(float(lp[j]))
-                if t in self.stop_ids or self._stopped_by_string(gen_ids[r], sampling.stop):
+                whole = False
+                if tries[r] is not None:
+                    gen_allowed[r].append(allowed[j])
+                    whole = tries[r].advance(t)
+                if whole or t in self.stop_ids or self._stopped_by_string(gen_ids[r], sampling.stop):
                     finish[r] = "stop"
                 else:
                     keep.append(j)
@@ -177,4 +212,4 @@ class EmbeddedGenerator:
             cache, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1
         return [Completion(gen_ids[i], gen_lp[i], self.tokenizer.decode(gen_ids[i], skip_special_tokens=True),
-                           finish[i]) for i in range(n)]
+                           finish[i], gen_allowed[i]) for i in range(n)]

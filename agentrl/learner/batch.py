@@ -26,6 +26,8 @@ class Sample:
     value_mask: list[int] = field(default_factory=list)  # where the value loss applies (PPO), 1 per state
     meta: dict = field(default_factory=dict)
     tag: int = 0  # which part of a recipe's objective the row feeds (SPEAR: 1 = self-imitation replay)
+    # position in ``ids`` -> the token ids that token was drawn among (constrained decoding, ``Turn.gen_allowed``)
+    allowed: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.ids)
@@ -39,12 +41,14 @@ class Sample:
 
 
 def turn_sample(prompt_ids: list[int], gen_ids: list[int], gen_logprobs: list[float], advantage: float | list[float],
-                meta: dict | None = None) -> Sample:
-    """One turn as one sequence (window mode): prompt tokens are context, generated tokens are targets."""
+                meta: dict | None = None, gen_allowed: list[list[int]] | None = None) -> Sample:
+    """One turn as one sequence (window mode): prompt tokens are context, generated tokens are targets.
+    ``gen_allowed``: the turn's constrained-decoding id lists (``Turn.gen_allowed``), one per generated token."""
     adv = advantage if isinstance(advantage, list) else [advantage] * len(gen_ids)
     p = len(prompt_ids)
     return Sample(prompt_ids + gen_ids, [0] * p + [1] * len(gen_ids), [0.0] * p + list(gen_logprobs),
-                  [0.0] * p + list(adv), meta=dict(meta or {}))
+                  [0.0] * p + list(adv), meta=dict(meta or {}),
+                  allowed={p + j: ids for j, ids in enumerate(gen_allowed or [])})
 
 
 def episode_sample(ep: Episode, turn_advantages: Sequence[float], meta: dict | None = None) -> Sample:
@@ -53,13 +57,15 @@ def episode_sample(ep: Episode, turn_advantages: Sequence[float], meta: dict | N
     last = ep.turns[-1]
     ids = last.prompt_ids + last.gen_ids
     mask, lp, adv = [0] * len(ids), [0.0] * len(ids), [0.0] * len(ids)
+    allowed: dict[int, list[int]] = {}
     for turn, a in zip(ep.turns, turn_advantages):
         start = len(turn.prompt_ids)
         if ids[start:start + len(turn.gen_ids)] != turn.gen_ids:
             raise ValueError(f"episode {ep.task_id}: turn prompts are not nested (was it rolled out in full mode?)")
         for j in range(len(turn.gen_ids)):
             mask[start + j], lp[start + j], adv[start + j] = 1, turn.gen_logprobs[j], a
-    return Sample(ids, mask, lp, adv, meta=dict(meta or {}))
+        allowed.update({start + j: a_ids for j, a_ids in enumerate(turn.gen_allowed)})
+    return Sample(ids, mask, lp, adv, meta=dict(meta or {}), allowed=allowed)
 
 
 def with_token_targets(s: Sample, advantages: Sequence[float], returns: Sequence[float],
@@ -89,6 +95,9 @@ class TokenBatch:
     ref_logprobs: torch.Tensor | None = None
     value_mask: torch.Tensor | None = None
     tags: torch.Tensor | None = None  # (B,) Sample.tag
+    # (B, T-1, K): the ids each target was drawn among, -1-padded; a target with none was drawn from the
+    # whole vocabulary. None when no row was constrained
+    allowed: torch.Tensor | None = None
 
     @property
     def num_targets(self) -> int:
@@ -111,7 +120,7 @@ class TokenBatch:
         return TokenBatch(self.input_ids[i][:, :width], self.attention_mask[i][:, :width], cut(self.loss_mask),
                           cut(self.old_logprobs), cut(self.advantages), cut(self.returns), cut(self.old_values),
                           cut(self.ref_logprobs), cut(self.value_mask),
-                          None if self.tags is None else self.tags[i])
+                          None if self.tags is None else self.tags[i], cut(self.allowed))
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
@@ -139,7 +148,20 @@ def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
     has_v = any(s.value_mask for s in samples)
     return TokenBatch(ids, att, tgt["mask"], tgt["lp"], tgt["adv"], tgt["ret"], tgt["val"],
                       tgt["ref"] if has_ref else None, tgt["vmask"] if has_v else None,
-                      torch.tensor([s.tag for s in samples]))
+                      torch.tensor([s.tag for s in samples]), allowed_targets(samples, width))
+
+
+def allowed_targets(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
+    """``Sample.allowed`` of each row on target positions (token t at row t-1), as one (B, width-1, K) tensor
+    padded with -1; None when no sample was constrained."""
+    k = max((len(ids) for s in samples for ids in s.allowed.values()), default=0)
+    if not k:
+        return None
+    out = torch.full((len(samples), width - 1, k), -1, dtype=torch.long)
+    for b, s in enumerate(samples):
+        for pos, ids in s.allowed.items():
+            out[b, pos - 1, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out
 
 
 def row_blocks(n_rows: int, block: int) -> list[list[int]]:

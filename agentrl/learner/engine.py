@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from agentrl.learner.batch import TokenBatch, micro_batches
+from agentrl.learner.logprobs import mask_logits
 from agentrl.learner.protocol import LossFn
 from agentrl.prefix import shared_prefix_len
 
@@ -136,7 +137,7 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
     if parts is None:
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos,
                     output_hidden_states=need_values)
-        logits = out.logits[:, :-1].float()
+        logits = mask_logits(out.logits[:, :-1].float(), mb.allowed)
         if temperature > 0:
             logits = logits / temperature
         logp = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
@@ -149,7 +150,7 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
     decoder, head = parts
     hidden = _decoder_hidden(decoder, mb, pos, shared_prefix)
     sel = mb.loss_mask.bool()
-    logits = head(hidden[:, :-1][sel]).float()
+    logits = mask_logits(head(hidden[:, :-1][sel]).float(), None if mb.allowed is None else mb.allowed[sel])
     if temperature > 0:
         logits = logits / temperature
     picked = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:][sel][:, None])[:, 0]

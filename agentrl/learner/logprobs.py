@@ -6,6 +6,34 @@ from typing import Any
 import torch
 
 
+NEG = -1e9  # the logit of a token outside the allowed ids: exp(NEG - max) is 0 in float32, and entropies stay finite
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Constrained decoding's distribution: ``logits`` (..., V) with every id outside ``allowed`` (..., K),
+    -1-padded, set to ``NEG``; a position whose row of ``allowed`` is all -1 keeps the whole vocabulary.
+    The generator samples from it and the learner recomputes log-probs from it, so both read one policy."""
+    if allowed is None:
+        return logits
+    constrained = (allowed >= 0).any(-1, keepdim=True)
+    if not bool(constrained.any()):
+        return logits
+    # the padding scatters into one extra column, dropped after
+    keep = torch.zeros((*logits.shape[:-1], logits.shape[-1] + 1), dtype=torch.bool, device=logits.device)
+    keep.scatter_(-1, torch.where(allowed >= 0, allowed, logits.shape[-1]).to(logits.device), True)
+    keep = keep[..., :-1] | ~constrained.to(logits.device)
+    return logits.masked_fill(~keep, NEG)
+
+
+def padded_ids(rows: list[list[int] | None]) -> torch.Tensor:
+    """Id lists (None: unconstrained) as one (rows, K) tensor padded with -1, for ``mask_logits``."""
+    out = torch.full((len(rows), max([len(r) for r in rows if r] or [1])), -1, dtype=torch.long)
+    for j, r in enumerate(rows):
+        if r:
+            out[j, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
     """log p(input_ids[:, t] | input_ids[:, :t]) for t >= 1, shape (B, T-1), under softmax(logits / T).

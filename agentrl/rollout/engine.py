@@ -40,6 +40,8 @@ class RolloutConfig:
     max_actions_per_turn: int | None = None  # default: the env's PromptSpec
     max_episode_actions: int = 0  # the episode is truncated once it has taken this many actions (0: no cap)
     show_admissible: bool = True
+    # decode only answers among the env's admissible actions (trie-constrained; the embedded generator)
+    constrain_actions: bool = False
     # an env slot takes the next start as soon as its episode ends, instead of waves of the pool's size that
     # each wait for their longest episode (fewer generate calls when starts outnumber slots)
     refill: bool = False
@@ -53,6 +55,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.chat_mode must be 'window' or 'full', got {self.chat_mode!r}")
         if self.prompt not in PROMPTS:
             raise ValueError(f"rollout.prompt must be one of {', '.join(PROMPTS)}, got {self.prompt!r}")
+        if self.constrain_actions and self.require_think:
+            raise ValueError("rollout.constrain_actions decodes the answer alone; it cannot go with require_think")
 
 
 @dataclass
@@ -103,6 +107,7 @@ class RolloutEngine:
         self.stats = dict(generate_s=0.0, env_s=0.0, prompt_s=0.0, generated_tokens=0, env_steps=0, turns=0,
                           generate_calls=0)
         self._suffix_cache: dict[str, str] = {}
+        self._choice_cache: dict[str, list[int]] = {}
         self._stop_ids = set(getattr(generator, "stop_ids", ())) | {tokenizer.eos_token_id}
 
     def _row_seeds(self, slots: list[_Slot], live: list[int]) -> list[int] | None:
@@ -217,12 +222,36 @@ class RolloutEngine:
             self._suffix_cache[key] = between + "{user}" + after
         return self._suffix_cache[key].replace("{user}", user)
 
+    def _choices(self, sl: _Slot) -> list[list[int]] | None:
+        """The token ids of every answer the env accepts now (``constrain_actions``): each admissible action,
+        or its number under the ``numbered`` prompt, in the answer tags, tokenized as SFT tokenizes its
+        targets; None (free decoding) where the env lists no actions. Answers longer than the token budget
+        are left out (they could not be finished)."""
+        listed = listed_actions(sl.admissible, sl.history, "numbered") if self.cfg.prompt == "numbered" \
+            else sl.admissible
+        if not listed:
+            return None
+        answers = [str(k + 1) for k in range(len(listed))] if self.cfg.prompt == "numbered" else listed
+        tag = sl.spec.answer_tag
+        out = []
+        for a in answers:
+            key = f"<{tag}>{a}</{tag}>"
+            if key not in self._choice_cache:
+                self._choice_cache[key] = self.tok(key, add_special_tokens=False)["input_ids"]
+            if len(self._choice_cache[key]) <= self.cfg.sampling.max_new_tokens:
+                out.append(self._choice_cache[key])
+        return out or None
+
     def _turn(self, slots: list[_Slot], live: list[int]) -> None:
         t = time.perf_counter()
         prompts = [self._prompt(slots[i]) for i in live]
         self.stats["prompt_s"] += time.perf_counter() - t
         t = time.perf_counter()
-        outs = self.gen.generate(prompts, self.cfg.sampling, seeds=self._row_seeds(slots, live))
+        if self.cfg.constrain_actions:
+            outs = self.gen.generate(prompts, self.cfg.sampling, seeds=self._row_seeds(slots, live),
+                                     choices=[self._choices(slots[i]) for i in live])
+        else:
+            outs = self.gen.generate(prompts, self.cfg.sampling, seeds=self._row_seeds(slots, live))
         self.stats["generate_s"] += time.perf_counter() - t
         self.stats["generate_calls"] += 1
         turns: dict[int, Turn] = {}
@@ -236,7 +265,7 @@ class RolloutEngine:
                                 if self.cfg.prompt == "numbered" and self.cfg.show_admissible else None)
             turn = Turn(prompt, out.ids, out.logprobs, out.text, [], parsed.valid, sl.obs, 0.0, False,
                         out.finish_reason, info={"parse_error": parsed.error, "over_budget": parsed.over_budget,
-                                                 "inadmissible": parsed.inadmissible})
+                                                 "inadmissible": parsed.inadmissible}, gen_allowed=out.allowed)
             if sl.plain_prompt is not None and not sl.ep.turns:
                 turn.info["plain_prompt_ids"] = sl.plain_prompt
             if out.finish_reason == "stop" and out.ids and out.ids[-1] in self._stop_ids:
