@@ -151,7 +151,7 @@ class SPEAR(Recipe):
             for s in entry.samples:
                 adv = [gamma * recal / n_turns if m else 0.0 for m in s.loss_mask]
                 out.append(Sample(s.ids, s.loss_mask, list(s.old_logprobs), adv, meta=dict(s.meta, sil=True),
-                                  tag=SIL_TAG, allowed=s.allowed))
+                                  tag=SIL_TAG, allowed=getattr(s, "allowed", {})))
         if out:  # old log-probs under the current policy (the stored ones are from an older one)
             lp = trainer.engine.logprobs(collate(out, trainer.engine.pad_id), self.cfg.rollout.temperature)
             for b, s in enumerate(out):

@@ -154,12 +154,14 @@ def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
 def allowed_targets(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
     """``Sample.allowed`` of each row on target positions (token t at row t-1), as one (B, width-1, K) tensor
     padded with -1; None when no sample was constrained."""
-    k = max((len(ids) for s in samples for ids in s.allowed.values()), default=0)
+    # getattr: a Sample pickled in a checkpoint (SPEAR's replay buffer) before the field existed lacks it
+    rows = [getattr(s, "allowed", {}) for s in samples]
+    k = max((len(ids) for allowed in rows for ids in allowed.values()), default=0)
     if not k:
         return None
     out = torch.full((len(samples), width - 1, k), -1, dtype=torch.long)
-    for b, s in enumerate(samples):
-        for pos, ids in s.allowed.items():
+    for b, allowed in enumerate(rows):
+        for pos, ids in allowed.items():
             out[b, pos - 1, :len(ids)] = torch.tensor(ids, dtype=torch.long)
     return out
 
