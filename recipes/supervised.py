@@ -34,7 +34,7 @@ class RFT(Recipe):
         episodes = trainer.rollout(self.starts(trainer))
         metrics = trainer.diagnostics(episodes, self)
         keep = [e for e in episodes if e.won and not e.dropped]
-        samples = [turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, 1.0, None, t.gen_allowed)
+        samples = [turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, 1.0, gen_allowed=t.gen_allowed)
                    for e in keep for t in e.turns if t.gen_ids]
         metrics["rft_kept_episodes"] = float(len(keep))
         if samples:

@@ -1,5 +1,6 @@
 """Generation backends and the rollout engine: token-exact records, log-prob parity, server/client."""
 import json
+import re
 import urllib.request
 
 import pytest
@@ -342,3 +343,7 @@ def test_engine_constrains_answers_to_the_envs_admissible_actions(tiny_generator
     assert all(t.actions[0] in ("Up", "Down", "Left", "Right") for t in turns)
     assert not any(t.gen_allowed for ep in free for t in ep.turns)
     assert sum(not t.format_ok or t.info["inadmissible"] for ep in free for t in ep.turns) > len(turns) // 2
+    # under the numbered prompt the answers are the actions' numbers, which the parser maps back
+    eps = _engine(g, g.tokenizer, constrain_actions=True, prompt="numbered").run([Start("train/00000", 0)])
+    assert all(re.fullmatch(r"<answer>\d+</answer>", t.text) and t.actions[0] in ("Up", "Down", "Left", "Right")
+               and not t.info["inadmissible"] for t in eps[0].turns)

@@ -222,16 +222,22 @@ class RolloutEngine:
             self._suffix_cache[key] = between + "{user}" + after
         return self._suffix_cache[key].replace("{user}", user)
 
-    def _choices(self, sl: _Slot) -> list[list[int]] | None:
+    def _numbered(self, sl: _Slot) -> list[str] | None:
+        """The actions as the ``numbered`` prompt numbers them (None under other prompts): what an answer
+        that is a number stands for."""
+        if self.cfg.prompt == "numbered" and self.cfg.show_admissible:
+            return listed_actions(sl.admissible, sl.history, "numbered")
+        return None
+
+    def _choices(self, sl: _Slot, numbered: list[str] | None) -> list[list[int]] | None:
         """The token ids of every answer the env accepts now (``constrain_actions``): each admissible action,
         or its number under the ``numbered`` prompt, in the answer tags, tokenized as SFT tokenizes its
         targets; None (free decoding) where the env lists no actions. Answers longer than the token budget
         are left out (they could not be finished)."""
-        listed = listed_actions(sl.admissible, sl.history, "numbered") if self.cfg.prompt == "numbered" \
-            else sl.admissible
+        listed = numbered if numbered is not None else sl.admissible
         if not listed:
             return None
-        answers = [str(k + 1) for k in range(len(listed))] if self.cfg.prompt == "numbered" else listed
+        answers = [str(k + 1) for k in range(len(listed))] if numbered is not None else listed
         tag = sl.spec.answer_tag
         out = []
         for a in answers:
@@ -247,22 +253,20 @@ class RolloutEngine:
         prompts = [self._prompt(slots[i]) for i in live]
         self.stats["prompt_s"] += time.perf_counter() - t
         t = time.perf_counter()
-        if self.cfg.constrain_actions:
-            outs = self.gen.generate(prompts, self.cfg.sampling, seeds=self._row_seeds(slots, live),
-                                     choices=[self._choices(slots[i]) for i in live])
-        else:
-            outs = self.gen.generate(prompts, self.cfg.sampling, seeds=self._row_seeds(slots, live))
+        numbered = [self._numbered(slots[i]) for i in live]
+        # only constrained calls pass ``choices``: the served generators take no such argument
+        extra = {"choices": [self._choices(slots[i], nb) for i, nb in zip(live, numbered)]} \
+            if self.cfg.constrain_actions else {}
+        outs = self.gen.generate(prompts, self.cfg.sampling, seeds=self._row_seeds(slots, live), **extra)
         self.stats["generate_s"] += time.perf_counter() - t
         self.stats["generate_calls"] += 1
         turns: dict[int, Turn] = {}
         pending: dict[int, list[str]] = {}
-        for i, prompt, out in zip(live, prompts, outs):
+        for i, prompt, out, nb in zip(live, prompts, outs, numbered):
             sl = slots[i]
             budget = self.cfg.max_actions_per_turn or sl.spec.max_actions_per_turn
             parsed = parse_turn(out.text, sl.spec.answer_tag, budget, sl.spec.action_separator,
-                                self.cfg.require_think, sl.admissible,
-                                listed_actions(sl.admissible, sl.history, "numbered")
-                                if self.cfg.prompt == "numbered" and self.cfg.show_admissible else None)
+                                self.cfg.require_think, sl.admissible, nb)
             turn = Turn(prompt, out.ids, out.logprobs, out.text, [], parsed.valid, sl.obs, 0.0, False,
                         out.finish_reason, info={"parse_error": parsed.error, "over_budget": parsed.over_budget,
                                                  "inadmissible": parsed.inadmissible}, gen_allowed=out.allowed)
