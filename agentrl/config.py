@@ -414,7 +414,7 @@ def _check_names(cfg: RecipeCfg) -> None:
     if cfg.rollout.constrain_actions and cfg.trainer.generator != "embedded":
         raise ConfigError(f"rollout.constrain_actions needs trainer.generator=embedded (got "
                           f"{cfg.trainer.generator!r}): the servers do not constrain decoding to the admissible "
-                          "actions")
+                          "actions; set rollout.constrain_actions=false to serve free decoding")
     if cfg.rollout.constrain_actions and cfg.rollout.require_think:
         raise ConfigError("rollout.constrain_actions decodes the answer alone; set rollout.require_think=false")
     if cfg.eval.samples > 1 and cfg.eval.temperature <= 0:

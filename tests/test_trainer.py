@@ -381,6 +381,10 @@ def test_malformed_yaml_and_inheritance(tmp_path):
     assert (tiny.sft.workers, small.sft.workers) == (2, 0)  # 0: one demo process per core
     # crps's own overlay for it (the paper's buffer) merges with the one its base's overlay holds
     assert (tiny.extra["expert_per_step"], small.extra["expert_per_step"], small.extra["p_replay"]) == (4, 0, 0.2)
+    # the tiny model's warm start levers, undone for SmolLM2 (measured without them)
+    assert (tiny.rollout.constrain_actions, tiny.rollout.prompt, tiny.sft.prompt_weight) == (True, "compact_tried", 1.0)
+    assert (small.rollout.constrain_actions, small.rollout.prompt, small.sft.prompt_weight) == (False, "compact", 0.0)
+    assert not load_config("grpo", env="alfworld").rollout.constrain_actions  # crps's overlay only
     with pytest.raises(ConfigError, match="bad value for 'sft.workers': -1"):
         load_config("crps", env="alfworld", overrides=["sft.workers=-1"])
     mine = load_config("crps", env="alfworld", overrides=["model.name=smollm2", "sft.lr=3e-4"])
