@@ -184,6 +184,9 @@ class SFTCfg:
     # > 0: the prompt's tokens are SFT targets too, their token-mean NLL weighted this much against the
     # action's: a model trained from scratch learns the env's text, copying included, not only the answers
     prompt_weight: float = 0.0
+    # the answer's tokens fitted as constrained decoding draws them, a softmax over the ids that continue an
+    # admissible action (rollout.constrain_actions): SFT fits the policy the rollouts sample from
+    constrain_actions: bool = False
 
 
 @dataclass
@@ -431,6 +434,9 @@ def _check_names(cfg: RecipeCfg) -> None:
     for key in ("demo_seed", "order_seed"):
         if (v := getattr(s, key)) < -1:
             raise ConfigError(f"bad value for 'sft.{key}': {v}; allowed: -1 (the run's seed) or a seed >= 0")
+    if s.constrain_actions and not cfg.rollout.constrain_actions:
+        raise ConfigError("sft.constrain_actions fits the policy that constrained decoding samples from; set "
+                          "rollout.constrain_actions=true too, or sft.constrain_actions=false for free decoding")
     if not s.prompt_weight >= 0.0:
         raise ConfigError(f"bad value for 'sft.prompt_weight': {s.prompt_weight}; allowed: 0 (off) or a weight > 0")
     if not s.select_every > 0:

@@ -13,7 +13,8 @@ from agentrl import dist
 from agentrl.algos.losses import sft_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.learner.lr import lr_factor, restore_lr, set_lr
-from agentrl.rollout.engine import first_prompt_ids
+from agentrl.generation.embedded import ChoiceTrie
+from agentrl.rollout.engine import answer_choices, first_prompt_ids
 from agentrl.rollout.prompts import listed_actions
 from agentrl.envs import make
 from agentrl.envs.replay import play
@@ -117,24 +118,50 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     for (task_id, _), demo in zip(jobs, expert_demos(trainer.cfg.env, trainer.cfg.env_kwargs, jobs, s.workers,
                                                     s.noise)):
         wins += bool(demo[2][-1].get("won"))
-        for prompt, target in demo_turns(tok, cfg, demo):
-            samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}))
+        for prompt, target, choices in demo_steps(tok, cfg, demo):
+            allowed = along_choices(target[:-1], choices) if s.constrain_actions else None
+            if allowed is not None:  # decoding stops at a whole choice: no end-of-text token to learn
+                target = target[:-1]
+            samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}, allowed))
     return samples, wins / max(1, len(jobs))  # fewer tasks than asked for: each is played once
 
 
-def demo_turns(tok: Any, cfg: Any, demo: tuple) -> list[tuple[list[int], list[int]]]:
+def demo_steps(tok: Any, cfg: Any, demo: tuple) -> list[tuple[list[int], list[int], list[list[int]] | None]]:
     """One demonstration (``expert_demos``'s tuple) as the policy would see and answer it, turn by turn:
-    (windowed prompt ids, the expert's response ids)."""
+    (windowed prompt ids, the expert's response ids ending in end-of-text, the answers constrained
+    decoding would allow there: ``answer_choices``)."""
     trace, observations, infos, labels, spec, instruction = demo
     eos = [tok.eos_token_id]
-    out, history = [], []
+    out, history, cache = [], [], {}
     for k, (label, executed) in enumerate(zip(labels, trace.actions)):
-        admissible = infos[k].get("admissible_actions") if cfg.show_admissible else None
+        listed = infos[k].get("admissible_actions")
+        admissible = listed if cfg.show_admissible else None
         prompt = first_prompt_ids(tok, cfg, spec, instruction, observations[k], history, k, admissible)
         target = tok(answer_text(spec, _answer(cfg, label, admissible, history), cfg.require_think),
                      add_special_tokens=False)["input_ids"] + eos
-        out.append((prompt, target))
+        numbered = listed_actions(listed, history, "numbered") if cfg.prompt == "numbered" and admissible else None
+        choices = answer_choices(tok, spec.answer_tag, listed, numbered, cfg.sampling.max_new_tokens, cache)
+        out.append((prompt, target, choices))
         history.append((observations[k], executed))
+    return out
+
+
+def demo_turns(tok: Any, cfg: Any, demo: tuple) -> list[tuple[list[int], list[int]]]:
+    """``demo_steps`` without the choices: (windowed prompt ids, the expert's response ids)."""
+    return [(prompt, target) for prompt, target, _ in demo_steps(tok, cfg, demo)]
+
+
+def along_choices(target: list[int], choices: list[list[int]] | None) -> list[list[int]] | None:
+    """The ids constrained decoding would draw each of ``target``'s tokens among (``sft.constrain_actions``):
+    SFT then fits the policy the rollouts sample from, a softmax over those ids. None when ``target`` is
+    not one of ``choices`` (an expert action the env does not list): that turn stays a free-vocabulary target."""
+    if not choices or target not in choices:
+        return None
+    trie = ChoiceTrie(choices)
+    out = []
+    for t in target:
+        out.append(trie.allowed())
+        trie.advance(t)
     return out
 
 

@@ -326,6 +326,69 @@ def test_constrained_decoding_needs_the_embedded_generator_and_no_think():
     with pytest.raises(ConfigError, match=r"set rollout.require_think=false"):
         load_config("grpo", overrides=["rollout.constrain_actions=true", "rollout.require_think=true"])
     assert load_config("grpo", overrides=["rollout.constrain_actions=true"]).rollout.constrain_actions
+    with pytest.raises(ConfigError, match=r"sft.constrain_actions fits .* set rollout.constrain_actions=true"):
+        load_config("grpo", overrides=["sft.constrain_actions=true"])
+
+
+def test_along_choices_lists_the_ids_each_target_token_is_drawn_among():
+    from agentrl.sft import along_choices
+
+    choices = [[1, 2, 3], [1, 4], [5]]
+    assert along_choices([1, 4], choices) == [[1, 5], [2, 4]]
+    assert along_choices([5], choices) == [[1, 5]]
+    assert along_choices([1, 2, 3], choices) == [[1, 5], [2, 4], [3]]
+    assert along_choices([1, 2], choices) is None  # not a whole choice: a free target
+    assert along_choices([7], choices) is None and along_choices([1, 4], None) is None
+
+
+@pytest.mark.timeout(180)
+def test_sft_under_the_constraint_fits_the_policy_constrained_decoding_samples(tiny_model_dir, tmp_path):
+    """sft.constrain_actions: each demonstration turn's answer tokens carry the ids constrained decoding
+    would draw them among, with no end-of-text token (decoding stops at a whole choice), and the learner's
+    log-prob of each is under softmax over those ids (by hand from the model's logits)."""
+    import torch
+
+    import agentrl.recipes  # noqa: F401
+    from agentrl.learner.batch import collate
+    from agentrl.recipe import RECIPES
+    from agentrl.sft import expert_samples
+    from agentrl.trainer import Trainer
+
+    def samples(*extra):
+        cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path / str(len(extra)), tiny_model_dir,
+                                                                  "rollout.max_new_tokens=16", *extra))
+        t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        try:
+            return t, expert_samples(t, 2)[0]
+        finally:
+            t.close()
+
+    t, free = samples()
+    _, fitted = samples("rollout.constrain_actions=true", "sft.constrain_actions=true")
+    tok = t.tokenizer
+    choices = [tok(f"<answer>{a}</answer>", add_special_tokens=False)["input_ids"]
+               for a in ("Up", "Down", "Left", "Right")]
+    assert len(free) == len(fitted) > 0 and not any(s.allowed for s in free)
+    for f, c in zip(free, fitted):
+        first = c.loss_mask.index(1)
+        target = c.ids[first:]
+        assert f.ids == c.ids + [tok.eos_token_id] and target in choices
+        # the admissible moves (those not into a wall) among the four: each step's ids are theirs
+        for j, tid in enumerate(target):
+            assert tid in c.allowed[first + j] and set(c.allowed[first + j]) <= {ch[j] for ch in choices
+                                                                                if ch[:j] == target[:j]}
+    assert any(len(c.allowed[c.loss_mask.index(1) + 3]) > 1 for c in fitted)  # "<answer>", then the move
+    row = fitted[0]
+    batch = collate([row], t.engine.pad_id)
+    got = t.engine.logprobs(batch)[0]
+    with torch.no_grad():
+        logits = t.engine.model(input_ids=torch.tensor([row.ids])).logits[0].float()
+    first = row.loss_mask.index(1)
+    for pos in range(first, len(row.ids)):
+        allowed = row.allowed[pos]
+        want = torch.log_softmax(logits[pos - 1][allowed], -1)[allowed.index(row.ids[pos])]
+        assert abs(float(got[pos - 1]) - float(want)) < 1e-4
+    assert float(got[first - 1]) == pytest.approx(0.0, abs=1e-6)  # "<": the only id any choice starts with
 
 
 def test_unknown_key_and_bad_value_fail_fast_with_the_key_named():

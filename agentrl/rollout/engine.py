@@ -101,6 +101,27 @@ def first_prompt_ids(tok: Any, cfg: RolloutConfig, spec: PromptSpec, instruction
     return chat_ids(tok, msgs)
 
 
+def answer_choices(tok: Any, tag: str, admissible: list[str] | None, numbered: list[str] | None,
+                   max_new_tokens: int, cache: dict[str, list[int]] | None = None) -> list[list[int]] | None:
+    """The token ids of every answer the env accepts now (``constrain_actions``): each admissible action,
+    or its number under the ``numbered`` prompt (``numbered``: the actions as it lists them), in the answer
+    tags, tokenized as SFT tokenizes its targets; None (free decoding) where the env lists no actions.
+    Answers longer than the token budget are left out (they could not be finished)."""
+    listed = numbered if numbered is not None else admissible
+    if not listed:
+        return None
+    answers = [str(k + 1) for k in range(len(listed))] if numbered is not None else listed
+    cache = {} if cache is None else cache
+    out = []
+    for a in answers:
+        key = f"<{tag}>{a}</{tag}>"
+        if key not in cache:
+            cache[key] = tok(key, add_special_tokens=False)["input_ids"]
+        if len(cache[key]) <= max_new_tokens:
+            out.append(cache[key])
+    return out or None
+
+
 class RolloutEngine:
     def __init__(self, generator: Generator, tokenizer: Any, envs: Any, env_name: str, config: RolloutConfig):
         self.gen, self.tok, self.envs, self.env_name, self.cfg = generator, tokenizer, envs, env_name, config
@@ -230,23 +251,8 @@ class RolloutEngine:
         return None
 
     def _choices(self, sl: _Slot, numbered: list[str] | None) -> list[list[int]] | None:
-        """The token ids of every answer the env accepts now (``constrain_actions``): each admissible action,
-        or its number under the ``numbered`` prompt, in the answer tags, tokenized as SFT tokenizes its
-        targets; None (free decoding) where the env lists no actions. Answers longer than the token budget
-        are left out (they could not be finished)."""
-        listed = numbered if numbered is not None else sl.admissible
-        if not listed:
-            return None
-        answers = [str(k + 1) for k in range(len(listed))] if numbered is not None else listed
-        tag = sl.spec.answer_tag
-        out = []
-        for a in answers:
-            key = f"<{tag}>{a}</{tag}>"
-            if key not in self._choice_cache:
-                self._choice_cache[key] = self.tok(key, add_special_tokens=False)["input_ids"]
-            if len(self._choice_cache[key]) <= self.cfg.sampling.max_new_tokens:
-                out.append(self._choice_cache[key])
-        return out or None
+        return answer_choices(self.tok, sl.spec.answer_tag, sl.admissible, numbered,
+                              self.cfg.sampling.max_new_tokens, self._choice_cache)
 
     def _turn(self, slots: list[_Slot], live: list[int]) -> None:
         t = time.perf_counter()
