@@ -118,7 +118,7 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     for (task_id, _), demo in zip(jobs, expert_demos(trainer.cfg.env, trainer.cfg.env_kwargs, jobs, s.workers,
                                                     s.noise)):
         wins += bool(demo[2][-1].get("won"))
-        for prompt, target, choices in demo_steps(tok, cfg, demo):
+        for prompt, target, choices in demo_steps(tok, cfg, demo, s.constrain_actions):
             allowed = along_choices(target[:-1], choices) if s.constrain_actions else None
             if allowed is not None:  # decoding stops at a whole choice: no end-of-text token to learn
                 target = target[:-1]
@@ -126,10 +126,11 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     return samples, wins / max(1, len(jobs))  # fewer tasks than asked for: each is played once
 
 
-def demo_steps(tok: Any, cfg: Any, demo: tuple) -> list[tuple[list[int], list[int], list[list[int]] | None]]:
+def demo_steps(tok: Any, cfg: Any, demo: tuple, choices: bool = False
+               ) -> list[tuple[list[int], list[int], list[list[int]] | None]]:
     """One demonstration (``expert_demos``'s tuple) as the policy would see and answer it, turn by turn:
-    (windowed prompt ids, the expert's response ids ending in end-of-text, the answers constrained
-    decoding would allow there: ``answer_choices``)."""
+    (windowed prompt ids, the expert's response ids ending in end-of-text, with ``choices`` the answers
+    constrained decoding would allow there (``answer_choices``), else None)."""
     trace, observations, infos, labels, spec, instruction = demo
     eos = [tok.eos_token_id]
     out, history, cache = [], [], {}
@@ -140,8 +141,8 @@ def demo_steps(tok: Any, cfg: Any, demo: tuple) -> list[tuple[list[int], list[in
         target = tok(answer_text(spec, _answer(cfg, label, admissible, history), cfg.require_think),
                      add_special_tokens=False)["input_ids"] + eos
         numbered = listed_actions(listed, history, "numbered") if cfg.prompt == "numbered" and admissible else None
-        choices = answer_choices(tok, spec.answer_tag, listed, numbered, cfg.sampling.max_new_tokens, cache)
-        out.append((prompt, target, choices))
+        out.append((prompt, target, answer_choices(tok, spec.answer_tag, listed, numbered,
+                                                   cfg.sampling.max_new_tokens, cache) if choices else None))
         history.append((observations[k], executed))
     return out
 
