@@ -119,7 +119,7 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
                                                     s.noise)):
         wins += bool(demo[2][-1].get("won"))
         for prompt, target, choices in demo_steps(tok, cfg, demo, s.constrain_actions):
-            allowed = along_choices(target[:-1], choices) if s.constrain_actions else None
+            allowed = along_choices(target[:-1], choices)  # None without sft.constrain_actions (no choices)
             if allowed is not None:  # decoding stops at a whole choice: no end-of-text token to learn
                 target = target[:-1]
             samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}, allowed))
@@ -140,9 +140,11 @@ def demo_steps(tok: Any, cfg: Any, demo: tuple, choices: bool = False
         prompt = first_prompt_ids(tok, cfg, spec, instruction, observations[k], history, k, admissible)
         target = tok(answer_text(spec, _answer(cfg, label, admissible, history), cfg.require_think),
                      add_special_tokens=False)["input_ids"] + eos
-        numbered = listed_actions(listed, history, "numbered") if cfg.prompt == "numbered" and admissible else None
-        out.append((prompt, target, answer_choices(tok, spec.answer_tag, listed, numbered,
-                                                   cfg.sampling.max_new_tokens, cache) if choices else None))
+        allowed = None
+        if choices:
+            numbered = listed_actions(listed, history, "numbered") if cfg.prompt == "numbered" and admissible else None
+            allowed = answer_choices(tok, spec.answer_tag, listed, numbered, cfg.sampling.max_new_tokens, cache)
+        out.append((prompt, target, allowed))
         history.append((observations[k], executed))
     return out
 
