@@ -1,7 +1,8 @@
 """`agentrl bench sync`: a weight sync into a running vLLM server, in place (shared memory + vLLM's
 in-place reload) vs. exporting an HF folder and restarting the server on it; and the rollout engine's
 throughput through vLLM vs. vLLM's own on the same prompts (the same per-turn prompt batches sent as
-plain requests). Needs `make vllm-setup` on CPU (or vllm on a GPU node)."""
+plain requests), and a turn's generate call with and without the answers constrained to the admissible
+actions. Needs `make vllm-setup` on CPU (or vllm on a GPU node)."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +54,14 @@ def run(args: argparse.Namespace) -> int:
             loop_tokens, loop_s, raw_tokens, raw_s = engine_vs_raw(engine, client, starts, sampling)
             fig.update(loop_tok_s=loop_tokens / loop_s, vllm_tok_s=raw_tokens / raw_s)
             fig["loop_vs_vllm"] = float(fig["loop_tok_s"]) / float(fig["vllm_tok_s"])
+            fig["free_call_s"] = engine.stats["generate_s"] / max(1, engine.stats["generate_calls"])
+            # the same loop decoding among the admissible actions (our logits processor inside vLLM)
+            constrained = RolloutEngine(client, tok, InProcessEnvs(args.env, args.slots), args.env,
+                                        RolloutConfig(max_turns=args.turns, sampling=sampling, constrain_actions=True))
+            constrained.run(starts)
+            st = constrained.stats
+            fig["constrained_call_s"] = st["generate_s"] / max(1, st["generate_calls"])
+            fig["constrained_tok_s"] = st["generated_tokens"] / max(1e-9, st["generate_s"])
 
             # export + restart: what a server without an in-place route needs after every update
             t = time.perf_counter()
@@ -66,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
           f"restart {fig['export_restart_s']:.1f} s -> in place is {fig['restart_over_inplace']:.0f}x faster")
     print(f"rollout loop through vLLM {fig['loop_tok_s']:.0f} tok/s vs vLLM on the same prompt batches "
           f"{fig['vllm_tok_s']:.0f} tok/s -> {fig['loop_vs_vllm']:.2f}x")
+    print(f"a turn's generate call through vLLM: free {fig['free_call_s']:.3f} s, among the admissible actions "
+          f"{fig['constrained_call_s']:.3f} s ({fig['constrained_tok_s']:.0f} tok/s)")
     if args.json:
         Path(args.json).write_text(json.dumps(fig, indent=1))
     return 0

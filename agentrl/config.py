@@ -57,7 +57,8 @@ class RolloutCfg:
     ineffective_penalty: float = 0.0
     show_admissible: bool = True
     # decode only answers among the env's admissible actions (a trie over their tokens masks every other
-    # token); the learner renormalizes over the same tokens. Embedded generator only
+    # token); the learner renormalizes over the same tokens. Every generator: ours in-process or served,
+    # vLLM through our logits processor
     constrain_actions: bool = False
     # "compact": the react template's task, history, observation and admissible actions without its
     # boilerplate sentences (ALFWorld: ~40% fewer prompt tokens, so SFT and RL steps cost that much less);
@@ -414,10 +415,6 @@ def _check_names(cfg: RecipeCfg) -> None:
         raise ConfigError(f"bad value for 'sft.workers': {cfg.sft.workers}; allowed: 0 (one per core) or more")
     if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):
         raise ConfigError(f"bad value for 'trainer.device': {cfg.trainer.device!r}; allowed: auto, cpu, cuda, cuda:N")
-    if cfg.rollout.constrain_actions and cfg.trainer.generator != "embedded":
-        raise ConfigError(f"rollout.constrain_actions needs trainer.generator=embedded (got "
-                          f"{cfg.trainer.generator!r}): the servers do not constrain decoding to the admissible "
-                          "actions; set rollout.constrain_actions=false to serve free decoding")
     if cfg.rollout.constrain_actions and cfg.rollout.require_think:
         raise ConfigError("rollout.constrain_actions decodes the answer alone; set rollout.require_think=false")
     if cfg.eval.samples > 1 and cfg.eval.temperature <= 0:

@@ -13,7 +13,7 @@ from agentrl import dist
 from agentrl.algos.losses import sft_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.learner.lr import lr_factor, restore_lr, set_lr
-from agentrl.generation.embedded import ChoiceTrie
+from agentrl.generation.embedded import along_choices
 from agentrl.rollout.engine import answer_choices, first_prompt_ids
 from agentrl.rollout.prompts import listed_actions
 from agentrl.envs import make
@@ -152,20 +152,6 @@ def demo_steps(tok: Any, cfg: Any, demo: tuple, choices: bool = False
 def demo_turns(tok: Any, cfg: Any, demo: tuple) -> list[tuple[list[int], list[int]]]:
     """``demo_steps`` without the choices: (windowed prompt ids, the expert's response ids)."""
     return [(prompt, target) for prompt, target, _ in demo_steps(tok, cfg, demo)]
-
-
-def along_choices(target: list[int], choices: list[list[int]] | None) -> list[list[int]] | None:
-    """The ids constrained decoding would draw each of ``target``'s tokens among (``sft.constrain_actions``):
-    SFT then fits the policy the rollouts sample from, a softmax over those ids. None when ``target`` is
-    not one of ``choices`` (an expert action the env does not list): that turn stays a free-vocabulary target."""
-    if not choices or target not in choices:
-        return None
-    trie = ChoiceTrie(choices)
-    out = []
-    for t in target:
-        out.append(trie.allowed())
-        trie.advance(t)
-    return out
 
 
 def sft_batches(samples: list[Sample], batch_size: int, rng: random.Random, by_length: bool = False) -> list[list[int]]:

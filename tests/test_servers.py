@@ -139,3 +139,97 @@ def test_a_request_the_server_rejects_is_raised_not_routed_around():
     with pytest.raises(GenerationServerError, match="refused the request: .*HTTP 400"):
         pool.generate([[1, 2], [3, 4]], SAMPLING)
     assert pool.live == ["a", "b"] and a.calls == 1 and b.calls == 1
+
+
+def _answers(tok, texts):
+    return [tok(f"<answer>{t}</answer>", add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def test_constrained_decoding_through_servers_matches_the_embedded_generator(tiny_generator):
+    """`choices` through the pool to real `agentrl serve` servers: each completion is one of its answers,
+    drawn from the same per-row streams as in process, with the same log-probs and the same allowed ids
+    (which the client fills by walking the answers); a free row in the same call stays free."""
+    g = tiny_generator
+    servers = _servers(g, 2)
+    try:
+        pool = ServerPool({f"http://127.0.0.1:{s.server_address[1]}": RemoteGenerator(
+            f"http://127.0.0.1:{s.server_address[1]}") for s in servers}, retries=1, backoff_s=0.01)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3)
+        a, b = [1, 2, 3, 4], [5, 6, 7]
+        moves = _answers(g.tokenizer, ["Up", "Down", "Left", "Right"])
+        prompts, seeds = [a, a, b, b], [11, 12, 13, 14]
+        choices = [moves, moves[:2], None, moves]
+        got = pool.generate(prompts, sampling, seeds, choices)
+        ref = g.generate(prompts, sampling, seeds=seeds, choices=choices)
+        assert [o.ids for o in got] == [o.ids for o in ref]
+        assert [o.allowed for o in got] == [o.allowed for o in ref]
+        assert all(o.ids in c for o, c in zip(got, choices) if c) and got[2].allowed == []
+        assert got[1].ids in moves[:2]
+        for o, r in zip(got, ref):
+            assert o.logprobs == pytest.approx(r.logprobs, abs=1e-4)
+    finally:
+        for s in servers:
+            _kill(s)
+
+
+def test_the_server_refuses_malformed_choices_and_the_client_refuses_an_unconstrained_answer(tiny_generator):
+    srv = start_server(tiny_generator, "tiny-test", port=0)
+    try:
+        client = RemoteGenerator(f"http://127.0.0.1:{srv.server_address[1]}")
+        body = dict(model=client.model, prompt=[[1, 2, 3]], max_tokens=4, choice_token_ids=[[[1, 2]], None])
+        with pytest.raises(GenerationServerError, match=r"HTTP 400.*'choice_token_ids'.*one entry per prompt"):
+            client._request("POST", "/v1/completions", body)
+        body["choice_token_ids"] = [[[1, 2, 3, 4, 5]]]  # longer than max_tokens: it could never be finished
+        with pytest.raises(GenerationServerError, match=r"HTTP 400.*'choice_token_ids'"):
+            client._request("POST", "/v1/completions", body)
+    finally:
+        _kill(srv)
+    vllm = RemoteGenerator("http://127.0.0.1:1", model="policy", backend="vllm")
+    assert vllm._allowed([1, 3], [[1, 2], [1, 3, 4], [1, 3]], 0) == [[1], [2, 3]]
+    assert vllm._allowed([1, 2, 0], [[1, 2], [1, 3]], 0) == [[1], [2, 3], [0]]  # then end-of-sequence
+    with pytest.raises(GenerationServerError, match=r"completion 5 is not one of the 2 answers.*--logits-processors"
+                                                    r" agentrl.generation.vllm_choices:ChoiceLogits") as e:
+        vllm._allowed([7, 7], [[1, 2], [1, 3]], 5)
+    assert e.value.refused  # a misconfigured server: raised at once, not retried on another
+
+
+def test_the_vllm_choice_table_allows_what_the_embedded_trie_allows():
+    from agentrl.generation.embedded import along_choices
+    from agentrl.generation.vllm_choices import ChoiceMask, parse_choices
+
+    choices = [[1, 2], [1, 3, 4], [5]]
+    mask = ChoiceMask(choices, end_ids=[0])
+    for c in choices:  # every prefix of every answer: the trie's allowed ids; after a whole answer, the end
+        assert [mask.allowed(c[:k]) for k in range(len(c))] == along_choices(c, choices)
+        assert mask.allowed(c) == [0]
+    assert mask.allowed([9]) is None
+    logits = torch.arange(8, dtype=torch.float32)
+    out = mask([1], logits.clone())
+    assert torch.isinf(out).sum() == 6 and out[2] == 2.0 and out[3] == 3.0
+    assert torch.equal(mask([9], logits), logits)  # off the table: left alone (the client reports it)
+    assert parse_choices("[[1, 2], [3]]") == [[1, 2], [3]]
+    for bad in ("[[1, 2], []]", "[]", "{\"a\": 1}", "[[1.5]]", "not json"):
+        with pytest.raises(ValueError, match="agentrl_choices"):
+            parse_choices(bad)
+
+
+def test_constrained_rollouts_through_a_server_equal_in_process_ones(tiny_generator):
+    """The rollout engine with ``constrain_actions`` driving `agentrl serve`: the same turns, answers and
+    allowed ids (what the learner masks to) as with the generator in process."""
+    from agentrl.envs.pool import InProcessEnvs
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+
+    g = tiny_generator
+    cfg = RolloutConfig(max_turns=3, constrain_actions=True,
+                        sampling=SamplingParams(temperature=1.0, max_new_tokens=16, seed=5))
+    starts = [Start(f"train/{i:05d}", 0) for i in range(4)]
+    srv = start_server(g, "tiny-test", port=0)
+    try:
+        remote = RemoteGenerator(f"http://127.0.0.1:{srv.server_address[1]}")
+        served = RolloutEngine(remote, g.tokenizer, InProcessEnvs("sokoban", 4), "sokoban", cfg).run(starts)
+    finally:
+        _kill(srv)
+    local = RolloutEngine(g, g.tokenizer, InProcessEnvs("sokoban", 4), "sokoban", cfg).run(starts)
+    turns = [[(t.gen_ids, t.gen_allowed, t.actions) for t in ep.turns] for ep in served]
+    assert turns == [[(t.gen_ids, t.gen_allowed, t.actions) for t in ep.turns] for ep in local]
+    assert all(t.gen_allowed and not t.info["inadmissible"] for ep in served for t in ep.turns)

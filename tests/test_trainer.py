@@ -320,9 +320,9 @@ def test_sft_selection_must_not_read_the_evaluation_split(tmp_path):
         load_config("grpo", overrides=["sft.max_epochs=6", "sft.target_success=30"])
 
 
-def test_constrained_decoding_needs_the_embedded_generator_and_no_think():
-    with pytest.raises(ConfigError, match=r"rollout.constrain_actions needs trainer.generator=embedded \(got 'vllm'\)"):
-        load_config("grpo", overrides=["rollout.constrain_actions=true", "trainer.generator=vllm"])
+def test_constrained_decoding_runs_on_every_generator_and_needs_no_think():
+    assert load_config("grpo", overrides=["rollout.constrain_actions=true", "trainer.generator=vllm"]
+                       ).rollout.constrain_actions
     with pytest.raises(ConfigError, match=r"set rollout.require_think=false"):
         load_config("grpo", overrides=["rollout.constrain_actions=true", "rollout.require_think=true"])
     assert load_config("grpo", overrides=["rollout.constrain_actions=true"]).rollout.constrain_actions

@@ -151,3 +151,43 @@ def test_two_deepspeed_ranks_with_a_vllm_server(sokoban_sft_model_dir, tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
         assert r["optim_steps"] >= 1 and r["sync_logprob_diff"] < 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_vllm_decodes_among_the_answers_with_the_learners_log_probs(tiny_generator, tiny_model_dir, tmp_path):
+    """Constrained decoding through a real vLLM server (our logits processor): every answer is one of its
+    choices, the client's allowed ids are the trie's, and the log-probs vLLM reports are the learner's
+    under the same mask (bf16 server against the fp32 model); a malformed choice list is a 400."""
+    import torch
+
+    from agentrl.generation.client import GenerationServerError
+    from agentrl.generation.embedded import along_choices
+    from agentrl.learner.logprobs import mask_logits, padded_ids
+    from agentrl.types import SamplingParams
+
+    tok, model = tiny_generator.tokenizer, tiny_generator.model
+    moves = [tok(f"<answer>{m}</answer>", add_special_tokens=False)["input_ids"] for m in ("Up", "Down", "Left")]
+    prompts = [tok("You are in a maze.")["input_ids"], tok("Push the box.")["input_ids"]] * 2
+    choices = [moves, moves[1:], None, moves]
+    server = VLLMServer(tiny_model_dir, port=18651, log_file=str(tmp_path / "vllm.log"))
+    client = server.start()
+    try:
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=16, stop=["</answer>"])
+        outs = client.generate(prompts, sampling, seeds=[1, 2, 3, 4], choices=choices)
+        for p, o, c in zip(prompts, outs, choices):
+            if c is None:
+                assert o.allowed == []
+                continue
+            assert o.ids in c and o.allowed == along_choices(o.ids, c)
+            ids = torch.tensor([p + o.ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(p) - 1:-1].float()
+            ref = torch.log_softmax(mask_logits(logits, padded_ids(o.allowed)), -1)
+            ref = ref.gather(-1, torch.tensor(o.ids)[:, None])[:, 0].tolist()
+            assert max(abs(a - b) for a, b in zip(ref, o.logprobs)) < 0.1, (ref, o.logprobs)
+        with pytest.raises(GenerationServerError, match="HTTP 400"):
+            client._request("POST", "/v1/completions", dict(model=client.model, prompt=[prompts[0]], max_tokens=4,
+                                                             vllm_xargs={"agentrl_choices": "[[]]"}))
+    finally:
+        server.stop()

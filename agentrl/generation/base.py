@@ -15,11 +15,13 @@ class Generator(Protocol):
     """``EmbeddedGenerator`` (in this process), ``RemoteGenerator`` (``agentrl serve``) and ``VLLMFleet``
     (vLLM servers) implement it; the trainer calls nothing else on a generator."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
-                 ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
+                 choices: list[list[list[int]] | None] | None = None) -> list[Completion]:
         """One completion per prompt (token ids in, token ids + log-probs out). ``seeds``: one sampling
         stream per prompt, so a row samples the same tokens whatever else is in its batch (the
-        embedded generator honours it exactly; servers use it where their API allows)."""
+        embedded generator honours it exactly; servers use it where their API allows). ``choices``: per
+        prompt, the token-id sequences its completion must be one of (constrained decoding; None: free);
+        ``Completion.allowed`` then lists the ids each token was drawn among."""
 
     def receive(self, engine: "LearnerEngine", staging: Path) -> dict[str, float]:
         """Sample from ``engine``'s current weights from now on. Called by every rank after each update

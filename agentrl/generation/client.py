@@ -3,6 +3,11 @@
 Both speak the OpenAI completions protocol with token-id prompts; generated token ids come back in
 ``token_ids`` (ours, and vLLM with ``return_token_ids``) or as ``token_id:N`` strings in
 ``logprobs.tokens`` (``return_tokens_as_token_ids``), so they are never re-tokenized from text.
+Constrained decoding (``choices``, one list of answer token-id sequences per prompt): our server takes
+them as ``choice_token_ids``; vLLM as ``vllm_xargs`` read by our logits processor
+(``agentrl.generation.vllm_choices``, which ``VLLMServer`` loads). Either way the client walks each
+completion down its choices to fill ``Completion.allowed`` (what the learner masks the vocabulary to), and
+a completion that is not one of them is an error, never a silently unconstrained sample.
 Weight sync: ``load_weights(folder)`` posts a saved HF folder to our server; against vLLM a LoRA adapter
 is loaded through its ``/v1/load_lora_adapter`` route (full weights there mean restarting the server on
 the new folder, which ``agentrl.generation.vllm.VLLMServer.restart`` does).
@@ -20,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from agentrl import dist
+from agentrl.generation.embedded import along_choices
 from agentrl.types import Completion, SamplingParams
+
+CHOICES_XARG = "agentrl_choices"  # the vllm_xargs key our vLLM logits processor reads (a JSON string)
 
 
 class GenerationServerError(RuntimeError):
@@ -95,11 +103,17 @@ class RemoteGenerator:
             body.update(include_stop_str_in_output=True, return_token_ids=True, skip_special_tokens=True)
         return body
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
-                 ) -> list[Completion]:
-        # vLLM seeds every prompt of a request alike: per-row seeds mean one request per prompt (vLLM
-        # batches concurrent requests itself); our server takes a list with one seed per prompt.
-        per_row = seeds is not None and self.backend == "vllm"
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
+                 choices: list[list[list[int]] | None] | None = None) -> list[Completion]:
+        """``choices``: per prompt, the token-id sequences its completion must be one of (None: free)."""
+        if choices is not None and len(choices) != len(prompts):
+            raise ValueError(f"{len(choices)} choice lists for {len(prompts)} prompts")
+        if choices is not None and all(c is None for c in choices):
+            choices = None
+        # vLLM seeds every prompt of a request alike, and takes its extension arguments per request: per-row
+        # seeds or choices mean one request per prompt (vLLM batches concurrent requests itself); our
+        # server takes a list with one seed and one choice list per prompt.
+        per_row = (seeds is not None or choices is not None) and self.backend == "vllm"
         size = 1 if per_row else self.max_prompts
         starts = list(range(0, len(prompts), size))
         chunks = [prompts[i:i + size] for i in starts]
@@ -108,6 +122,11 @@ class RemoteGenerator:
             b = self._body(chunk, sampling)
             if seeds is not None:
                 b["seed"] = int(seeds[i]) if per_row else [int(x) for x in seeds[i:i + len(chunk)]]
+            if choices is not None and self.backend == "vllm":
+                if choices[i] is not None:
+                    b["vllm_xargs"] = {CHOICES_XARG: json.dumps(choices[i])}
+            elif choices is not None:
+                b["choice_token_ids"] = choices[i:i + len(chunk)]
             return b
 
         workers = self.parallel * 16 if per_row else self.parallel
@@ -116,11 +135,29 @@ class RemoteGenerator:
                                     zip(starts, chunks)))
         out: list[Completion] = []
         for chunk, reply in zip(chunks, replies):
-            choices = sorted(reply["choices"], key=lambda c: c["index"])
-            if len(choices) != len(chunk):
-                raise GenerationServerError(f"asked for {len(chunk)} completions, got {len(choices)}")
-            out += [self._completion(c) for c in choices]
+            replies_choices = sorted(reply["choices"], key=lambda c: c["index"])
+            if len(replies_choices) != len(chunk):
+                raise GenerationServerError(f"asked for {len(chunk)} completions, got {len(replies_choices)}")
+            out += [self._completion(c) for c in replies_choices]
+        if choices is not None:
+            for k, (c, allowed) in enumerate(zip(out, choices)):
+                if allowed is not None:
+                    c.allowed = self._allowed(c.ids, allowed, k)
         return out
+
+    def _allowed(self, ids: list[int], choices: list[list[int]], row: int) -> list[list[int]]:
+        """The ids each token of a constrained completion was drawn among; a trailing token after a whole
+        answer (a server that ends on an end-of-sequence token) was the only one allowed there."""
+        walk = along_choices(ids, choices)
+        if walk is None and len(ids) > 1:
+            head = along_choices(ids[:-1], choices)
+            walk = None if head is None else head + [[ids[-1]]]
+        if walk is None:
+            hint = (" (start vLLM with --logits-processors agentrl.generation.vllm_choices:ChoiceLogits, as "
+                    "VLLMServer does)" if self.backend == "vllm" else "")
+            raise GenerationServerError(f"completion {row} is not one of the {len(choices)} answers it was "
+                                        f"constrained to: the server did not constrain decoding{hint}", 400)
+        return walk
 
     @staticmethod
     def _completion(choice: dict[str, Any]) -> Completion:

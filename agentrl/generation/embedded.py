@@ -64,6 +64,20 @@ class ChoiceTrie:
         return any(len(c) == self.step for c in self.live)
 
 
+def along_choices(target: list[int], choices: list[list[int]] | None) -> list[list[int]] | None:
+    """The ids constrained decoding draws each of ``target``'s tokens among: what the learner masks the
+    vocabulary to (SFT under ``sft.constrain_actions``, a served completion's ``Completion.allowed``).
+    None when ``target`` is not one of ``choices``."""
+    if not choices or target not in choices:
+        return None
+    trie = ChoiceTrie(choices)
+    out = []
+    for t in target:
+        out.append(trie.allowed())
+        trie.advance(t)
+    return out
+
+
 def _select_rows(cache: Any, sel: torch.Tensor) -> None:
     """Keep only the live rows of a static KV cache (StaticCache has no batch_select_indices)."""
     for layer in cache.layers:

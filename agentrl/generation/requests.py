@@ -12,6 +12,7 @@ MAX_PROMPTS = 1024  # prompts x n per request
 MAX_N = 64
 MAX_STOP = 16  # stop strings per request, each at most MAX_STOP_CHARS
 MAX_STOP_CHARS = 256
+MAX_CHOICES = 1024  # answers per prompt under ``choice_token_ids``
 
 
 @dataclass
@@ -23,6 +24,8 @@ class CompletionRequest:
     echo: bool
     logprobs: bool
     as_ids: bool
+    # our extension: per prompt, the token-id sequences its completion must be one of (None: free)
+    choices: list[list[list[int]] | None] | None = None
 
 
 def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -72,6 +75,29 @@ def _prompts(prompt: Any, tokenizer: Any, vocab: int, context: int) -> list[list
     return out
 
 
+def _choices(body: dict[str, Any], prompts: int, vocab: int, max_tokens: int) -> list[list[list[int]] | None] | None:
+    """``choice_token_ids``: null, or one entry per prompt, each null (free decoding) or a list of
+    non-empty token-id lists no longer than ``max_tokens`` (an answer that could not be finished)."""
+    raw = body.get("choice_token_ids")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != prompts:
+        raise ValueError(f"'choice_token_ids' must be a list with one entry per prompt ({prompts}), each null or "
+                         "a list of token-id lists")
+    out: list[list[list[int]] | None] = []
+    for entry in raw:
+        if entry is None:
+            out.append(None)
+            continue
+        if not isinstance(entry, list) or not entry or len(entry) > MAX_CHOICES or not all(
+                isinstance(c, list) and 0 < len(c) <= max_tokens and all(
+                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab for x in c) for c in entry):
+            raise ValueError(f"'choice_token_ids': each prompt's entry must be null or 1-{MAX_CHOICES} lists of "
+                             f"1-{max_tokens} token ids (max_tokens) in [0, {vocab})")
+        out.append([list(c) for c in entry])
+    return out
+
+
 def parse_completion(body: Any, tokenizer: Any, vocab: int, context: int) -> CompletionRequest:
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
@@ -103,4 +129,5 @@ def parse_completion(body: Any, tokenizer: Any, vocab: int, context: int) -> Com
                               top_p=_float(body, "top_p", 1.0, 1e-9, 1.0), max_new_tokens=max_tokens, stop=list(stop),
                               seed=seed)
     return CompletionRequest(prompts, n, sampling, seeds, echo, body.get("logprobs") is not None,
-                             bool(body.get("return_tokens_as_token_ids", True)))
+                             bool(body.get("return_tokens_as_token_ids", True)),
+                             _choices(body, len(prompts), vocab, max_tokens))

@@ -4,7 +4,9 @@ The subset ``vllm serve`` also speaks, so one client drives both: ``POST /v1/com
 prompts (a list of ints, or a list of lists), ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``
 (one int for the request, or, our extension, a list with one per prompt: each row then samples from its
 own stream, the same tokens whatever it is batched with),
-``stop``, ``logprobs`` and ``echo`` (prompt log-probs, for checking weights), returning token ids
+``stop``, ``logprobs`` and ``echo`` (prompt log-probs, for checking weights), ``choice_token_ids`` (our
+extension: per prompt, the token-id sequences its completion must be one of, or null; each token is then
+drawn among the ids that continue one, and its log-prob is under that distribution), returning token ids
 (``token_ids``, and ``logprobs.tokens`` as ``token_id:N`` like vLLM's ``return_tokens_as_token_ids``).
 Plus ``POST /v1/chat/completions`` (messages through the model's chat template), ``POST /load_weights
 {"path": HF folder}`` after a learner update (only under ``--allow-weights-dir``, architecture and every
@@ -44,6 +46,7 @@ class _Job:
     prompts: list[list[int]]
     sampling: SamplingParams
     seeds: list[int] | None = None  # one per prompt (then ``sampling.seed`` is None)
+    choices: list[list[list[int]] | None] | None = None  # one per prompt: its answers (None: free)
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: str = ""
@@ -106,8 +109,11 @@ class BatchingWorker:
         for group in groups.values():
             prompts = [p for j in group for p in j.prompts]
             seeds = [x for j in group for x in j.seeds] if group[0].seeds is not None else None
+            # constrained and free rows batch together: the generator takes a choice list per row
+            choices = [c for j in group for c in (j.choices or [None] * len(j.prompts))]
+            extra = {"choices": choices} if any(c is not None for c in choices) else {}
             try:
-                outs = self.gen.generate(prompts, group[0].sampling, seeds=seeds)
+                outs = self.gen.generate(prompts, group[0].sampling, seeds=seeds, **extra)
             except Exception as e:
                 for j in group:
                     j.error = f"{type(e).__name__}: {e}"
@@ -149,7 +155,8 @@ class GenerationService:
                                                   top_logprobs=None, text_offset=[])))
             return self._response(choices, usage)
         expanded = [p for p in r.prompts for _ in range(r.n)]
-        outs = self.worker.submit(_Job(expanded, r.sampling, r.seeds))
+        answers = None if r.choices is None else [c for c in r.choices for _ in range(r.n)]
+        outs = self.worker.submit(_Job(expanded, r.sampling, r.seeds, answers))
         for i, c in enumerate(outs):
             usage["completion_tokens"] += len(c.ids)
             tokens = [f"token_id:{t}" for t in c.ids] if r.as_ids else [self.gen.tokenizer.decode([t]) for t in c.ids]

