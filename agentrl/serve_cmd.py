@@ -31,13 +31,12 @@ def run(args: argparse.Namespace) -> int:
 
     folder = resolve_model(args.model)
     if args.backend == "vllm":
-        from agentrl.generation.vllm import vllm_command
+        from agentrl.generation.vllm import vllm_command, vllm_env
 
         cmd = vllm_command(folder, args.port, args.host, lora=args.lora)
         print("exec:", " ".join(cmd), flush=True)
-        if args.lora:
-            os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        os.execv(cmd[0], cmd)
+        # our logits processor (constrained decoding) must be importable by vLLM's interpreter
+        os.execve(cmd[0], cmd, vllm_env(None, args.lora))
     from agentrl.generation.embedded import EmbeddedGenerator
     from agentrl.generation.server import start_server
 
