@@ -447,6 +447,9 @@ def test_malformed_yaml_and_inheritance(tmp_path):
     # the tiny model's warm start levers, undone for SmolLM2 (measured without them)
     assert (tiny.rollout.constrain_actions, tiny.rollout.prompt, tiny.sft.prompt_weight) == (True, "compact_tried", 1.0)
     assert (small.rollout.constrain_actions, small.rollout.prompt, small.sft.prompt_weight) == (False, "compact", 0.0)
+    # the action list left out of the prompt only where decoding keeps to it; four passes for the tiny model
+    assert (tiny.rollout.show_admissible, small.rollout.show_admissible, tiny.sft.epochs, small.sft.epochs) == \
+        (False, True, 4, 1)
     assert not load_config("grpo", env="alfworld").rollout.constrain_actions  # crps's overlay only
     with pytest.raises(ConfigError, match="bad value for 'sft.workers': -1"):
         load_config("crps", env="alfworld", overrides=["sft.workers=-1"])
