@@ -15,7 +15,7 @@ from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.learner.lr import lr_factor, restore_lr, set_lr
 from agentrl.generation.embedded import along_choices
 from agentrl.rollout.engine import answer_choices, first_prompt_ids
-from agentrl.rollout.prompts import listed_actions
+from agentrl.rollout.prompts import numbered_actions
 from agentrl.envs import make
 from agentrl.envs.replay import play
 
@@ -31,10 +31,8 @@ def answer_text(spec: Any, action: str, think: bool = False) -> str:
 
 def _answer(cfg: Any, action: str, admissible: list[str] | None, history: list[tuple[str, str]]) -> str:
     """What the policy writes for ``action``: the action, or its number under ``rollout.prompt: numbered``."""
-    if cfg.prompt != "numbered" or not admissible:
-        return action
-    listed = listed_actions(admissible, history, "numbered")
-    return str(listed.index(action) + 1) if action in listed else action
+    listed = numbered_actions(cfg, admissible, history)
+    return str(listed.index(action) + 1) if listed and action in listed else action
 
 
 _DEMO_ENV: Any = None
@@ -142,8 +140,8 @@ def demo_steps(tok: Any, cfg: Any, demo: tuple, choices: bool = False
                      add_special_tokens=False)["input_ids"] + eos
         allowed = None
         if choices:
-            numbered = listed_actions(listed, history, "numbered") if cfg.prompt == "numbered" and admissible else None
-            allowed = answer_choices(tok, spec.answer_tag, listed, numbered, cfg.sampling.max_new_tokens, cache)
+            allowed = answer_choices(tok, spec.answer_tag, listed, numbered_actions(cfg, listed, history),
+                                     cfg.sampling.max_new_tokens, cache)
         out.append((prompt, target, allowed))
         history.append((observations[k], executed))
     return out

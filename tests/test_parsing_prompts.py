@@ -126,3 +126,23 @@ def test_numbered_prompt_lists_untried_actions_first_and_a_number_answers_for_it
     assert out.actions == ["9"] and out.inadmissible == ["9"]  # out of range: an inadmissible action
     assert parse_turn("<action>go to cabinet 2</action>", admissible=admissible, numbered=listed).actions == [
         "go to cabinet 2"]
+
+
+def test_a_demonstration_answers_with_the_number_the_rollout_reads_and_only_where_the_prompt_numbers():
+    from agentrl.config import RolloutCfg
+    from agentrl.rollout.parsing import parse_turn
+    from agentrl.rollout.prompts import numbered_actions
+    from agentrl.sft import _answer
+
+    history = [("o1", "go to cabinet 1")]
+    admissible = ["go to cabinet 1", "go to cabinet 2", "take pen 1 from desk 1"]
+    cfg = RolloutCfg(prompt="numbered", show_admissible=True)
+    listed = numbered_actions(cfg, admissible, history)
+    assert listed == ["go to cabinet 2", "take pen 1 from desk 1", "go to cabinet 1"]
+    taught = _answer(cfg, "go to cabinet 1", admissible, history)
+    assert taught == "3"
+    assert parse_turn(f"<action>{taught}</action>", admissible=admissible, numbered=listed).actions == [
+        "go to cabinet 1"]
+    for other in (RolloutCfg(prompt="numbered", show_admissible=False), RolloutCfg(prompt="compact_tried")):
+        assert numbered_actions(other, admissible, history) is None  # no numbers shown: the action's text
+        assert _answer(other, "go to cabinet 1", admissible, history) == "go to cabinet 1"

@@ -18,7 +18,7 @@ from typing import Any
 
 from agentrl.generation.base import Generator, chat_ids
 from agentrl.rollout.parsing import parse_turn
-from agentrl.rollout.prompts import PROMPTS, followup_user, listed_actions, step_messages
+from agentrl.rollout.prompts import PROMPTS, followup_user, numbered_actions, step_messages
 from agentrl.seeds import mix_seed
 from agentrl.types import Episode, SamplingParams, Turn
 from agentrl.envs.base import PromptSpec
@@ -246,9 +246,7 @@ class RolloutEngine:
     def _numbered(self, sl: _Slot) -> list[str] | None:
         """The actions as the ``numbered`` prompt numbers them (None under other prompts): what an answer
         that is a number stands for."""
-        if self.cfg.prompt == "numbered" and self.cfg.show_admissible:
-            return listed_actions(sl.admissible, sl.history, "numbered")
-        return None
+        return numbered_actions(self.cfg, sl.admissible, sl.history)
 
     def _choices(self, sl: _Slot, numbered: list[str] | None) -> list[list[int]] | None:
         return answer_choices(self.tok, sl.spec.answer_tag, sl.admissible, numbered,

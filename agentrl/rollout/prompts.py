@@ -7,6 +7,8 @@ list of chat messages; turning them into token ids is the tokenizer's chat templ
 """
 from __future__ import annotations
 
+from typing import Any
+
 from agentrl.envs.base import PromptSpec
 
 
@@ -43,6 +45,15 @@ def listed_actions(admissible: list[str] | None, history: list[tuple[str, str]],
     tried = {a for _, a in history}
     fresh = [a for a in admissible if a not in tried]
     return fresh if prompt == "compact_tried" else fresh + [a for a in admissible if a in tried]
+
+
+def numbered_actions(cfg: Any, admissible: list[str] | None, history: list[tuple[str, str]]) -> list[str] | None:
+    """What an answer that is a number stands for: the actions as ``rollout.prompt: numbered`` lists them
+    (``cfg``: the rollout config), or None where the prompt numbers nothing. Rollouts, demonstrations and
+    their constrained choices all read it here, so the numbers the policy learns are the ones it is shown."""
+    if cfg.prompt != "numbered" or not cfg.show_admissible or admissible is None:
+        return None
+    return listed_actions(admissible, history, "numbered")
 
 
 def compact_user(spec: PromptSpec, instruction: str, obs: str, history: list[tuple[str, str]], step: int,
