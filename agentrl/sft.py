@@ -29,10 +29,10 @@ def answer_text(spec: Any, action: str, think: bool = False) -> str:
     return ("<think></think>" if think else "") + f"<{spec.answer_tag}>{action}</{spec.answer_tag}>"
 
 
-def _answer(cfg: Any, action: str, admissible: list[str] | None, history: list[tuple[str, str]]) -> str:
-    """What the policy writes for ``action``: the action, or its number under ``rollout.prompt: numbered``."""
-    listed = numbered_actions(cfg, admissible, history)
-    return str(listed.index(action) + 1) if listed and action in listed else action
+def _answer(action: str, numbered: list[str] | None) -> str:
+    """What the policy writes for ``action``: the action, or its number in ``numbered`` (``numbered_actions``:
+    None where the prompt numbers nothing)."""
+    return str(numbered.index(action) + 1) if numbered and action in numbered else action
 
 
 _DEMO_ENV: Any = None
@@ -136,12 +136,12 @@ def demo_steps(tok: Any, cfg: Any, demo: tuple, choices: bool = False
         listed = infos[k].get("admissible_actions")
         admissible = listed if cfg.show_admissible else None
         prompt = first_prompt_ids(tok, cfg, spec, instruction, observations[k], history, k, admissible)
-        target = tok(answer_text(spec, _answer(cfg, label, admissible, history), cfg.require_think),
+        numbered = numbered_actions(cfg, listed, history)
+        target = tok(answer_text(spec, _answer(label, numbered), cfg.require_think),
                      add_special_tokens=False)["input_ids"] + eos
         allowed = None
         if choices:
-            allowed = answer_choices(tok, spec.answer_tag, listed, numbered_actions(cfg, listed, history),
-                                     cfg.sampling.max_new_tokens, cache)
+            allowed = answer_choices(tok, spec.answer_tag, listed, numbered, cfg.sampling.max_new_tokens, cache)
         out.append((prompt, target, allowed))
         history.append((observations[k], executed))
     return out

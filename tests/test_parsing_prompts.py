@@ -139,10 +139,10 @@ def test_a_demonstration_answers_with_the_number_the_rollout_reads_and_only_wher
     cfg = RolloutCfg(prompt="numbered", show_admissible=True)
     listed = numbered_actions(cfg, admissible, history)
     assert listed == ["go to cabinet 2", "take pen 1 from desk 1", "go to cabinet 1"]
-    taught = _answer(cfg, "go to cabinet 1", admissible, history)
+    taught = _answer("go to cabinet 1", listed)
     assert taught == "3"
     assert parse_turn(f"<action>{taught}</action>", admissible=admissible, numbered=listed).actions == [
         "go to cabinet 1"]
     for other in (RolloutCfg(prompt="numbered", show_admissible=False), RolloutCfg(prompt="compact_tried")):
         assert numbered_actions(other, admissible, history) is None  # no numbers shown: the action's text
-        assert _answer(other, "go to cabinet 1", admissible, history) == "go to cabinet 1"
+        assert _answer("go to cabinet 1", numbered_actions(other, admissible, history)) == "go to cabinet 1"
