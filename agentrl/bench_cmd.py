@@ -28,7 +28,7 @@ def add_parser(sub: Any) -> None:
                    "sync: vLLM weight sync in place vs export + restart, and rollouts through vLLM; "
                    "parse: action parsing of 1 MB hostile model outputs; learner: the learner's time and memory "
                    "over batches of new shapes")
-    p.add_argument("--model", default="tiny", help="tiny | smollm2 | HF folder (default tiny)")
+    p.add_argument("--model", default="tiny", help="tiny | tiny:KEY=N,... | smollm2 | HF folder (default tiny)")
     p.add_argument("--env", default="sokoban")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)

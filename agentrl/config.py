@@ -24,7 +24,7 @@ RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # the repo's recipes/ 
 
 @dataclass
 class ModelCfg:
-    name: str = "tiny"  # tiny | smollm2 | path to an HF folder
+    name: str = "tiny"  # tiny | tiny:KEY=N,... (sized) | smollm2 | path to an HF folder
     dtype: str = "float32"
     lora_r: int = 0  # > 0 turns LoRA on
     lora_alpha: int = 16

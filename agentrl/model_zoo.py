@@ -5,9 +5,10 @@ tiny model. Every spec resolves to a plain HF folder (``agentrl.learner.models``
   transformers de-quantizes it with ``gguf_file=``; the result carries a GGUF quantization config and
   does not save cleanly, so we rebuild a plain ``LlamaForCausalLM`` from its config, load the state
   dict, and save once to ``$AGENTRL_CACHE/models/smollm2``.
-* ``tiny``: a ~2.6M-parameter Llama with a byte-level BPE tokenizer trained here on env text (expert
+* ``tiny``: a ~2.3M-parameter Llama with a byte-level BPE tokenizer trained here on env text (expert
   episodes rendered in the prompt templates), ChatML chat template. Random weights: the trainer warm
   starts it by SFT on expert demonstrations.
+* ``tiny:hidden_size=256,num_hidden_layers=6``: the tiny model sized otherwise (same tokenizer and init seed).
 * anything else: a path to an HF model folder.
 
 It sits above the envs and the prompt templates (the tiny tokenizer's corpus is env text rendered as
@@ -30,11 +31,11 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 
 def resolve_model(spec: str) -> Path:
-    """``tiny`` | ``smollm2`` | path -> an HF folder, building the first two once."""
+    """``tiny`` | ``tiny:key=value,...`` | ``smollm2`` | path -> an HF folder, building the first three once."""
     if spec == "smollm2":
         return smollm2_folder()
-    if spec == "tiny":
-        return tiny_folder()
+    if spec == "tiny" or spec.startswith("tiny:"):
+        return tiny_folder(**tiny_overrides(spec))
     path = Path(spec).expanduser()
     if not (path / "config.json").exists():
         raise ModelError(f"model '{spec}': not 'tiny', 'smollm2' or a Hugging Face model folder (no config.json)")
@@ -100,6 +101,20 @@ def _convert_smollm2(out: Path) -> None:
 
 TINY = dict(vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=4096)
+
+
+def tiny_overrides(spec: str) -> dict[str, int]:
+    """``tiny:hidden_size=256,num_hidden_layers=6`` -> the Llama config fields it changes (tokenizer and init
+    seed stay the plain tiny model's, so a sized-up policy differs from it in shape only)."""
+    _, _, tail = spec.partition(":")
+    out: dict[str, int] = {}
+    for item in filter(None, (t.strip() for t in tail.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in TINY or key == "vocab_size" or not value.isdigit() or int(value) < 1:
+            sizable = ", ".join(k for k in TINY if k != "vocab_size")
+            raise ModelError(f"model '{spec}': '{item}' is not KEY=POSITIVE_INT with KEY one of {sizable}")
+        out[key] = int(value)
+    return out
 
 
 def tiny_folder(**overrides: Any) -> Path:

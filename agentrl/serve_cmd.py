@@ -11,7 +11,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve a policy over HTTP (OpenAI completions protocol)",
                        description="Serve a policy for rollouts. --backend agentrl runs our server in this process; "
                                    "--backend vllm starts `vllm serve` on the same model folder.")
-    p.add_argument("--model", default="tiny", help="tiny | smollm2 | path to an HF model folder (default: tiny)")
+    p.add_argument("--model", default="tiny",
+                   help="tiny | tiny:KEY=N,... | smollm2 | path to an HF model folder (default: tiny)")
     p.add_argument("--backend", default="agentrl", choices=["agentrl", "vllm"])
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", help="env name (default: the recipe's)")
-    p.add_argument("--model", help="tiny | smollm2 | path to an HF model folder (default: the recipe's)")
+    p.add_argument("--model", help="tiny | tiny:KEY=N,... (sized, e.g. tiny:hidden_size=256) | smollm2 | "
+                                   "path to an HF model folder (default: the recipe's)")
     p.add_argument("--seed", type=int, help="trainer.seed")
     p.add_argument("--out", help="trainer.out_dir (default runs/{recipe}-{env}-s{seed})")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_turns=5 algo.kl_coef=0.001")

@@ -33,6 +33,24 @@ def test_bad_model_spec_is_named(tmp_path):
         resolve_model(str(tmp_path))
 
 
+def test_tiny_spec_sizes_the_model_and_names_a_bad_key(monkeypatch, tmp_path):
+    from agentrl import model_zoo
+    from agentrl.model_zoo import tiny_overrides
+
+    assert tiny_overrides("tiny") == {}
+    assert tiny_overrides("tiny:hidden_size=256, num_hidden_layers=6") == {"hidden_size": 256, "num_hidden_layers": 6}
+    for bad in ("tiny:hidden=256", "tiny:hidden_size=0", "tiny:hidden_size", "tiny:vocab_size=100"):
+        with pytest.raises(ModelError, match="is not KEY=POSITIVE_INT"):
+            resolve_model(bad)
+    # a sized spec builds its own folder, the plain one keeps its name (the build itself is tested above)
+    built = []
+    monkeypatch.setattr(model_zoo, "cache_dir", lambda *parts: tmp_path)
+    monkeypatch.setattr(model_zoo, "build_tiny",
+                        lambda out, **kw: (built.append(kw), (out / "config.json").write_text("{}")))
+    assert resolve_model("tiny:num_hidden_layers=6").name == "tiny-num_hidden_layers6"
+    assert resolve_model("tiny").name == "tiny" and built == [{"num_hidden_layers": 6}, {}]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_smollm2_loads_offline_and_plays(monkeypatch):
