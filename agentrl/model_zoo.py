@@ -114,6 +114,11 @@ def tiny_overrides(spec: str) -> dict[str, int]:
             sizable = ", ".join(k for k in TINY if k != "vocab_size")
             raise ModelError(f"model '{spec}': '{item}' is not KEY=POSITIVE_INT with KEY one of {sizable}")
         out[key] = int(value)
+    cfg = dict(TINY, **out)
+    if cfg["hidden_size"] % cfg["num_attention_heads"] or cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
+        raise ModelError(f"model '{spec}': hidden_size ({cfg['hidden_size']}) must be a multiple of "
+                         f"num_attention_heads ({cfg['num_attention_heads']}), and that of num_key_value_heads "
+                         f"({cfg['num_key_value_heads']})")
     return out
 
 

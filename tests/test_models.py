@@ -42,6 +42,8 @@ def test_tiny_spec_sizes_the_model_and_names_a_bad_key(monkeypatch, tmp_path):
     for bad in ("tiny:hidden=256", "tiny:hidden_size=0", "tiny:hidden_size", "tiny:vocab_size=100"):
         with pytest.raises(ModelError, match="is not KEY=POSITIVE_INT"):
             resolve_model(bad)
+    with pytest.raises(ModelError, match="must be a multiple of num_attention_heads"):
+        resolve_model("tiny:hidden_size=250")
     # a sized spec builds its own folder, the plain one keeps its name (the build itself is tested above)
     built = []
     monkeypatch.setattr(model_zoo, "cache_dir", lambda *parts: tmp_path)
