@@ -121,6 +121,10 @@ class AlgoCfg:
     value_clip: float | None = 0.2
     filters: list[str] = field(default_factory=lambda: ["dropped"])
     variance_keep: float = 1.0  # fraction of groups kept by the variance filter (when listed)
+    # what the variance filters and dynamic sampling test for variance: the reward as trained on, or the
+    # episode's outcome alone (success or score, without penalties or progress). With per-turn shaping
+    # nearly every group's rewards differ, so "reward" keeps every group and dynamic sampling stops at once
+    filter_on: Literal["reward", "outcome"] = "reward"
 
 
 @dataclass

@@ -149,9 +149,17 @@ class Recipe:
     def reward(self, ep: Episode) -> float:
         return sum(self.turn_rewards(ep))
 
+    def outcome(self, ep: Episode) -> float:
+        """The episode's result alone: success, or the env's score, without penalties or progress."""
+        return float(ep.won) if self.cfg.algo.reward == "success" else ep.score
+
+    def variance_signal(self, ep: Episode) -> float:
+        """What the variance filters and dynamic sampling compare within a group (``algo.filter_on``)."""
+        return self.outcome(ep) if self.cfg.algo.filter_on == "outcome" else self.reward(ep)
+
     def filter(self, episodes: list[Episode]) -> tuple[list[Episode], dict[str, int]]:
         dropped: dict[str, int] = {}
-        ctx = FilterContext(self.reward, self.cfg.algo.variance_keep)
+        ctx = FilterContext(self.variance_signal, self.cfg.algo.variance_keep)
         for name in self.cfg.algo.filters:
             episodes, dropped[f"filtered_{name}"] = FILTERS.get(name)(episodes, ctx)
         return episodes, dropped
@@ -272,7 +280,7 @@ class Recipe:
     # ----- the step ----------------------------------------------------------------------------
     def collect(self, trainer: "Trainer") -> tuple[list[Episode], dict[str, float]]:
         """This step's episodes: one round of ``starts`` -> rollout -> ``after_rollout``, repeated while
-        fewer than ``rollout.fill_groups`` groups have reward variance (DAPO's dynamic sampling), up to
+        fewer than ``rollout.fill_groups`` groups vary (DAPO's dynamic sampling; ``algo.filter_on``), up to
         ``rollout.max_rounds`` rounds. Without it a batch of 16 Sokoban groups held ~5 groups with any
         gradient on average (1-2 on some steps), and each optimizer step fitted those few levels."""
         r = self.cfg.rollout
@@ -289,7 +297,7 @@ class Recipe:
                     e.group_id = f"{e.group_id}/round{rounds}"
             episodes += eps
             rounds += 1
-            informative = informative_groups(episodes, self.reward)
+            informative = informative_groups(episodes, self.variance_signal)
             if r.fill_groups <= 0 or rounds >= r.max_rounds or informative >= r.fill_groups:
                 break
         return episodes, dict(seen, **self.tasks.gauges(), rollout_rounds=float(rounds),

@@ -630,6 +630,42 @@ def test_dynamic_sampling_rolls_out_until_enough_groups_vary(tiny_model_dir, tmp
         t.close()
 
 
+def test_filter_on_outcome_lets_shaping_and_dynamic_sampling_combine(tiny_model_dir, tmp_path):
+    """With a per-turn penalty every group's rewards differ, so the zero-variance filter and dynamic
+    sampling keyed on the reward keep everything; algo.filter_on=outcome tests success alone, while the
+    advantages still see the penalty."""
+    import agentrl.recipes  # noqa: F401
+    from agentrl.recipe import RECIPES
+    from agentrl.trainer import Trainer
+    from agentrl.types import Episode, Turn
+
+    def ep(group, won, bumps):  # `bumps` of its two turns moved nothing
+        turns = [Turn([1], [2], [0.0], "", ["Up"], True, "", 0.0, k == 1, info=dict(ineffective=k < bumps))
+                 for k in range(2)]
+        return Episode("sokoban", "t", 0, group, won=won, turns=turns)
+
+    # group a: two failures, one bumped a wall; group b: a win and a failure; group c: two wins
+    batch = [ep("a", False, 0), ep("a", False, 1), ep("b", True, 0), ep("b", False, 2), ep("c", True, 0),
+             ep("c", True, 0)]
+    for on, kept_groups, informative in [("reward", {"a", "b"}, 2.0), ("outcome", {"b"}, 1.0)]:
+        cfg = load_config("grpo", env="sokoban", overrides=small(
+            tmp_path / on, tiny_model_dir, "rollout.ineffective_penalty=-0.1", "rollout.fill_groups=2",
+            "rollout.max_rounds=1", f"algo.filter_on={on}"))
+        t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        try:
+            assert t.recipe.reward(batch[1]) == pytest.approx(-0.1) and t.recipe.outcome(batch[1]) == 0.0
+            kept, dropped = t.recipe.filter(list(batch))
+            assert {e.group_id for e in kept} == kept_groups and dropped["filtered_zero_variance"] == 6 - len(kept)
+            t.rollout = lambda starts, **_: list(batch)
+            assert t.recipe.collect(t)[1]["informative_groups"] == informative
+            samples, _ = t.recipe.make_batch(t, list(batch))
+            # the penalties still reach the advantages: group b's failure bumped twice
+            b = sorted(s.meta["reward"] for s in samples if s.meta["group"] == "b")
+            assert b == pytest.approx([-0.2, -0.2, 1.0, 1.0])
+        finally:
+            t.close()
+
+
 def test_rl_lr_schedule_decays_per_step_and_resumes(tiny_model_dir, tmp_path):
     """optim.schedule=linear: the lr each RL step runs at falls toward 0 by trainer.steps, and a run
     killed mid-way resumes on the same curve."""
