@@ -143,7 +143,7 @@ class Recipe:
         r = self.cfg.rollout
         out = [(r.format_penalty if not t.format_ok else 0.0) + (r.ineffective_penalty if t.info.get("ineffective")
                                                                   else 0.0) for t in ep.turns] or [0.0]
-        out[-1] += (float(ep.won) if kind == "success" else ep.score) + self.cfg.algo.progress_coef * ep.progress
+        out[-1] += self.outcome(ep) + self.cfg.algo.progress_coef * ep.progress
         return out
 
     def reward(self, ep: Episode) -> float:
