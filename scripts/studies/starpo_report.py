@@ -1,4 +1,4 @@
-"""Table of scripts/starpo_study.sh runs: held-out success (first and last evaluation) and RAGEN's collapse
+"""Table of scripts/studies/starpo_study.sh runs: held-out success (first and last evaluation) and RAGEN's collapse
 indicators, as the mean of the first and of the last 5 training steps."""
 import json
 import sys

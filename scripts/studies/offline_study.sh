@@ -2,9 +2,9 @@
 # Issue 8's small study, from the same SFT warm start as the online study (OUT/sft):
 #  (1) pass@k, k = 1..64, of the warm start, GRPO (OUT/grpo-s0, from paper_study.sh), LEAFE and early_exp;
 #  (2) RRO vs IPR: candidates sampled per step and greedy held-out success after DPO.
-# Usage: bash scripts/offline_study.sh OUT    (PASSK_TASKS=24 samples 64 per task at T=1)
+# Usage: bash scripts/studies/offline_study.sh OUT    (PASSK_TASKS=24 samples 64 per task at T=1)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=$1
 ENV=${ENV:-sokoban}
 TASKS=${PASSK_TASKS:-24}
@@ -33,4 +33,4 @@ for r in rro ipr; do
     eval.temperature=0.0 extra.tasks=16 > "$OUT/$r-s0.log" 2>&1 &
 done
 wait
-$BIN/python scripts/offline_report.py "$OUT" "docs/study_${ENV}_offline.png"
+$BIN/python scripts/studies/offline_report.py "$OUT" "$OUT/study_${ENV}_offline.png"

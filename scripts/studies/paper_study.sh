@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Online paper recipes against GRPO from one SFT warm start, 3 seeds each, two runs at a time (one
 # thread each), then one comparison plot over env steps and a table.
-# One optimizer step per RL step and one rollout round (no dynamic sampling), as the session-2 study in
+# One optimizer step per RL step and one rollout round (no dynamic sampling), as the study before the recipe fixes in
 # docs/paper_recipes.md was measured.
-# Usage: bash scripts/paper_study.sh OUT "grpo exp_replay crps spear" [STEPS]
-#   OUT/sft/checkpoint/model must exist (bash scripts/cpu_study.sh makes one); RL_ARGS adds overrides.
+# Usage: bash scripts/studies/paper_study.sh OUT "grpo exp_replay crps spear" [STEPS]
+#   OUT/sft/checkpoint/model must exist (bash scripts/studies/cpu_study.sh makes one); RL_ARGS adds overrides.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=$1
 RECIPES=$2
 STEPS=${3:-15}
@@ -24,5 +24,5 @@ printf '%s\n' "${jobs[@]}" | xargs -P 2 -L 1 bash -c '
     > "'"$OUT"'/$0-s$1.log" 2>&1 || echo "$0 seed $1 failed (see '"$OUT"'/$0-s$1.log)"'
 runs=()
 for r in $RECIPES; do for s in 0 1 2; do runs+=("$OUT/$r-s$s"); done; done
-.venv/bin/agentrl plot --compare "${runs[@]}" --out "docs/study_${ENV}_$(echo $RECIPES | tr ' ' '_').png"
-.venv/bin/python scripts/online_report.py "$OUT" $RECIPES
+.venv/bin/agentrl plot --compare "${runs[@]}" --out "$OUT/study_${ENV}_$(echo $RECIPES | tr ' ' '_').png"
+.venv/bin/python scripts/studies/online_report.py "$OUT" $RECIPES

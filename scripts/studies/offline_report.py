@@ -1,4 +1,4 @@
-"""Tables and the pass@k plot of scripts/offline_study.sh (reads the runs' final.json / eval JSON)."""
+"""Tables and the pass@k plot of scripts/studies/offline_study.sh (reads the runs' final.json / eval JSON)."""
 import json
 import sys
 from pathlib import Path

@@ -1,6 +1,6 @@
 """Warm-start study: held-out success after each SFT pass, per task category, in one process.
 
-    .venv/bin/python scripts/warmstart_study.py crps --env alfworld --passes 4 --eval-tasks 60 \\
+    .venv/bin/python scripts/studies/warmstart_study.py crps --env alfworld --passes 4 --eval-tasks 60 \\
         -o sft.demos=600 rollout.max_turns=30
 
 Plays the recipe's expert demonstrations once, then alternates one SFT pass with a greedy evaluation

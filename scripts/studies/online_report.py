@@ -1,4 +1,4 @@
-"""Table of scripts/paper_study.sh runs: held-out success (first and last eval), group diagnostics over all
+"""Table of scripts/studies/paper_study.sh runs: held-out success (first and last eval), group diagnostics over all
 training groups and split into fresh / replay groups where the recipe logs them, env steps used."""
 import json
 import sys

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The CPU study: one SFT warm start of the tiny model on expert demonstrations, then each RL recipe from
 # that start with 3 seeds; held-out success before (step-0 eval) and after RL, a plot per recipe, a table.
-# Usage: bash scripts/cpu_study.sh [RL_STEPS] [OUT] [ENV] [SFT_DEMOS]
+# Usage: bash scripts/studies/cpu_study.sh [RL_STEPS] [OUT] [ENV] [SFT_DEMOS]
 #   RECIPES="grpo crps" (default grpo)  EVAL_TASKS=96  RL_ARGS="optim.lr=1e-4 ..." (dotted overrides)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STEPS=${1:-20}
 OUT=${2:-runs/study}
 ENV=${3:-sokoban}
@@ -21,7 +21,7 @@ for recipe in $RECIPES; do
     $BIN/agentrl train "$recipe" --env "$ENV" --model "$OUT/sft/checkpoint/model" --seed "$seed" \
       --out "$OUT/$recipe-s$seed" sft.enabled=false trainer.steps="$STEPS" eval.every=5 $COMMON ${RL_ARGS:-}
   done
-  $BIN/agentrl plot "$OUT/$recipe"-s0 "$OUT/$recipe"-s1 "$OUT/$recipe"-s2 --out "docs/cpu_study_${ENV}_$recipe.png"
+  $BIN/agentrl plot "$OUT/$recipe"-s0 "$OUT/$recipe"-s1 "$OUT/$recipe"-s2 --out "$OUT/cpu_study_${ENV}_$recipe.png"
 done
 $BIN/python - "$OUT" $RECIPES <<'PY'
 import json, sys

@@ -1,34 +1,30 @@
 #!/usr/bin/env bash
-# RL methods and seeds from ONE warm start on one GPU (docs/gpu.md): on CUDA the same seed can give two
-# different warm starts, so a fair CRPS-vs-GRPO comparison starts every run from the very same weights.
+# RL methods and seeds from ONE warm start on one GPU (docs/studies/gpu.md): on CUDA the same seed can give
+# two different warm starts, so a fair CRPS-vs-GRPO comparison starts every run from the very same weights.
 #
-#   bash scripts/gpu_from_one_warm_start.sh OUT "crps:0 grpo:0" [extra overrides...]
+#   bash scripts/studies/gpu_from_one_warm_start.sh OUT "crps:0 grpo:0" [extra overrides...]
 #
 # Makes OUT/ws (SmolLM2 fully fine-tuned by the ALFWorld overlay, ~3 min on an H200), then runs the given
 # recipe:seed pairs PARALLEL at a time (default 2: two SmolLM2 runs hold ~70 GB of GPU memory, three
 # 128 GiB), each until ENV_STEPS (default 6000) env steps, and writes OUT/summary.jsonl: the warm start's
 # held-out success (read once, by the first run, per task type), then each run's at every later evaluation
-# (and pass@k with eval.samples=k), also when the script is stopped early
-# (`timeout`, Ctrl-C). MODEL (default smollm2) and ENV (default alfworld) choose the policy and env; with
-# DEPS set, DEPS/env.sh is sourced first (the folder `scripts/offline_bundle.py unpack` wrote). With
-# FINISH_BY set (a time in seconds since the epoch), each run gets a trainer.time_limit_s that stops its
-# steps READING_S seconds (default 200) before then, leaving that time for its last held-out reading.
+# (and pass@k with eval.samples=k), also when the script is stopped early (`timeout`, Ctrl-C).
+# MODEL (default smollm2) and ENV (default alfworld) choose the policy and env.
 # READ_WS=after: no run reads the warm start at its step 0; a run of no steps from it (OUT/ws-read) reads
-# it once the runs have ended, so every run gets the same time for its steps (READING_S must then hold
-# both readings). RL_ARGS: overrides for the runs (and that reading) but not for the warm start's SFT,
-# e.g. RL_ARGS="model.lora_r=16 model.lora_alpha=32": LoRA RL over a fully fine-tuned warm start.
+# it once the runs have ended, so every run gets the same time for its steps. RL_ARGS: overrides for the
+# runs (and that reading) but not for the warm start's SFT, e.g. RL_ARGS="model.lora_r=16 model.lora_alpha=32":
+# LoRA RL over a fully fine-tuned warm start.
 set -euo pipefail
 OUT=${1:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
 RUNS=${2:?usage: $0 OUT \"recipe:seed ...\" [overrides]}
 shift 2
-[[ -n "${DEPS:-}" ]] && source "$DEPS/env.sh"
 PY=${PY:-python3}
 ENV=${ENV:-alfworld}
 PARALLEL=${PARALLEL:-2}
 read -ra RL <<< "${RL_ARGS:-}"
 C=(--env "$ENV" --model "${MODEL:-smollm2}" trainer.tensorboard=false trainer.progress=false)
 mkdir -p "$OUT"
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 summarize() {
   $PY - "$OUT" "$ROOT" <<'EOF2' > "$OUT/summary.jsonl"
 import json, sys
@@ -73,13 +69,8 @@ first=true  # greedy readings of the same weights are equal: only the first run 
 [[ "${READ_WS:-first}" == after ]] && first=false
 for rs in $RUNS; do
   r=${rs%%:*} s=${rs##*:}
-  budget=()
-  if [[ -n "${FINISH_BY:-}" ]]; then  # at least one step, however late the run starts
-    left=$(( FINISH_BY - $(date +%s) - ${READING_S:-200} ))
-    budget=(trainer.time_limit_s=$(( left > 1 ? left : 1 )))
-  fi
   $PY -m agentrl.cli train "$r" "${C[@]}" --seed "$s" --out "$OUT/$r-s$s" sft.warm_start="$OUT/ws/warm_start" \
-    trainer.steps=40 trainer.env_steps="${ENV_STEPS:-6000}" eval.every=5 eval.at_start=$first "${budget[@]}" "$@" "${RL[@]}" \
+    trainer.steps=40 trainer.env_steps="${ENV_STEPS:-6000}" eval.every=5 eval.at_start=$first "$@" "${RL[@]}" \
     > "$OUT/$r-s$s.log" 2>&1 &
   first=false
   (( ++i % PARALLEL == 0 )) && wait
