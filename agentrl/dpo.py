@@ -18,7 +18,7 @@ from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.learner.lr import restore_lr, set_lr
 
 if TYPE_CHECKING:
-    from agentrl.trainer import Trainer
+    from agentrl.run import Run
 
 
 @dataclass
@@ -77,7 +77,7 @@ def dpo_loss_fn(beta: float, width: int = 1) -> Any:
     return fn
 
 
-def fit_dpo(trainer: "Trainer", pairs: list[PreferencePair | TrajectoryPair], epochs: int, batch_size: int,
+def fit_dpo(trainer: "Run", pairs: list[PreferencePair | TrajectoryPair], epochs: int, batch_size: int,
             lr: float, beta: float, prefix: str = "dpo") -> dict[str, float]:
     """``epochs`` passes over the pairs, one optimizer step per ``batch_size`` pairs (both engines:
     ``row_block`` keeps a pair's rows in one micro-batch and on one rank). Metrics are named ``prefix_*``."""

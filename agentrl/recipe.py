@@ -24,9 +24,10 @@ from agentrl.rollout.engine import Start
 from agentrl.types import Episode
 
 if TYPE_CHECKING:
-    from agentrl.trainer import Trainer
+    from agentrl.config import RecipeCfg
+    from agentrl.run import Run
 
-RECIPES = Registry("recipe")
+RECIPES = Registry("recipe", fill="agentrl.recipes")  # the built-in recipes register on first lookup
 
 
 class Recipe:
@@ -37,7 +38,7 @@ class Recipe:
     # ``rollout.task_sampler`` would not be fed (anything but uniform is refused)
     task_sampling = True
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: "RecipeCfg"):
         self.cfg = cfg
         if self.Params is not None:
             from agentrl.schema import build
@@ -54,7 +55,7 @@ class Recipe:
         self.tasks = TASK_SAMPLERS.get(cfg.rollout.task_sampler)(cfg.rollout)  # where fresh groups start
 
     # ----- hooks -------------------------------------------------------------------------------
-    def before_training(self, trainer: "Trainer") -> dict[str, float]:
+    def before_training(self, trainer: "Run") -> dict[str, float]:
         """SFT warm start on expert demonstrations when ``sft.enabled``; none with ``sft.warm_start``."""
         if self.cfg.sft.warm_start:
             from agentrl.sft import adopt_warm_start
@@ -118,18 +119,18 @@ class Recipe:
         trainer.engine.export_weights(trainer.out_dir / "warm_start")
         return stats
 
-    def starts(self, trainer: "Trainer") -> list[Start]:
+    def starts(self, trainer: "Run") -> list[Start]:
         """``groups`` fresh tasks, each rolled out ``group_size`` times from the same start state."""
         return self.fresh_starts(trainer, self.cfg.rollout.groups)
 
-    def fresh_starts(self, trainer: "Trainer", n_groups: int) -> list[Start]:
+    def fresh_starts(self, trainer: "Run", n_groups: int) -> list[Start]:
         out = []
         for task_id, seed in self.tasks.sample(trainer, n_groups):
             gid = f"{trainer.step}:{task_id}:{seed}"
             out += [Start(task_id, seed, gid) for _ in range(self.cfg.rollout.group_size)]
         return out
 
-    def after_rollout(self, trainer: "Trainer", episodes: list[Episode]) -> None:
+    def after_rollout(self, trainer: "Run", episodes: list[Episode]) -> None:
         pass
 
     def turn_rewards(self, ep: Episode) -> list[float]:
@@ -167,7 +168,7 @@ class Recipe:
     def estimator(self) -> Estimator:
         return ESTIMATORS.get(self.cfg.algo.estimator)
 
-    def make_batch(self, trainer: "Trainer", episodes: list[Episode]) -> tuple[list[Sample], dict[str, float]]:
+    def make_batch(self, trainer: "Run", episodes: list[Episode]) -> tuple[list[Sample], dict[str, float]]:
         """Filters, then the estimator's per-turn advantages (after the critic's values when it needs
         them), then training samples: one per generated turn, or one per episode at trajectory level."""
         kept, stats = self.filter(episodes)
@@ -223,7 +224,7 @@ class Recipe:
         stats["samples"] = len(samples)
         return samples, stats
 
-    def _kl_penalty(self, trainer: "Trainer", x: AdvantageInput, samples: list[Sample],
+    def _kl_penalty(self, trainer: "Run", x: AdvantageInput, samples: list[Sample],
                     where: list[tuple[int, int]]) -> dict[str, float]:
         """Each episode's reward (and its last turn's) minus coef x its KL to the reference policy, the k1
         sum over its generated tokens; then the controller adapts the coefficient to the batch's mean."""
@@ -250,7 +251,7 @@ class Recipe:
                     kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, clip_cov_ratio=a.clip_cov_ratio,
                     kl_cov_ratio=a.kl_cov_ratio, kl_cov_coef=a.kl_cov_coef, norm_len=self.cfg.rollout.max_new_tokens)
 
-    def loss_fn(self, trainer: "Trainer") -> Any:
+    def loss_fn(self, trainer: "Run") -> Any:
         a = self.cfg.algo
         cfg = self.objective_config()
 
@@ -271,14 +272,14 @@ class Recipe:
         """The tokens the policy loss sees (default: every generated token), plus stats about it."""
         return mb.loss_mask, {}
 
-    def after_update(self, trainer: "Trainer", stats: dict[str, float]) -> None:
+    def after_update(self, trainer: "Run", stats: dict[str, float]) -> None:
         pass
 
     def close(self) -> None:
         """Release what the recipe opened itself (the trainer closes its envs, generator and engine)."""
 
     # ----- the step ----------------------------------------------------------------------------
-    def collect(self, trainer: "Trainer") -> tuple[list[Episode], dict[str, float]]:
+    def collect(self, trainer: "Run") -> tuple[list[Episode], dict[str, float]]:
         """This step's episodes: one round of ``starts`` -> rollout -> ``after_rollout``, repeated while
         fewer than ``rollout.fill_groups`` groups vary (DAPO's dynamic sampling; ``algo.filter_on``), up to
         ``rollout.max_rounds`` rounds. Without it a batch of 16 Sokoban groups held ~5 groups with any
@@ -303,7 +304,7 @@ class Recipe:
         return episodes, dict(seen, **self.tasks.gauges(), rollout_rounds=float(rounds),
                               informative_groups=float(informative))
 
-    def step(self, trainer: "Trainer") -> dict[str, float]:
+    def step(self, trainer: "Run") -> dict[str, float]:
         episodes, collected = self.collect(trainer)
         samples, stats = self.make_batch(trainer, episodes)
         metrics = dict(stats, **collected)
@@ -315,7 +316,7 @@ class Recipe:
         self.after_update(trainer, metrics)
         return metrics
 
-    def extra_samples(self, trainer: "Trainer", episodes: list[Episode], samples: list[Sample],
+    def extra_samples(self, trainer: "Run", episodes: list[Episode], samples: list[Sample],
                       metrics: dict[str, float]) -> list[Sample]:
         """Rows trained alongside this step's batch with their own advantages (SPEAR's self-imitation
         replay); recipes may also add to ``metrics`` here."""

@@ -11,9 +11,19 @@ class RegistryError(KeyError):
 
 
 class Registry:
-    def __init__(self, kind: str):
-        self.kind = kind
+    def __init__(self, kind: str, fill: str = ""):
+        """``fill``: the module whose import registers the built-in entries (``agentrl.recipes`` for the
+        recipes), imported at the first lookup, so a caller never imports it just to fill the registry."""
+        self.kind, self._fill = kind, fill
         self._items: dict[str, Any] = {}
+
+    def _filled(self) -> dict[str, Any]:
+        if self._fill:
+            import importlib
+
+            importlib.import_module(self._fill)  # a failing import raises here, and again at the next lookup
+            self._fill = ""
+        return self._items
 
     def register(self, name: str) -> Callable[[Any], Any]:
         def deco(obj: Any) -> Any:
@@ -25,12 +35,12 @@ class Registry:
         return deco
 
     def get(self, name: str) -> Any:
-        if name not in self._items:
+        if name not in self._filled():
             raise RegistryError(f"unknown {self.kind} '{name}'; allowed: {', '.join(sorted(self._items))}")
         return self._items[name]
 
     def names(self) -> list[str]:
-        return sorted(self._items)
+        return sorted(self._filled())
 
     def __contains__(self, name: str) -> bool:
-        return name in self._items
+        return name in self._filled()

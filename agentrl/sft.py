@@ -14,13 +14,13 @@ from agentrl.algos.losses import sft_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.learner.lr import lr_factor, restore_lr, set_lr
 from agentrl.generation.embedded import along_choices
-from agentrl.rollout.engine import answer_choices, first_prompt_ids
+from agentrl.rollout.engine import RolloutConfig, answer_choices, first_prompt_ids
 from agentrl.rollout.prompts import numbered_actions
 from agentrl.envs import make
 from agentrl.envs.replay import play
 
 if TYPE_CHECKING:
-    from agentrl.trainer import Trainer
+    from agentrl.run import Run
 
 
 def answer_text(spec: Any, action: str, think: bool = False) -> str:
@@ -98,12 +98,12 @@ def expert_demos(env_name: str, env_kwargs: dict, jobs: list[tuple[str, int]], w
         return list(pool.imap(_play_demo, todo, chunksize=4))
 
 
-def _seed_or_runs(trainer: "Trainer", seed: int) -> int:
+def _seed_or_runs(trainer: "Run", seed: int) -> int:
     """An SFT input's own seed (sft.demo_seed, sft.order_seed), or the run's where it is -1."""
     return seed if seed >= 0 else trainer.cfg.trainer.seed
 
 
-def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") -> tuple[list[Sample], float]:
+def expert_samples(trainer: "Run", n_episodes: int, split: str = "train") -> tuple[list[Sample], float]:
     """Turn samples from the env's expert on ``n_episodes`` tasks; returns samples and expert success.
     Full-history runs are trained turn by turn on windowed prompts (a documented simplification)."""
     cfg = trainer.rollout_config()
@@ -124,7 +124,7 @@ def expert_samples(trainer: "Trainer", n_episodes: int, split: str = "train") ->
     return samples, wins / max(1, len(jobs))  # fewer tasks than asked for: each is played once
 
 
-def demo_steps(tok: Any, cfg: Any, demo: tuple, choices: bool = False
+def demo_steps(tok: Any, cfg: RolloutConfig, demo: tuple, choices: bool = False
                ) -> list[tuple[list[int], list[int], list[list[int]] | None]]:
     """One demonstration (``expert_demos``'s tuple) as the policy would see and answer it, turn by turn:
     (windowed prompt ids, the expert's response ids ending in end-of-text, with ``choices`` the answers
@@ -147,7 +147,7 @@ def demo_steps(tok: Any, cfg: Any, demo: tuple, choices: bool = False
     return out
 
 
-def demo_turns(tok: Any, cfg: Any, demo: tuple) -> list[tuple[list[int], list[int]]]:
+def demo_turns(tok: Any, cfg: RolloutConfig, demo: tuple) -> list[tuple[list[int], list[int]]]:
     """``demo_steps`` without the choices: (windowed prompt ids, the expert's response ids)."""
     return [(prompt, target) for prompt, target, _ in demo_steps(tok, cfg, demo)]
 
@@ -209,7 +209,7 @@ def still_rising(scores: list[float], patience: int = 1) -> bool:
     return len(scores) - 1 - scores.index(max(scores)) < patience
 
 
-def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None,
+def fit_sft(trainer: "Run", samples: list[Sample], epochs: int, batch_size: int, lr: float | None = None,
             schedule: str = "constant", by_length: bool = False,
             term_weights: dict[str, float] | None = None, max_epochs: int = 0,
             keep_going: Callable[[float], bool] | None = None, check_every: float = 1.0,
@@ -272,7 +272,7 @@ def fit_sft(trainer: "Trainer", samples: list[Sample], epochs: int, batch_size: 
             "sft_samples": float(len(samples)), "sft_passes": float(passes)}
 
 
-def adopt_warm_start(trainer: "Trainer") -> dict[str, float]:
+def adopt_warm_start(trainer: "Run") -> dict[str, float]:
     """``sft.warm_start``: the trainer already loaded that folder (its ``model_dir``) in place of model.name's.
     A copy becomes this run's ``warm_start`` so the KL reference and ``agentrl eval --model RUN/warm_start``
     find it as they would a warm start made here, and the run folder still holds everything it started from."""

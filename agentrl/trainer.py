@@ -91,8 +91,21 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
+    """One run: ``Trainer.from_config(cfg)``, then ``train()`` (and ``evaluate()``), then ``close()``."""
+
+    @classmethod
+    def from_config(cls, cfg: RecipeCfg) -> "Trainer":
+        """The trainer of ``cfg`` (``agentrl.load_config``) with its recipe, the class ``cfg.method`` names in
+        ``RECIPES``. Builds the model, generator and env slots; ``close()`` releases them."""
+        from agentrl.recipe import RECIPES
+
+        return cls(cfg, RECIPES.get(cfg.method or cfg.recipe)(cfg))
+
     def __init__(self, cfg: RecipeCfg, recipe: "Recipe"):
+        from agentrl.learner.models import cap_kernel_caches
         from agentrl.model_zoo import resolve_model
+
+        cap_kernel_caches()  # before any matmul of this process (docs/guides/memory.md)
 
         self._t0 = time.monotonic()  # trainer.time_limit_s counts from here: loading and the warm start included
         self.cfg, self.recipe = cfg, recipe
@@ -457,6 +470,8 @@ class Trainer:
 
     # ----- the run -----------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
+        """Train until ``trainer.steps`` (or the env-step or time budget), resuming from the run folder's
+        checkpoint if it has one; returns the last evaluation's metrics (``eval/...``, also in final.json)."""
         resumed = self.load_checkpoint()
         if resumed and self.finished():
             self.echo(f"{self.out_dir} is a finished run (step {self.step} of {self.cfg.trainer.steps}, "
@@ -566,6 +581,12 @@ class Trainer:
         self.generator.close()
         self.envs.close()
         self.engine.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class _Progress:

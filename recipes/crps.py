@@ -23,7 +23,8 @@ from agentrl.rollout.engine import Start
 from agentrl.types import Episode
 
 if TYPE_CHECKING:
-    from agentrl.trainer import Trainer
+    from agentrl.config import RecipeCfg
+    from agentrl.run import Run
 
 GROUP_KEYS = ("success", "all_zero_groups", "all_one_groups", "group_entropy_bits", "in_group_reward_std")
 
@@ -56,7 +57,7 @@ class CRPSParams:
 class CRPS(Recipe):
     Params = CRPSParams
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: "RecipeCfg"):
         super().__init__(cfg)
         p = self.p
         if len(p.band) != 2 or not 0.0 <= p.band[0] < p.band[1] <= 1.0:
@@ -82,7 +83,7 @@ class CRPS(Recipe):
         return KController(k0, p.k_min, k_max, p.ema, p.band[0], p.band[1], p.delta)
 
     # ----- hooks -------------------------------------------------------------------------------
-    def starts(self, trainer: "Trainer") -> list[Start]:
+    def starts(self, trainer: "Run") -> list[Start]:
         r, p = self.cfg.rollout, self.p
         self._replays = {}
         replay_groups = sum(trainer.rng.random() < p.p_replay for _ in range(r.groups)) if len(self.buffer) else 0
@@ -98,7 +99,7 @@ class CRPS(Recipe):
                           max_turns=max(1, r.max_turns - t0)) for _ in range(r.group_size)]
         return out
 
-    def after_rollout(self, trainer: "Trainer", episodes: list[Episode]) -> None:
+    def after_rollout(self, trainer: "Run", episodes: list[Episode]) -> None:
         p = self.p
         groups: dict[str, list[Episode]] = defaultdict(list)
         for e in episodes:
@@ -131,7 +132,7 @@ class CRPS(Recipe):
         acc_step["replay"] += [e for e in episodes if e.group_id in self._replays]
         acc_step["replay_groups"] += len(self._replays)
 
-    def _add_expert(self, trainer: "Trainer", instances: list[tuple[str, int]]) -> int:
+    def _add_expert(self, trainer: "Run", instances: list[tuple[str, int]]) -> int:
         """Play the env's expert on each instance (task id, reset seed) and buffer its solved episodes;
         returns how many were tried."""
         from agentrl.envs import registry
@@ -182,7 +183,7 @@ class CRPS(Recipe):
             m["buffer_k_mean"] = sum(all_k) / len(all_k)
         return m
 
-    def after_update(self, trainer: "Trainer", stats: dict[str, float]) -> None:
+    def after_update(self, trainer: "Run", stats: dict[str, float]) -> None:
         stats.update(self.step_metrics())
         self._step = {}
 

@@ -27,7 +27,7 @@ from agentrl.rollout.engine import Start
 from agentrl.sft import demo_turns, expert_demos, fit_sft
 
 if TYPE_CHECKING:
-    from agentrl.trainer import Trainer
+    from agentrl.run import Run
 
 
 @dataclass
@@ -39,7 +39,7 @@ class IPRParams(RROParams):
 class IPR(RRO):
     Params = IPRParams
 
-    def collect_ipr(self, trainer: "Trainer") -> tuple[list[TrajectoryPair], list[PreferencePair], list, dict]:
+    def collect_ipr(self, trainer: "Run") -> tuple[list[TrajectoryPair], list[PreferencePair], list, dict]:
         p, env, max_turns = self.p, self.cfg.env, self.cfg.rollout.max_turns
         cfg, tok = trainer.rollout_config(), trainer.tokenizer
         jobs = trainer.sample_tasks(p.tasks)
@@ -114,7 +114,7 @@ class IPR(RRO):
         """The expert episode's outcome, on the scale ``outcome`` uses for the agent's."""
         return float(info.get("score", 0.0)) if self.cfg.algo.reward == "score" else float(bool(info.get("won")))
 
-    def step(self, trainer: "Trainer") -> dict[str, float]:
+    def step(self, trainer: "Run") -> dict[str, float]:
         outcome_pairs, step_pairs, sft, stats = self.collect_ipr(trainer)
         p = self.p
         stats.update(fit_dpo(trainer, outcome_pairs, p.epochs, p.batch_size, p.lr, p.beta, prefix="outcome_dpo"))

@@ -31,7 +31,8 @@ from agentrl.types import Episode, SamplingParams, Turn
 from agentrl.envs.replay import Trace
 
 if TYPE_CHECKING:
-    from agentrl.trainer import Trainer
+    from agentrl.config import RecipeCfg
+    from agentrl.run import Run
 
 STEP_RE = re.compile(r"<step>\s*(\d+)\s*</step>", re.S)
 EXP_RE = re.compile(r"<experience>(.*?)</experience>", re.S)
@@ -114,13 +115,13 @@ class LEAFE(Recipe):
     Params = LEAFEParams
     task_sampling = False
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: "RecipeCfg"):
         super().__init__(cfg)
         if self.p.fallback not in ("random", "none"):
             raise ConfigError(f"bad value for 'extra.fallback': {self.p.fallback!r}; allowed: random, none")
 
     # ----- stage 1 ----------------------------------------------------------------------------
-    def explore(self, trainer: "Trainer") -> tuple[list[Sample], list[Sample], dict[str, float]]:
+    def explore(self, trainer: "Run") -> tuple[list[Sample], list[Sample], dict[str, float]]:
         p, env = self.p, self.cfg.env
         rng = random.Random(trainer.rng.randrange(2**31))
         tasks = trainer.sample_tasks(p.tasks)
@@ -184,7 +185,7 @@ class LEAFE(Recipe):
                      leafe_rehearsal_samples=float(len(rehearsal)))
         return counterfactual, rehearsal, stats
 
-    def _reflect(self, trainer: "Trainer", points: list, queues: dict, n: dict, rng: random.Random) -> None:
+    def _reflect(self, trainer: "Run", points: list, queues: dict, n: dict, rng: random.Random) -> None:
         p = self.p
         prompts = []
         for _i, b, ep, t, failed in points:
@@ -222,7 +223,7 @@ class LEAFE(Recipe):
             queues[i].append(Branch(b.task_id, b.seed, prefix, obs[:tau], fps[:n_actions + 1], e, b.depth + 1))
             n["enqueued"] += 1
 
-    def step(self, trainer: "Trainer") -> dict[str, float]:
+    def step(self, trainer: "Run") -> dict[str, float]:
         counterfactual, rehearsal, stats = self.explore(trainer)
         samples = counterfactual + rehearsal
         if samples:  # L = L_cf + beta L_reh, each a token-mean over its own rows
@@ -255,11 +256,11 @@ class EarlyExp(Recipe):
 
     Params = EarlyExpParams
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: "RecipeCfg"):
         super().__init__(cfg)
         self.iwm_done = False
 
-    def step(self, trainer: "Trainer") -> dict[str, float]:
+    def step(self, trainer: "Run") -> dict[str, float]:
         if self.iwm_done:
             return super().step(trainer)
         stats = self.world_model_step(trainer)
@@ -273,7 +274,7 @@ class EarlyExp(Recipe):
         super().load_state_dict(state)
         self.iwm_done = bool(state.get("iwm_done", False))
 
-    def world_model_step(self, trainer: "Trainer") -> dict[str, float]:
+    def world_model_step(self, trainer: "Run") -> dict[str, float]:
         p = self.p
         tasks = trainer.sample_tasks(p.tasks)
         eps = trainer.rollout([Start(t, s, f"iwm:{i}") for i, (t, s) in enumerate(tasks) for _ in range(p.rollouts)])

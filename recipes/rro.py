@@ -20,7 +20,7 @@ from agentrl.types import Episode, Turn
 from agentrl.envs.replay import Trace
 
 if TYPE_CHECKING:
-    from agentrl.trainer import Trainer
+    from agentrl.run import Run
 
 
 @dataclass
@@ -82,13 +82,13 @@ class RRO(Recipe):
     def outcome(self, ep: Episode) -> float:
         return ep.score if self.cfg.algo.reward == "score" else float(ep.won)
 
-    def _mc(self, trainer: "Trainer", starts: list[Start]) -> list[float]:
+    def _mc(self, trainer: "Run", starts: list[Start]) -> list[float]:
         """Mean outcome of ``mc_rollouts`` policy rollouts from each start."""
         m = self.p.mc_rollouts
         eps = trainer.rollout([s for s in starts for _ in range(m)])
         return [sum(self.outcome(e) for e in eps[i * m:(i + 1) * m]) / m for i in range(len(starts))]
 
-    def collect(self, trainer: "Trainer") -> tuple[list[PreferencePair], dict[str, float]]:
+    def collect(self, trainer: "Run") -> tuple[list[PreferencePair], dict[str, float]]:
         p, env, max_turns = self.p, self.cfg.env, self.cfg.rollout.max_turns
         walks = [_Walk(t, s) for t, s in trainer.sample_tasks(p.tasks)]
         # r_0 and the initial fingerprints, from Monte Carlo rollouts of the initial states
@@ -160,7 +160,7 @@ class RRO(Recipe):
                      walk_success=sum(w.won for w in walks) / max(1, len(walks)), walk_steps=float(len(per_step)))
         return pairs, stats
 
-    def step(self, trainer: "Trainer") -> dict[str, float]:
+    def step(self, trainer: "Run") -> dict[str, float]:
         pairs, stats = self.collect(trainer)
         stats.update(fit_dpo(trainer, pairs, self.p.epochs, self.p.batch_size, self.p.lr, self.p.beta))
         return stats

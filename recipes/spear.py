@@ -31,7 +31,8 @@ from agentrl.recipe import RECIPES, Recipe
 from agentrl.types import Episode
 
 if TYPE_CHECKING:
-    from agentrl.trainer import Trainer
+    from agentrl.config import RecipeCfg
+    from agentrl.run import Run
 
 SIL_TAG = 1
 
@@ -118,7 +119,7 @@ def first_step_bounds(episodes: list[Episode], reward: Any) -> tuple[float, floa
 class SPEAR(Recipe):
     Params = SPEARParams
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: "RecipeCfg"):
         super().__init__(cfg)
         if self.p.cov_bounds and (len(self.p.cov_bounds) != 2 or self.p.cov_bounds[0] >= self.p.cov_bounds[1]):
             raise ConfigError(f"bad value for 'extra.cov_bounds': {self.p.cov_bounds!r}; allowed: [omega_lb, omega_ub] "
@@ -140,7 +141,7 @@ class SPEAR(Recipe):
             return super().reward(ep)
         return intrinsic_reward(ep, self.mu(), self.p.tool_call_unit, self.p.format_reward)
 
-    def _sil_samples(self, trainer: "Trainer", kept: list[tuple[SILEntry, float]], gamma: float) -> list[Sample]:
+    def _sil_samples(self, trainer: "Run", kept: list[tuple[SILEntry, float]], gamma: float) -> list[Sample]:
         out: list[Sample] = []
         spans = []  # (first sample, end) of each kept trajectory in ``out``
         per_episode = self.cfg.algo.turn_weight == "episode" and self.cfg.algo.level == "turn"
@@ -161,7 +162,7 @@ class SPEAR(Recipe):
             self._clip_by_covariance(trainer, [(out[a:b], entry) for (a, b), (entry, _) in zip(spans, kept)])
         return out
 
-    def _clip_by_covariance(self, trainer: "Trainer", trajectories: list[tuple[list[Sample], SILEntry]]) -> None:
+    def _clip_by_covariance(self, trainer: "Run", trajectories: list[tuple[list[Sample], SILEntry]]) -> None:
         """Eq. 18-21, once per update with the log-probs of the policy about to be updated: the chosen
         high-covariance tokens leave the loss (their mask is cleared)."""
         # A~ - group mean A~ = R - group mean R; older entries without group statistics use their A^
@@ -181,11 +182,11 @@ class SPEAR(Recipe):
                 s.loss_mask[i], s.advantages[i], s.old_logprobs[i] = 0, 0.0, 0.0
             self.cov_masked += len(chosen)
 
-    def step(self, trainer: "Trainer") -> dict[str, float]:
+    def step(self, trainer: "Run") -> dict[str, float]:
         self.t = trainer.step + 1  # t_iter of eq. 13-14 counts from 1 (the logged step)
         return super().step(trainer)
 
-    def extra_samples(self, trainer: "Trainer", episodes: list[Episode], samples: list[Sample],
+    def extra_samples(self, trainer: "Run", episodes: list[Episode], samples: list[Sample],
                       metrics: dict[str, float]) -> list[Sample]:
         groups: dict[str, list[float]] = defaultdict(list)
         group_lp: dict[str, list[float]] = defaultdict(list)  # every generated token's log-prob, per group

@@ -2,11 +2,14 @@
 successes, rejection sampling) and ``eval`` (evaluate a model, no training)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from agentrl.learner.batch import turn_sample
 from agentrl.recipe import RECIPES, Recipe
 from agentrl.sft import expert_samples, fit_sft
+
+if TYPE_CHECKING:
+    from agentrl.run import Run
 
 
 @RECIPES.register("sft")
@@ -14,10 +17,10 @@ class SFT(Recipe):
     """Each step fits another slice of expert demonstrations (sft.demos episodes, sft.epochs passes)."""
     task_sampling = False
 
-    def before_training(self, trainer: Any) -> dict[str, float]:
+    def before_training(self, trainer: "Run") -> dict[str, float]:
         return {}
 
-    def step(self, trainer: Any) -> dict[str, float]:
+    def step(self, trainer: "Run") -> dict[str, float]:
         s = self.cfg.sft
         samples, expert_success = expert_samples(trainer, s.demos)
         stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule, s.group_by_length)
@@ -30,7 +33,7 @@ class RFT(Recipe):
     """Roll out groups, keep the successful episodes, SFT on their generated tokens."""
     task_sampling = False
 
-    def step(self, trainer: Any) -> dict[str, float]:
+    def step(self, trainer: "Run") -> dict[str, float]:
         episodes = trainer.rollout(self.starts(trainer))
         metrics = trainer.diagnostics(episodes, self)
         keep = [e for e in episodes if e.won and not e.dropped]
@@ -47,8 +50,8 @@ class RFT(Recipe):
 class Eval(Recipe):
     task_sampling = False
 
-    def before_training(self, trainer: Any) -> dict[str, float]:
+    def before_training(self, trainer: "Run") -> dict[str, float]:
         return {}
 
-    def step(self, trainer: Any) -> dict[str, float]:
+    def step(self, trainer: "Run") -> dict[str, float]:
         return trainer.evaluate()

@@ -1,4 +1,5 @@
-"""Imports point down the layers below and form no cycle (imports under ``TYPE_CHECKING`` excepted)."""
+"""Imports point down the layers below and form no cycle, imports under ``TYPE_CHECKING`` included (a
+type-only import is still a dependency: the module cannot be read or checked without the other)."""
 import ast
 from pathlib import Path
 
@@ -6,21 +7,29 @@ ROOT = Path(__file__).resolve().parent.parent
 # lowest first; a module may import from its own layer or any layer below
 LAYERS = [
     ["agentrl.types", "agentrl.registry", "agentrl.seeds", "agentrl.prefix", "agentrl.schema", "agentrl.dist",
-     "agentrl.launch"],
+     "agentrl.launch", "agentrl.io_atomic"],
     ["agentrl.envs", "agentrl.algos", "agentrl.metrics"],
+    ["agentrl.config"],  # the config dataclasses, which every layer above may be typed against
     ["agentrl.learner"],
     ["agentrl.generation"],
     ["agentrl.rollout"],
+    ["agentrl.run"],  # the protocol of a run that the pieces below the trainer are written against
     ["agentrl.model_zoo", "agentrl.curriculum", "agentrl.buffers", "agentrl.sft", "agentrl.dpo", "agentrl.plot"],
     ["agentrl.recipe"],
     ["agentrl.recipes"],
-    ["agentrl.config"],
     ["agentrl.trainer"],
     ["agentrl.train_cmd", "agentrl.serve_cmd", "agentrl.envs_cmd", "agentrl.bench_cmd",
      "agentrl.bench_ranks", "agentrl.bench_sync", "agentrl.bench_rollout", "agentrl.bench_learner",
      "agentrl.cli", "agentrl"],
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+# config.py holds both the dataclasses (low) and the loader, whose name checks look up the recipes,
+# estimators and task samplers (high); these edges go once the loader leaves it
+KNOWN_UPWARD = {  # lead: remove after config split
+    ("agentrl.config", "agentrl.curriculum.task_sampler"),
+    ("agentrl.config", "agentrl.recipe"),
+    ("agentrl.config", "agentrl.recipes"),
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -40,14 +49,11 @@ def _unit(module: str) -> str:
 
 
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every agentrl module ``path`` imports: at the top, inside functions and under ``TYPE_CHECKING``."""
     tree = ast.parse(path.read_text())
-    skip = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
-            skip |= {id(x) for b in node.body for x in ast.walk(b)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
         if isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path}: relative import"
@@ -64,9 +70,16 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+def test_type_only_imports_are_counted(tmp_path):
+    """An import under ``if TYPE_CHECKING:`` is an edge of the graph like any other."""
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from agentrl.trainer import Trainer\n")
+    assert _imports(src, _modules()) == {"agentrl.trainer"}
+
+
 def test_imports_point_down_and_have_no_cycles():
     modules = _modules()
-    graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+    graph = {m: _imports(p, modules) - {m} - {d for e, d in KNOWN_UPWARD if e == m} for m, p in modules.items()}
     unknown = sorted({_unit(m) for m in modules} - set(LAYER))
     assert not unknown, f"modules in no layer (add them to LAYERS): {unknown}"
     upward = [f"{m} -> {d}" for m, ds in graph.items() for d in ds if LAYER[_unit(d)] > LAYER[_unit(m)]]

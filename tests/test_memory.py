@@ -6,9 +6,11 @@ import pytest
 
 PROBE = r"""
 import ctypes, os, random, sys
-import agentrl  # noqa: F401  (caps oneDNN's per-shape kernel caches unless the caller set them)
 import torch
 import torch.nn.functional as F
+from agentrl.learner.models import cap_kernel_caches
+
+cap_kernel_caches()  # what loading a model does first: after `import torch`, before the first matmul
 
 print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"])
 libc = ctypes.CDLL("libc.so.6")
@@ -35,7 +37,7 @@ def probe(code: str = PROBE, **env_over):
     return out[0], float(out[1]) if out[1] else None
 
 
-def test_importing_agentrl_caps_onednn_kernel_caches_unless_the_user_set_them():
+def test_loading_a_model_caps_onednn_kernel_caches_unless_the_user_set_them():
     assert probe(PROBE.split("libc =")[0])[0] == "64 64"
     caps, _ = probe(PROBE.split("libc =")[0], ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
     assert caps == "1024 64"  # a user's own setting wins

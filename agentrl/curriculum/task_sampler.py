@@ -22,7 +22,7 @@ from agentrl.types import Episode
 
 if TYPE_CHECKING:
     from agentrl.config import RolloutCfg
-    from agentrl.trainer import Trainer
+    from agentrl.run import Run
 
 TASK_SAMPLERS = Registry("task sampler")
 Key = tuple[str, int]  # (task id, reset seed): one start state
@@ -33,7 +33,7 @@ class UniformTasks:
     def __init__(self, cfg: "RolloutCfg"):
         pass
 
-    def sample(self, trainer: "Trainer", n: int) -> list[Key]:
+    def sample(self, trainer: "Run", n: int) -> list[Key]:
         return trainer.sample_tasks(n)
 
     def observe(self, episodes: list[Episode], reward: Callable[[Episode], float]) -> dict[str, float]:
@@ -61,7 +61,7 @@ class LearnabilityTasks(UniformTasks):
         self._drawn: set[Key] = set()  # frontier levels drawn this step (a later round draws others)
         self._replayed: set[Key] = set()  # the last round's frontier draws, for the stats
 
-    def sample(self, trainer: "Trainer", n: int) -> list[Key]:
+    def sample(self, trainer: "Run", n: int) -> list[Key]:
         if trainer.step != self._step:
             self._step, self._drawn = trainer.step, set()
         pool = {k: v for k, v in self.frontier.items() if k not in self._drawn}

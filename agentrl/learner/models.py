@@ -4,6 +4,7 @@ model spec (``tiny``, ``smollm2``, a path) names, and building the first two, is
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,21 @@ def load_tokenizer(folder: str | Path) -> Any:
     return tok
 
 
+KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def cap_kernel_caches(capacity: int = 64) -> None:
+    """Cap oneDNN's and ideep's per-shape kernel caches unless the user set them. Under bf16 autocast on CPU
+    each keeps a compiled kernel per matmul shape (up to 1024); training batches rarely repeat a shape, so
+    the caches only grew (an ALFWorld run's learner reached 10 GiB); 64 bounds them at the same speed
+    (docs/guides/memory.md). Both are read at the first matmul, not at ``import torch``: every model is
+    built by ``load_model``, which calls this first, and so do the trainer and the CLI."""
+    for key in KERNEL_CACHES:
+        os.environ.setdefault(key, str(capacity))
+
+
 def load_model(folder: str | Path, dtype: str = "float32", device: str = "cpu") -> Any:
+    cap_kernel_caches()  # before the model's first matmul
     import torch
     from transformers import AutoModelForCausalLM
 
