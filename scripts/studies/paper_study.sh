@@ -2,7 +2,7 @@
 # Online paper recipes against GRPO from one SFT warm start, 3 seeds each, two runs at a time (one
 # thread each), then one comparison plot over env steps and a table.
 # One optimizer step per RL step and one rollout round (no dynamic sampling), as the study before the recipe fixes in
-# docs/paper_recipes.md was measured.
+# docs/recipes/ was measured.
 # Usage: bash scripts/studies/paper_study.sh OUT "grpo exp_replay crps spear" [STEPS]
 #   OUT/sft/checkpoint/model must exist (bash scripts/studies/cpu_study.sh makes one); RL_ARGS adds overrides.
 set -euo pipefail

@@ -37,16 +37,13 @@ def main() -> None:
     ap.add_argument("-o", "--overrides", nargs="*", default=[])
     a = ap.parse_args()
 
-    import agentrl.recipes  # noqa: F401
-    from agentrl.config import load_config
-    from agentrl.recipe import RECIPES
+    from agentrl import Trainer, load_config
     from agentrl.sft import expert_samples, fit_sft
-    from agentrl.trainer import Trainer
 
     overrides = [f"trainer.seed={a.seed}", "trainer.out_dir=/tmp/warmstart-study-{env}-s{seed}",
                  "trainer.tensorboard=false", *a.overrides]
     cfg = load_config(a.recipe, env=a.env, overrides=overrides, model=a.model)
-    trainer = Trainer(cfg, RECIPES.get(cfg.method or cfg.recipe)(cfg))
+    trainer = Trainer.from_config(cfg)
     try:
         t0 = time.perf_counter()
         samples: list = []
