@@ -66,10 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _rank_main(argv: list[str]) -> None:
     """One rank of a timed run (launched by ``run``)."""
-    import agentrl.recipes  # noqa: F401
     from agentrl.config import load_config
     from agentrl.metrics import read_metrics
-    from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer
 
     p = argparse.ArgumentParser()
@@ -78,7 +76,7 @@ def _rank_main(argv: list[str]) -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     cfg = load_config("grpo", env=a.env, overrides=a.overrides)
-    trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    trainer = Trainer.from_config(cfg)
     try:
         trainer.train()
         rows = read_metrics(trainer.out_dir)[2:]  # step 0 (no work) and step 1 (warm-up: caches, allocators)

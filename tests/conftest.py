@@ -46,10 +46,8 @@ def sokoban_sft_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model after a short SFT on Sokoban demos (~15 s): it writes valid actions most of the
     time, so rollouts have reward variance and RL steps have gradients (an untrained model's groups are
     all alike and every update is skipped)."""
-    import agentrl.recipes  # noqa: F401
+    from agentrl import Trainer
     from agentrl.config import load_config
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
 
     out = tmp_path_factory.mktemp("sft-run")
     cfg = load_config("grpo", env="sokoban", overrides=[
@@ -57,7 +55,7 @@ def sokoban_sft_model_dir(tiny_model_dir, tmp_path_factory):
         "trainer.tensorboard=false", "sft.demos=48", "sft.epochs=3", "sft.lr=3e-3", "sft.batch_size=8",
         "sft.max_epochs=0", "sft.target_success=0", "eval.tasks=0",
         "rollout.max_turns=3"])
-    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    t = Trainer.from_config(cfg)
     try:
         t.train()
     finally:

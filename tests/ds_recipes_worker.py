@@ -11,11 +11,8 @@ import traceback
 
 import torch
 
-import agentrl.recipes  # noqa: F401
-from agentrl import dist
+from agentrl import Trainer, dist
 from agentrl.config import load_config
-from agentrl.recipe import RECIPES
-from agentrl.trainer import Trainer
 from tests.test_trainer import small
 
 EXTRA = {"leafe": ["extra.tasks=2", "extra.budget=3", "extra.period=1", "extra.reflect_tokens=8", "eval.samples=2",
@@ -52,7 +49,7 @@ def main(model_dir, out_root, names):
     # test can compare it with the torch engine in one process
     cfg = load_config("rro", env="sokoban", overrides=small(f"{out_root}/dpo", model_dir, "trainer.engine=deepspeed",
                                                             "sft.enabled=false"))
-    trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    trainer = Trainer.from_config(cfg)
     report["dpo"] = fit_dpo(trainer, dpo_pairs(), epochs=2, batch_size=4, lr=1e-3, beta=0.1)
     trainer.envs.close()
     del trainer
@@ -60,7 +57,7 @@ def main(model_dir, out_root, names):
         out = f"{out_root}/{name}"
         cfg = load_config(name, env="sokoban", overrides=small(out, model_dir, "trainer.steps=1", "rollout.max_turns=3",
                                                                 "trainer.engine=deepspeed", *EXTRA.get(name, [])))
-        trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        trainer = Trainer.from_config(cfg)
         try:
             final = trainer.train()
             report[name] = dict(ok=True, final=final, state=fingerprint(trainer))

@@ -217,11 +217,9 @@ def _cfg(tmp_path, model_dir, *extra):
 
 
 def _trainer(cfg):
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES as REG
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
 
-    return Trainer(cfg, REG.get(cfg.method)(cfg))
+    return Trainer.from_config(cfg)
 
 
 def test_bad_launches_fail_before_any_work(tiny_model_dir, tmp_path, monkeypatch):

@@ -45,15 +45,13 @@ def _expert_entry(env_name, task_id, seed=5):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_crps_suffix_replay_restores_the_recorded_state_and_trains_only_on_the_suffix(tiny_model_dir, tmp_path):
-    import agentrl.recipes  # noqa: F401
+    from agentrl import Trainer
     from agentrl.curriculum.suffix_k import KController
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
 
     cfg = load_config("crps", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "extra.p_replay=1.0",
                                                              "rollout.max_turns=6"))
-    recipe = RECIPES.get("crps")(cfg)
-    trainer = Trainer(cfg, recipe)
+    trainer = Trainer.from_config(cfg)
+    recipe = trainer.recipe
     try:
         task = trainer.task_ids("train")[0]
         ep, observations = _expert_entry("sokoban", task)
@@ -232,14 +230,12 @@ def test_leafe_reflection_prompt_names_the_failure_and_the_loss_weighs_its_two_t
 def test_leafe_rollback_restores_the_recorded_observation_and_cf_excludes_experience(tiny_model_dir, tmp_path):
     """A branch restored to tau starts from exactly the observation recorded there; its counterfactual
     sample's prompt is the one without the experience, while the policy saw it with."""
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
+    from agentrl import Trainer
     from agentrl.rollout.engine import Start
-    from agentrl.trainer import Trainer
     from agentrl.envs.replay import Trace
 
     cfg = load_config("leafe", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "rollout.max_turns=4"))
-    trainer = Trainer(cfg, RECIPES.get("leafe")(cfg))
+    trainer = Trainer.from_config(cfg)
     try:
         task = trainer.task_ids("train")[0]
         ep, observations = _expert_entry("sokoban", task)

@@ -96,15 +96,13 @@ def test_shared_memory_weights_round_trip_into_the_worker_extension(tiny_model_d
 
 
 def _trainer(tmp_path, model_dir, *extra):
-    import agentrl.recipes  # noqa: F401
+    from agentrl import Trainer
     from agentrl.config import load_config
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
 
     cfg = load_config("grpo", env="sokoban", overrides=[f"model.name={model_dir}", f"trainer.out_dir={tmp_path}",
                                                          "sft.enabled=false", "trainer.tensorboard=false",
                                                          "trainer.generator=vllm", *extra])
-    return Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    return Trainer.from_config(cfg)
 
 
 def test_vllm_generator_bad_servers_fail_before_any_work(tiny_generator, tiny_model_dir, tmp_path):

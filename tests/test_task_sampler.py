@@ -79,15 +79,13 @@ def test_draws_follow_the_variance():
 def test_a_checkpoint_carries_the_frontier(tiny_model_dir, tmp_path):
     """Through the trainer and the base recipe: a mixed group of round 1 is drawn again in step 2, the
     frontier's counts reach the step's metrics, and a resumed trainer holds the saved frontier."""
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
     from tests.test_trainer import small
 
     over = small(tmp_path, tiny_model_dir, "rollout.task_sampler=learnability", "rollout.frontier_share=0.5",
                  "sft.enabled=false", "eval.tasks=0", "rollout.fill_groups=0")
     cfg = load_config("grpo", env="sokoban", overrides=over)
-    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    t = Trainer.from_config(cfg)
     try:
         rounds = []
 
@@ -107,7 +105,7 @@ def test_a_checkpoint_carries_the_frontier(tiny_model_dir, tmp_path):
         saved = dict(t.recipe.tasks.frontier)
     finally:
         t.close()
-    t2 = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    t2 = Trainer.from_config(cfg)
     try:
         assert t2.load_checkpoint() and t2.recipe.tasks.frontier == saved and saved
     finally:
@@ -125,8 +123,7 @@ def test_bad_sampler_settings_name_the_key():
 def test_a_recipe_that_draws_its_own_tasks_refuses_another_sampler():
     """RRO, LEAFE and the staged recipes never feed the frontier: a learnability run of theirs would be
     uniform in all but name."""
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
+    from agentrl import RECIPES
 
     for name in ("rro", "leafe", "rft"):
         cfg = load_config(name, env="sokoban", overrides=["rollout.task_sampler=learnability"])

@@ -21,11 +21,9 @@ def small(tmp_path, model_dir, *extra):
 
 
 def run(cfg):
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
 
-    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    t = Trainer.from_config(cfg)
     try:
         return t, t.train()
     finally:
@@ -138,15 +136,13 @@ def test_the_warm_start_is_the_sft_pass_with_the_best_selection_reading(tiny_mod
 def test_sft_demo_seed_picks_another_seeds_demonstrations(tiny_model_dir, tmp_path):
     """sft.demo_seed: the demonstrations (tasks and expert draws) are those the run of that seed would use,
     whatever the run's own seed, so the demos can be told apart from the batch order and RL's draws."""
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
     from agentrl.sft import expert_samples
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
 
     def demos(seed, *extra):
         cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path / f"{seed}{len(extra)}", tiny_model_dir,
                                                                   f"trainer.seed={seed}", *extra))
-        t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        t = Trainer.from_config(cfg)
         try:
             samples, _ = expert_samples(t, 6)
         finally:
@@ -348,16 +344,14 @@ def test_sft_under_the_constraint_fits_the_policy_constrained_decoding_samples(t
     log-prob of each is under softmax over those ids (by hand from the model's logits)."""
     import torch
 
-    import agentrl.recipes  # noqa: F401
     from agentrl.learner.batch import collate
-    from agentrl.recipe import RECIPES
     from agentrl.sft import expert_samples
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
 
     def samples(*extra):
         cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path / str(len(extra)), tiny_model_dir,
                                                                   "rollout.max_new_tokens=16", *extra))
-        t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        t = Trainer.from_config(cfg)
         try:
             return t, expert_samples(t, 2)[0]
         finally:
@@ -505,14 +499,12 @@ def test_pass_at_k_unbiased():
 @pytest.mark.timeout(120)
 def test_mini_batches_give_one_optimizer_step_each(tiny_model_dir, tmp_path):
     """algo.mini_batches x algo.ppo_epochs optimizer steps per update, every sample used once an epoch."""
-    import agentrl.recipes  # noqa: F401
     from agentrl.learner.batch import turn_sample
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
 
     cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "algo.mini_batches=3",
                                                               "algo.ppo_epochs=2"))
-    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    t = Trainer.from_config(cfg)
     try:
         samples = [turn_sample([5, 6, 7 + i], [8, 9], [-1.0, -1.0], 1.0 if i % 2 else -1.0) for i in range(7)]
         seen = []
@@ -530,14 +522,12 @@ def test_mini_batches_give_one_optimizer_step_each(tiny_model_dir, tmp_path):
 @pytest.mark.timeout(120)
 def test_mini_batch_samples_scale_the_optimizer_steps_with_the_batch(tiny_model_dir, tmp_path):
     """algo.mini_batch_samples: ceil(samples / it) mini-batches an epoch, whatever algo.mini_batches says."""
-    import agentrl.recipes  # noqa: F401
     from agentrl.learner.batch import turn_sample
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
 
     cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "algo.mini_batches=4",
                                                               "algo.mini_batch_samples=4", "algo.ppo_epochs=2"))
-    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    t = Trainer.from_config(cfg)
     try:
         seen = []
         step = t.engine.step
@@ -571,14 +561,12 @@ def test_time_limit_stops_after_a_step_with_its_reading_and_the_same_command_res
     and checkpointed, and the run resumes from it."""
     import time
 
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
 
     cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=3",
                                                               "eval.every=0", "trainer.checkpoint_every=5",
                                                               "trainer.time_limit_s=1000"))
-    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    t = Trainer.from_config(cfg)
     try:
         t._t0 = time.monotonic() - 999.9  # as if loading had taken almost all of the limit: one step fits, not two
         final = t.train()
@@ -595,14 +583,12 @@ def test_time_limit_stops_after_a_step_with_its_reading_and_the_same_command_res
 def test_dynamic_sampling_rolls_out_until_enough_groups_vary(tiny_model_dir, tmp_path):
     """rollout.fill_groups: more rounds of fresh starts until that many groups have reward variance,
     never more than rollout.max_rounds; every round's episodes reach the batch and after_rollout."""
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
     from agentrl.types import Episode
 
     cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "rollout.fill_groups=2",
                                                               "rollout.max_rounds=4"))
-    t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    t = Trainer.from_config(cfg)
     try:
         # per round, which groups are mixed (one win among the group's rollouts)
         plan = iter([[False, False], [True, False], [False, False], [True, True]])
@@ -634,9 +620,7 @@ def test_filter_on_outcome_lets_shaping_and_dynamic_sampling_combine(tiny_model_
     """With a per-turn penalty every group's rewards differ, so the zero-variance filter and dynamic
     sampling keyed on the reward keep everything; algo.filter_on=outcome tests success alone, while the
     advantages still see the penalty."""
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
     from agentrl.types import Episode, Turn
 
     def ep(group, won, bumps):  # `bumps` of its two turns moved nothing
@@ -651,7 +635,7 @@ def test_filter_on_outcome_lets_shaping_and_dynamic_sampling_combine(tiny_model_
         cfg = load_config("grpo", env="sokoban", overrides=small(
             tmp_path / on, tiny_model_dir, "rollout.ineffective_penalty=-0.1", "rollout.fill_groups=2",
             "rollout.max_rounds=1", f"algo.filter_on={on}"))
-        t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        t = Trainer.from_config(cfg)
         try:
             assert t.recipe.reward(batch[1]) == pytest.approx(-0.1) and t.recipe.outcome(batch[1]) == 0.0
             kept, dropped = t.recipe.filter(list(batch))
@@ -669,9 +653,7 @@ def test_filter_on_outcome_lets_shaping_and_dynamic_sampling_combine(tiny_model_
 def test_rl_lr_schedule_decays_per_step_and_resumes(tiny_model_dir, tmp_path):
     """optim.schedule=linear: the lr each RL step runs at falls toward 0 by trainer.steps, and a run
     killed mid-way resumes on the same curve."""
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
 
     seen = []
 
@@ -679,7 +661,7 @@ def test_rl_lr_schedule_decays_per_step_and_resumes(tiny_model_dir, tmp_path):
         cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "optim.lr=1e-4",
                                                                   "optim.schedule=linear", "trainer.steps=4",
                                                                   "sft.enabled=false", "eval.tasks=0"))
-        t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        t = Trainer.from_config(cfg)
 
         def step(tr):
             if tr.step == kill_at:
@@ -704,15 +686,13 @@ def test_env_step_budget_ends_the_run_and_survives_a_kill(tiny_model_dir, tmp_pa
     """trainer.env_steps: the run stops after the step that reaches the budget (evaluated and checkpointed
     there), a run killed before it resumes with the env steps it had already spent, and a finished run
     trains on when the budget is raised."""
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
+    from agentrl import Trainer
 
     def run_until(kill_at, budget=100):
         cfg = load_config("grpo", env="sokoban", overrides=small(tmp_path, tiny_model_dir, "trainer.steps=50",
                                                                   f"trainer.env_steps={budget}", "eval.every=0",
                                                                   "trainer.checkpoint_every=2", "sft.enabled=false"))
-        t = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        t = Trainer.from_config(cfg)
 
         def step(tr):
             if tr.step == kill_at:

@@ -46,10 +46,8 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
     fixed sequence), one server killed after the first step: the run goes on on the other."""
     import json
 
-    import agentrl.recipes  # noqa: F401
+    from agentrl import Trainer
     from agentrl.config import load_config
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
 
     over = [f"model.name={sokoban_sft_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=1",
             "trainer.generator=vllm", "trainer.vllm_servers=2", "trainer.vllm_port=18641", "sft.enabled=false",
@@ -59,7 +57,7 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
             "algo.filters=[dropped]", "eval.tasks=4",
             "eval.every=1", "trainer.checkpoint_every=1"]
     cfg = load_config("grpo", env="sokoban", overrides=over)
-    trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    trainer = Trainer.from_config(cfg)
     try:
         trainer.train()
         assert len(trainer.generator.pool.live) == 2
@@ -83,11 +81,9 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
 @pytest.mark.timeout(900)
 def test_attaching_to_a_vllm_server_of_another_model_fails_before_training(tiny_model_dir, sokoban_sft_model_dir,
                                                                              tmp_path):
-    import agentrl.recipes  # noqa: F401
+    from agentrl import Trainer
     from agentrl.config import load_config
     from agentrl.generation.client import GenerationServerError
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
 
     server = VLLMServer(tiny_model_dir, port=18651, log_file=str(tmp_path / "vllm.log"), sync="shm")
     server.start()
@@ -96,7 +92,7 @@ def test_attaching_to_a_vllm_server_of_another_model_fails_before_training(tiny_
             f"model.name={sokoban_sft_model_dir}", f"trainer.out_dir={tmp_path / 'run'}", "sft.enabled=false",
             "trainer.generator=vllm", f"trainer.generator_url={server.url}", "trainer.tensorboard=false"])
         with pytest.raises(GenerationServerError, match="does not serve the learner's weights"):
-            Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+            Trainer.from_config(cfg)
     finally:
         server.stop()
 
@@ -107,10 +103,8 @@ def test_lora_policy_syncs_as_adapters(sokoban_sft_model_dir, tmp_path):
     """A LoRA policy: each update loads the adapter (not the full weights) into the server, checked."""
     import json
 
-    import agentrl.recipes  # noqa: F401
+    from agentrl import Trainer
     from agentrl.config import load_config
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
 
     cfg = load_config("grpo", env="sokoban", overrides=[
         f"model.name={sokoban_sft_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=2", "model.lora_r=8",
@@ -118,7 +112,7 @@ def test_lora_policy_syncs_as_adapters(sokoban_sft_model_dir, tmp_path):
         "trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=2", "rollout.group_size=2",
         "rollout.slots=4", "rollout.fill_groups=0", "rollout.max_turns=2", "rollout.max_new_tokens=16",
         "algo.entropy_coef=0.001", "algo.filters=[dropped]", "eval.tasks=0"])
-    trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    trainer = Trainer.from_config(cfg)
     try:
         trainer.train()
         names = {c.lora_name for c in trainer.generator.pool.clients.values()}

@@ -6,11 +6,8 @@ import gc
 import sys
 import time
 
-import agentrl.recipes  # noqa: F401
-from agentrl import dist
+from agentrl import Trainer, dist
 from agentrl.config import load_config
-from agentrl.recipe import RECIPES
-from agentrl.trainer import Trainer
 from tests.ds_recipes_worker import report_and_leave
 from tests.test_trainer import small
 
@@ -21,7 +18,7 @@ def main(model_dir, out_root):
         cfg = load_config("grpo", env="sokoban", overrides=small(f"{out_root}/late{late}", model_dir, "trainer.steps=2",
                                                                   "trainer.engine=deepspeed", "sft.enabled=false",
                                                                   "eval.every=0", "trainer.time_limit_s=1000"))
-        trainer = Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+        trainer = Trainer.from_config(cfg)
         if dist.rank() == late:
             trainer._t0 = time.monotonic() - 999.9
         final = trainer.train()
