@@ -1,7 +1,8 @@
 """`agentrl bench [rollout]` (`make bench`): rollout throughput against its two reference points, on the
 same prompts; `agentrl bench ranks`: the training loop at 1 rank vs N (``agentrl.bench_ranks``);
 `agentrl bench sync`: vLLM weight sync in place vs export + restart (``agentrl.bench_sync``); `agentrl bench
-learner`: the learner's time and memory over batches of new shapes (``agentrl.bench_learner``).
+learner`: the learner's time and memory over batches of new shapes (``agentrl.bench_learner``); `agentrl bench
+async`: the rollout loop in lockstep vs per trajectory on a slow env (``agentrl.bench_async``).
 
 1. the rollout engine: N slots, one batched generate per turn (tokens / wall time, all overheads in);
 2. raw batched generate: the very prompt batches the engine produced, generated again without envs;
@@ -18,26 +19,29 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
-    from agentrl import bench_learner, bench_ranks
+    from agentrl import bench_async, bench_learner, bench_ranks
 
     p = sub.add_parser("bench", help="rollout engine vs raw batched generate vs a sequential loop; "
                        "'bench ranks': training at 1 rank vs N", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", choices=["rollout", "ranks", "sync", "parse", "learner"], default="rollout",
+    p.add_argument("what", nargs="?", choices=["rollout", "ranks", "sync", "parse", "learner", "async"],
+                   default="rollout",
                    help="rollout (default): the rollout engine; ranks: the training loop on 1 vs --ranks ranks; "
                    "sync: vLLM weight sync in place vs export + restart, and rollouts through vLLM; "
                    "parse: action parsing of 1 MB hostile model outputs; learner: the learner's time and memory "
-                   "over batches of new shapes")
+                   "over batches of new shapes; async: lockstep vs per-trajectory rollouts on an env with a "
+                   "long-tailed step latency (one JSON line)")
     p.add_argument("--model", default="tiny", help="tiny | tiny:KEY=N,... | smollm2 | HF folder (default tiny)")
     p.add_argument("--env", default="sokoban")
-    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--slots", type=int, default=0, help="env slots (default 16; async: 32)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--json", help="also write the figures here")
     bench_ranks.add_arguments(p)
     bench_learner.add_arguments(p)
+    bench_async.add_arguments(p)
     p.add_argument("--port", type=int, default=18690, help="sync: the vLLM server's port")
-    p.add_argument("--repeats", type=int, default=5, help="sync: in-place syncs timed")
+    p.add_argument("--repeats", type=int, default=5, help="sync: in-place syncs timed; async: runs of each mode")
     p.set_defaults(func=run)
 
 
@@ -74,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
         from agentrl import bench_learner
 
         return bench_learner.run(args)
+    if args.what == "async":
+        from agentrl import bench_async
+
+        return bench_async.run(args)
+    args.slots = args.slots or 16
     if args.what == "sync":
         from agentrl import bench_sync
 

@@ -42,6 +42,8 @@ class RolloutCfg:
     group_size: int = 4  # rollouts per start state (G)
     slots: int = 16  # env slots rolled out together
     refill: bool = False  # a slot takes the next start when its episode ends (no waves; same episodes, fewer calls)
+    # "async": each episode advances on its own, no per-turn barrier (same episodes; docs/guides/async.md)
+    mode: Literal["lockstep", "async"] = "lockstep"
     pool: Literal["inprocess", "process", "ray"] = "inprocess"
     max_turns: int = 8
     history_len: int = 2

@@ -240,7 +240,7 @@ class Trainer:
                              max_actions_per_turn=r.max_actions_per_turn or None,
                              max_episode_actions=r.max_episode_actions,
                              show_admissible=r.show_admissible, constrain_actions=r.constrain_actions,
-                             prompt=r.prompt, refill=r.refill,
+                             prompt=r.prompt, refill=r.refill, mode=r.mode,
                              sampling=SamplingParams(temperature=r.temperature if temperature is None else temperature,
                                                      top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=stops,
                                                      seed=self.rng.randrange(2**31)))

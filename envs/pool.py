@@ -7,11 +7,15 @@ where it was. If the replay diverges or the worker keeps failing, the episode is
 result says so (``info["dropped"]``), ``stats["dropped"]`` counts it, and the slot refuses further steps
 until it is reset. Errors that are the caller's fault (``EnvError``: unknown task, bad option) are
 raised in the caller, not retried.
+
+Both pools also take one slot's request at a time without blocking (``submit``, ``envs/slots.py``): a
+thread per slot makes the batched call for that slot alone; slots share nothing but the counters.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -20,6 +24,7 @@ from typing import Any
 from agentrl.envs.base import EnvError
 from agentrl.envs.replay import DivergenceError, Trace
 from agentrl.envs.results import StepResult
+from agentrl.envs.slots import SlotThreads
 
 
 @dataclass
@@ -98,7 +103,7 @@ def _replay_journal(env: Any, journal: list[tuple]) -> tuple[str, dict[str, Any]
 # parent side
 
 
-class EnvPool:
+class EnvPool(SlotThreads):
     """``num_slots`` env processes of one registered env, addressed by slot index."""
 
     def __init__(self, env_name: str, num_slots: int, env_kwargs: dict[str, Any] | None = None,
@@ -108,6 +113,7 @@ class EnvPool:
         self.step_timeout, self.start_timeout, self.max_restarts = step_timeout, start_timeout, max_restarts
         self.ctx = mp.get_context(start_method)
         self.stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
+        self._count_lock = threading.Lock()  # submit() runs slots' requests in threads of their own
         self.last_error = ""  # why a worker was last restarted, for the run's summary
         self.slots = [_Slot() for _ in range(num_slots)]
         try:
@@ -146,12 +152,16 @@ class EnvPool:
             s.conn.close()
         s.proc = s.conn = None
 
+    def _count(self, key: str) -> None:
+        with self._count_lock:
+            self.stats[key] += 1
+
     def pid(self, slot: int) -> int:
         return self.slots[slot].proc.pid
 
     def _trouble(self, status: str, why: str) -> tuple[str, str]:
         """Count a timed-out or crashed request and keep why, for the run's summary."""
-        self.stats["timeouts" if status == "timeout" else "crashes"] += 1
+        self._count("timeouts" if status == "timeout" else "crashes")
         self.last_error = why
         return status, why
 
@@ -192,7 +202,7 @@ class EnvPool:
         last = ""
         for _ in range(self.max_restarts):
             self._kill(i)
-            self.stats["restarts"] += 1
+            self._count("restarts")
             try:
                 self._launch(i)
                 self._await_ready(i)
@@ -200,7 +210,7 @@ class EnvPool:
                 last = str(e)
                 continue
             if self.slots[i].journal:
-                self.stats["replayed"] += 1
+                self._count("replayed")
                 if not self._send(i, ("journal", self.slots[i].journal)):
                     continue
                 status, payload = self._recv(i, self.start_timeout)
@@ -229,7 +239,7 @@ class EnvPool:
         out, errors = {}, []
         for i, (status, payload) in answers.items():
             if status == "drop":
-                self.stats["dropped"] += 1
+                self._count("dropped")
                 self.slots[i].dropped, self.slots[i].journal = True, []
                 out[i] = StepResult("", 0.0, True, False, {"dropped": True, "drop_reason": payload})
             elif status == "env_error":
@@ -296,6 +306,7 @@ class EnvPool:
         return payload
 
     def close(self) -> None:
+        self._close_slot_threads()
         for i, s in enumerate(self.slots):
             if s.conn is not None:
                 self._send(i, ("close", None))
@@ -317,7 +328,7 @@ class EnvPool:
             pass
 
 
-class InProcessEnvs:
+class InProcessEnvs(SlotThreads):
     """The ``EnvPool`` interface over envs living in this process: no isolation, no crash recovery,
     no process start-up. For tests, benchmarks and cheap envs; use ``EnvPool`` for real runs."""
 
@@ -351,6 +362,7 @@ class InProcessEnvs:
         return getattr(self.envs[slot], method)(*args, **kwargs)
 
     def close(self) -> None:
+        self._close_slot_threads()
         for env in self.envs:
             env.close()
 

@@ -9,6 +9,12 @@ Two prompt modes: ``window`` (CRPS/verl-agent: a fresh prompt per turn with the 
 observation/action pairs) and ``full`` (RAGEN: one growing chat; each new prompt is the previous prompt +
 the generated ids, untouched, + the next user message, so a whole episode is one sequence whose
 generated spans are exactly what was sampled).
+
+Two loop modes (``RolloutConfig.mode``): ``lockstep`` (above: every turn is a barrier across the slots) and
+``async`` (``agentrl.rollout.trajectories``: each episode advances on its own, its env steps in its slot's
+thread and its next request goes to a scheduler that batches whatever is waiting). Both build prompts,
+record turns and apply steps with the same methods below, and a row's sampling seed depends only on its
+episode's stream and turn, so a seeded run gives the same episodes in either mode.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from agentrl.envs.base import PromptSpec
 from agentrl.envs.replay import Trace
 
 SENTINEL = "\u2063agentrl-split\u2063"
+MODES = ("lockstep", "async")
 
 
 @dataclass
@@ -49,8 +56,12 @@ class RolloutConfig:
     # fewer tokens | "compact_tried": compact, with the actions tried so far listed apart | "numbered": those
     # actions numbered, answered by number
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0, max_new_tokens=64))
+    # "lockstep": one generate call per turn of every live slot | "async": per-trajectory (same episodes)
+    mode: str = "lockstep"
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"rollout.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.chat_mode not in ("window", "full"):
             raise ValueError(f"rollout.chat_mode must be 'window' or 'full', got {self.chat_mode!r}")
         if self.prompt not in PROMPTS:
@@ -138,7 +149,11 @@ class RolloutEngine:
         batch, so an episode samples the same tokens whatever the pool size or the number of ranks."""
         if self.cfg.sampling.seed is None:
             return None
-        return [mix_seed(slots[i].stream, len(slots[i].ep.turns)) for i in live]
+        return [self._seed(slots[i]) for i in live]
+
+    @staticmethod
+    def _seed(sl: _Slot) -> int:
+        return mix_seed(sl.stream, len(sl.ep.turns))
 
     # ----- public ------------------------------------------------------------------------------
     def run(self, starts: list[Start], streams: list[int] | None = None) -> list[Episode]:
@@ -148,6 +163,10 @@ class RolloutEngine:
         if streams is None:
             base = self.cfg.sampling.seed or 0
             streams = [mix_seed(base, i) for i in range(len(starts))]
+        if self.cfg.mode == "async":
+            from agentrl.rollout.trajectories import roll_async
+
+            return roll_async(self, starts, streams)
         if self.cfg.refill:
             return self._roll(starts, streams)
         n = len(self.envs)
@@ -164,18 +183,21 @@ class RolloutEngine:
         restored = {i: (s.trace, s.t0, s.reseed) for i, (s, _) in starts.items() if s.trace is not None}
         results = {**(self.envs.reset(fresh) if fresh else {}), **(self.envs.restore(restored) if restored else {})}
         self.stats["env_s"] += time.perf_counter() - t
-        slots = {}
-        for i, (s, stream) in starts.items():
-            r = results[i]
-            spec = self.envs.call(i, "prompt_spec")
-            ep = Episode(self.env_name, s.task_id, s.seed, s.group_id, r.info.get("category", ""),
-                         self.envs.call(i, "instruction"), s.t0 if s.trace else 0,
-                         list(s.trace.actions[:s.t0]) if s.trace else [], r.obs, r.info.get("fingerprint", ""))
-            ep.dropped = r.dropped
-            slots[i] = _Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
-                             done=r.dropped, max_turns=min(s.max_turns or self.cfg.max_turns, self.cfg.max_turns),
-                             note=s.note, stream=stream)
-        return slots
+        return {i: self._opened(i, s, stream, results[i]) for i, (s, stream) in starts.items()}
+
+    def _opened(self, i: int, s: Start, stream: int, r: Any) -> _Slot:
+        """Slot i's episode at the state its reset/restore answered ``r``."""
+        spec = self.envs.call(i, "prompt_spec")
+        ep = Episode(self.env_name, s.task_id, s.seed, s.group_id, r.info.get("category", ""),
+                     self.envs.call(i, "instruction"), s.t0 if s.trace else 0,
+                     list(s.trace.actions[:s.t0]) if s.trace else [], r.obs, r.info.get("fingerprint", ""))
+        ep.dropped = r.dropped
+        return _Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
+                     done=r.dropped, max_turns=min(s.max_turns or self.cfg.max_turns, self.cfg.max_turns),
+                     note=s.note, stream=stream)
+
+    def _is_live(self, sl: _Slot) -> bool:
+        return not sl.done and len(sl.ep.turns) < sl.max_turns
 
     @staticmethod
     def _live(slots: list[_Slot], among: Any) -> list[int]:
@@ -252,6 +274,67 @@ class RolloutEngine:
         return answer_choices(self.tok, sl.spec.answer_tag, sl.admissible, numbered,
                               self.cfg.sampling.max_new_tokens, self._choice_cache)
 
+    def _request(self, sl: _Slot) -> tuple[list[int], list[str] | None, list[list[int]] | None]:
+        """A live slot's next generation request: (prompt ids, numbered actions, answer choices)."""
+        prompt = self._prompt(sl)
+        numbered = self._numbered(sl)
+        return prompt, numbered, self._choices(sl, numbered) if self.cfg.constrain_actions else None
+
+    def _record(self, sl: _Slot, prompt: list[int], out: Any, numbered: list[str] | None) -> tuple[Turn, list[str]]:
+        """The turn a completion makes (not yet appended), and the actions it asks the env to take."""
+        budget = self.cfg.max_actions_per_turn or sl.spec.max_actions_per_turn
+        parsed = parse_turn(out.text, sl.spec.answer_tag, budget, sl.spec.action_separator,
+                            self.cfg.require_think, sl.admissible, numbered)
+        turn = Turn(prompt, out.ids, out.logprobs, out.text, [], parsed.valid, sl.obs, 0.0, False,
+                    out.finish_reason, info={"parse_error": parsed.error, "over_budget": parsed.over_budget,
+                                             "inadmissible": parsed.inadmissible}, gen_allowed=out.allowed)
+        if sl.plain_prompt is not None and not sl.ep.turns:
+            turn.info["plain_prompt_ids"] = sl.plain_prompt
+        if out.finish_reason == "stop" and out.ids and out.ids[-1] in self._stop_ids:
+            turn.finish_reason = "stop_id"
+        self.stats["generated_tokens"] += len(out.ids)
+        if not parsed.valid:
+            turn.reward += self.cfg.format_penalty
+            return turn, []
+        cap = self.cfg.max_episode_actions
+        return turn, list(parsed.actions)[:cap - sl.env_steps] if cap else list(parsed.actions)
+
+    def _apply(self, sl: _Slot, turn: Turn, action: str, r: Any) -> None:
+        """One env step's result into the turn (a dropped episode ends it)."""
+        if r.dropped:
+            sl.ep.dropped, turn.done = True, True
+            return
+        turn.actions.append(action)
+        if r.info.get("action_is_valid", True):  # SPEAR's tool-call count: actions the env accepted
+            turn.info["valid_actions"] = turn.info.get("valid_actions", 0) + 1
+        turn.fingerprints.append(r.info.get("fingerprint", ""))
+        turn.reward += r.reward
+        turn.observation = r.obs
+        turn.done = r.done
+        sl.admissible = r.info.get("admissible_actions")
+        sl.ep.won, sl.ep.score = bool(r.info.get("won")), float(r.info.get("score", 0.0))
+        sl.ep.progress = float(r.info.get("progress", sl.ep.score))
+        self.stats["env_steps"] += 1
+
+    def _end_turn(self, sl: _Slot, turn: Turn) -> None:
+        """Append a stepped turn to its episode and move the slot to the state after it."""
+        if turn.actions and turn.fingerprints and turn.fingerprints[-1]:
+            before = sl.ep.turns[-1].fingerprints[-1] if sl.ep.turns and sl.ep.turns[-1].fingerprints \
+                else sl.ep.initial_fingerprint
+            if turn.fingerprints[-1] == before and not turn.done:
+                turn.info["ineffective"] = True
+                turn.reward += self.cfg.ineffective_penalty
+        sl.ep.turns.append(turn)
+        self.stats["turns"] += 1
+        if turn.actions:
+            sl.history.append((sl.obs, turn.action_text))
+            sl.env_steps += len(turn.actions)
+        sl.obs = turn.observation
+        if turn.done:
+            sl.done = True
+        elif self.cfg.max_episode_actions and sl.env_steps >= self.cfg.max_episode_actions:
+            sl.done, sl.ep.truncated = True, True  # RAGEN's per-episode action budget is spent
+
     def _turn(self, slots: list[_Slot], live: list[int]) -> None:
         t = time.perf_counter()
         prompts = [self._prompt(slots[i]) for i in live]
@@ -267,24 +350,9 @@ class RolloutEngine:
         turns: dict[int, Turn] = {}
         pending: dict[int, list[str]] = {}
         for i, prompt, out, nb in zip(live, prompts, outs, numbered):
-            sl = slots[i]
-            budget = self.cfg.max_actions_per_turn or sl.spec.max_actions_per_turn
-            parsed = parse_turn(out.text, sl.spec.answer_tag, budget, sl.spec.action_separator,
-                                self.cfg.require_think, sl.admissible, nb)
-            turn = Turn(prompt, out.ids, out.logprobs, out.text, [], parsed.valid, sl.obs, 0.0, False,
-                        out.finish_reason, info={"parse_error": parsed.error, "over_budget": parsed.over_budget,
-                                                 "inadmissible": parsed.inadmissible}, gen_allowed=out.allowed)
-            if sl.plain_prompt is not None and not sl.ep.turns:
-                turn.info["plain_prompt_ids"] = sl.plain_prompt
-            if out.finish_reason == "stop" and out.ids and out.ids[-1] in self._stop_ids:
-                turn.finish_reason = "stop_id"
-            turns[i] = turn
-            self.stats["generated_tokens"] += len(out.ids)
-            if parsed.valid:
-                cap = self.cfg.max_episode_actions
-                pending[i] = list(parsed.actions)[:cap - sl.env_steps] if cap else list(parsed.actions)
-            else:
-                turn.reward += self.cfg.format_penalty
+            turns[i], acts = self._record(slots[i], prompt, out, nb)
+            if acts:
+                pending[i] = acts
         # Step action k of every slot together; a slot stops at its first terminal step.
         t = time.perf_counter()
         k = 0
@@ -293,38 +361,8 @@ class RolloutEngine:
             if not batch:
                 break
             for i, r in self.envs.step(batch).items():
-                turn, sl = turns[i], slots[i]
-                if r.dropped:
-                    sl.ep.dropped, turn.done = True, True
-                    continue
-                turn.actions.append(batch[i])
-                if r.info.get("action_is_valid", True):  # SPEAR's tool-call count: actions the env accepted
-                    turn.info["valid_actions"] = turn.info.get("valid_actions", 0) + 1
-                turn.fingerprints.append(r.info.get("fingerprint", ""))
-                turn.reward += r.reward
-                turn.observation = r.obs
-                turn.done = r.done
-                sl.admissible = r.info.get("admissible_actions")
-                sl.ep.won, sl.ep.score = bool(r.info.get("won")), float(r.info.get("score", 0.0))
-                sl.ep.progress = float(r.info.get("progress", sl.ep.score))
-                self.stats["env_steps"] += 1
+                self._apply(slots[i], turns[i], batch[i], r)
             k += 1
         self.stats["env_s"] += time.perf_counter() - t
         for i, turn in turns.items():
-            sl = slots[i]
-            if turn.actions and turn.fingerprints and turn.fingerprints[-1]:
-                before = sl.ep.turns[-1].fingerprints[-1] if sl.ep.turns and sl.ep.turns[-1].fingerprints \
-                    else sl.ep.initial_fingerprint
-                if turn.fingerprints[-1] == before and not turn.done:
-                    turn.info["ineffective"] = True
-                    turn.reward += self.cfg.ineffective_penalty
-            sl.ep.turns.append(turn)
-            self.stats["turns"] += 1
-            if turn.actions:
-                sl.history.append((sl.obs, turn.action_text))
-                sl.env_steps += len(turn.actions)
-            sl.obs = turn.observation
-            if turn.done:
-                sl.done = True
-            elif self.cfg.max_episode_actions and sl.env_steps >= self.cfg.max_episode_actions:
-                sl.done, sl.ep.truncated = True, True  # RAGEN's per-episode action budget is spent
+            self._end_turn(slots[i], turn)

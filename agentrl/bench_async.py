@@ -1,0 +1,142 @@
+"""`agentrl bench async`: the rollout loop with a per-turn barrier (lockstep) vs per-trajectory (async).
+
+The same starts, the same generator and the same sampling seeds in both modes, on an env whose steps take
+a long-tailed random time (``latency:<env>``, ``envs/latency.py``); answers are constrained to the env's
+admissible actions so that every turn steps the env. Lockstep refills slots as episodes end (its faster
+variant). Throughput is generated tokens over wall time, the median of ``--repeats`` alternating runs;
+``same_episodes`` checks that both modes rolled out identical episodes. Where vLLM is installed
+(``make vllm-setup``), the loop through a vLLM server is also compared with vLLM alone on the same prompts
+(``loop_over_vllm``; the plain env, so env time does not count against the loop).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--latency", default="lognormal", choices=["fixed", "uniform", "lognormal", "pareto"],
+                   help="async: the env's step delay distribution (default lognormal)")
+    p.add_argument("--latency-s", type=float, default=0.05, help="async: median (scale) step delay, s")
+    p.add_argument("--latency-sigma", type=float, default=1.5, help="async: lognormal shape (tail weight)")
+    p.add_argument("--episodes", type=int, default=0, help="async: episodes per run (default 2 x slots)")
+    p.add_argument("--pool", default="inprocess", choices=["inprocess", "process"], help="async: env slots")
+    p.add_argument("--quick", action="store_true", help="async: a seconds-long smoke run (4 slots, 2 turns)")
+
+
+def _signature(episodes: list[Any]) -> list[Any]:
+    return [(ep.task_id, ep.seed, [(t.prompt_ids, t.gen_ids, t.actions, t.reward, t.done) for t in ep.turns])
+            for ep in episodes]
+
+
+def _timed(engine: Any, starts: list[Any]) -> tuple[float, float, list[Any]]:
+    t = time.perf_counter()
+    episodes = engine.run(starts)
+    s = time.perf_counter() - t
+    return engine.stats["generated_tokens"] / s, s, episodes
+
+
+def compare(gen: Any, tok: Any, make_envs: Any, env_name: str, starts: list[Any], turns: int, max_new: int,
+            repeats: int) -> dict[str, Any]:
+    """Median tok/s of lockstep and async over ``repeats`` alternating runs of ``starts``."""
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+    from agentrl.types import SamplingParams
+
+    spec_tag = None
+    rates: dict[str, list[float]] = {"lockstep": [], "async": []}
+    secs: dict[str, list[float]] = {"lockstep": [], "async": []}
+    sigs: dict[str, list[Any]] = {}
+    envs = make_envs()
+    try:
+        spec_tag = envs.call(0, "prompt_spec").answer_tag
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=0, stop=[f"</{spec_tag}>"])
+        for _ in range(repeats):
+            for mode in ("lockstep", "async"):
+                cfg = RolloutConfig(max_turns=turns, sampling=sampling, constrain_actions=True, refill=True,
+                                    mode=mode)
+                rate, s, eps = _timed(RolloutEngine(gen, tok, envs, env_name, cfg), starts)
+                rates[mode].append(rate)
+                secs[mode].append(s)
+                sigs.setdefault(mode, _signature(eps))
+    finally:
+        envs.close()
+    lock, asy = statistics.median(rates["lockstep"]), statistics.median(rates["async"])
+    return dict(lockstep_tok_s=lock, async_tok_s=asy, speedup=asy / lock,
+                lockstep_s=statistics.median(secs["lockstep"]), async_s=statistics.median(secs["async"]),
+                same_episodes=sigs["lockstep"] == sigs["async"])
+
+
+def vllm_figures(model_dir: Path, tok: Any, env: str, starts: list[Any], turns: int, max_new: int, port: int
+                 ) -> dict[str, Any]:
+    """The async loop through a vLLM server vs vLLM alone on the very prompts it sent (all at once)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agentrl.envs.pool import InProcessEnvs
+    from agentrl.generation.vllm import VLLMServer
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+    from agentrl.types import SamplingParams
+
+    srv = VLLMServer(model_dir, port=port)
+    client = srv.start()
+    try:
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=0)
+        cfg = RolloutConfig(max_turns=turns, sampling=sampling, mode="async", refill=True)
+        engine = RolloutEngine(client, tok, InProcessEnvs(env, len(starts)), env, cfg)
+        loop_rate, _, eps = _timed(engine, starts)
+        prompts = [t.prompt_ids for ep in eps for t in ep.turns]
+        t = time.perf_counter()
+        with ThreadPoolExecutor(64) as pool:
+            outs = list(pool.map(lambda p: client.generate([p], sampling, seeds=[0])[0], prompts))
+        alone = sum(len(c.ids) for c in outs) / (time.perf_counter() - t)
+    finally:
+        srv.stop()
+    return dict(vllm_loop_tok_s=loop_rate, vllm_alone_tok_s=alone, loop_over_vllm=loop_rate / alone)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from agentrl.envs import make
+    from agentrl.envs.pool import EnvPool, InProcessEnvs
+    from agentrl.generation.embedded import EmbeddedGenerator
+    from agentrl.generation.vllm import vllm_python
+    from agentrl.model_zoo import resolve_model
+    from agentrl.rollout.engine import Start
+    from agentrl.types import SamplingParams
+
+    slots, turns, repeats = args.slots or 32, args.turns, args.repeats
+    latency_s, max_new = args.latency_s, args.max_new_tokens
+    if args.quick:
+        slots, turns, repeats, latency_s, max_new = 4, 2, 1, min(latency_s, 0.01), min(max_new, 16)
+    n = args.episodes or 2 * slots
+    env_name = f"latency:{args.env}"
+    kwargs = dict(latency=args.latency, latency_s=latency_s, latency_sigma=args.latency_sigma)
+    model_dir = resolve_model(args.model)
+    gen = EmbeddedGenerator.from_folder(model_dir)
+    gen.generate([[gen.tokenizer.eos_token_id] * 8], SamplingParams(max_new_tokens=4))  # warm-up
+    tasks = make(args.env).tasks("train")
+    starts = [Start(tasks[(i // 2) % len(tasks)].task_id, i, f"g{i // 2}") for i in range(n)]
+
+    def make_envs() -> Any:
+        cls = EnvPool if args.pool == "process" else InProcessEnvs
+        return cls(env_name, slots, kwargs)
+
+    fig: dict[str, Any] = dict(model=args.model, env=env_name, latency=args.latency, latency_s=latency_s,
+                               latency_sigma=args.latency_sigma, slots=slots, episodes=n, turns=turns,
+                               max_new_tokens=max_new, repeats=repeats, pool=args.pool,
+                               threads=torch.get_num_threads())
+    fig.update(compare(gen, gen.tokenizer, make_envs, env_name, starts, turns, max_new, repeats))
+    if vllm_python() is None:
+        fig["vllm"] = "skipped: vLLM is not installed (make vllm-setup on CPU, pip install vllm on a GPU node)"
+    elif not args.quick:
+        fig.update(vllm_figures(model_dir, gen.tokenizer, args.env, starts[:slots], turns, max_new, args.port))
+    fig["overlap"] = "not measured: trainer.max_staleness > 0 (rollout/learning overlap) is not implemented yet"
+    line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in fig.items()})
+    print(line)
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+    return 0

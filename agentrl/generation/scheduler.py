@@ -1,0 +1,138 @@
+"""Request scheduling for per-trajectory rollouts: one request per episode turn, batched by the scheduler.
+
+Episodes submit one prompt at a time, whenever they are ready; a ``BatchingScheduler`` lane takes every
+request waiting at that moment and makes one ``generate`` call of them (at most ``max_batch`` rows), so a
+generator is never idle while a request waits and never waits for a row that is not ready. ``lanes`` is
+how many calls may be in flight at once: 1 for the in-process generator (one model, one batch at a time),
+many single-row lanes for servers that batch concurrent requests themselves (vLLM's continuous batching,
+``agentrl serve``'s queue). A row's tokens depend on its own seed only (per-row streams), so how rows are
+grouped into calls does not change what they sample.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.types import Completion, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    seed: int | None
+    choices: list[list[int]] | None
+    future: Future
+
+
+class BatchingScheduler:
+    """Takes requests from any thread (``submit``) and answers each with a future of its ``Completion``.
+
+    ``constrained``: pass ``choices`` to the generator (only then: a test double may not take them).
+    Counters: ``calls`` (generate calls made), ``busy_s`` (wall time with at least one call in flight)."""
+
+    def __init__(self, generator: Any, sampling: SamplingParams, max_batch: int = 0, lanes: int = 1,
+                 constrained: bool = False):
+        if lanes < 1:
+            raise ValueError(f"scheduler lanes must be >= 1, got {lanes}")
+        self.gen, self.sampling, self.max_batch, self.constrained = generator, sampling, max_batch, constrained
+        self.calls, self.busy_s, self.rows = 0, 0.0, 0
+        self._q: queue.Queue[_Request | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._active, self._since, self._pending = 0, 0.0, 0
+        self._threads = [threading.Thread(target=self._lane, daemon=True, name=f"agentrl-schedule-{k}")
+                         for k in range(lanes)]
+        for th in self._threads:
+            th.start()
+
+    def submit(self, prompt: list[int], seed: int | None = None, choices: list[list[int]] | None = None) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            self._pending += 1
+        self._q.put(_Request(prompt, seed, choices, fut))
+        return fut
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet answered."""
+        return self._pending
+
+    def _take(self) -> list[_Request] | None:
+        """Block for one request, then take every other one waiting now (up to ``max_batch``)."""
+        first = self._q.get()
+        if first is None:
+            return None
+        batch = [first]
+        while not self.max_batch or len(batch) < self.max_batch:
+            try:
+                nxt = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:  # closing: let a sibling lane see it too
+                self._q.put(None)
+                break
+            batch.append(nxt)
+        return batch
+
+    def _lane(self) -> None:
+        while (batch := self._take()) is not None:
+            with self._lock:
+                if self._active == 0:
+                    self._since = time.perf_counter()
+                self._active += 1
+            try:
+                outs = self._generate(batch)
+                err = None
+            except BaseException as e:  # every row of the call gets the error; the lane goes on
+                outs, err = [], e
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self.busy_s += time.perf_counter() - self._since
+                self.calls += 1
+                self.rows += len(batch)
+                self._pending -= len(batch)
+            for k, r in enumerate(batch):
+                if err is not None:
+                    r.future.set_exception(err)
+                else:
+                    r.future.set_result(outs[k])
+
+    def _generate(self, batch: list[_Request]) -> list[Completion]:
+        seeds = [r.seed for r in batch]
+        extra = {"choices": [r.choices for r in batch]} if self.constrained else {}
+        outs = self.gen.generate([r.prompt for r in batch], self.sampling,
+                                 seeds=None if any(s is None for s in seeds) else seeds, **extra)
+        if len(outs) != len(batch):
+            raise RuntimeError(f"generator returned {len(outs)} completions for {len(batch)} prompts")
+        return outs
+
+    def close(self) -> None:
+        """Stop the lanes once the requests already queued are answered."""
+        for _ in self._threads:
+            self._q.put(None)
+        for th in self._threads:
+            th.join()
+
+    def __enter__(self) -> "BatchingScheduler":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def scheduler_for(generator: Any, sampling: SamplingParams, constrained: bool = False,
+                  in_flight: int = 64) -> BatchingScheduler:
+    """The scheduling a generator wants: servers (``RemoteGenerator``, ``VLLMFleet``) get ``in_flight``
+    concurrent single-row requests and batch them themselves; anything else (the in-process generator)
+    gets one lane that batches whatever is waiting."""
+    from agentrl.generation.client import RemoteGenerator
+    from agentrl.generation.vllm_fleet import VLLMFleet
+
+    served = isinstance(generator, (RemoteGenerator, VLLMFleet))
+    if served:
+        return BatchingScheduler(generator, sampling, max_batch=1, lanes=in_flight, constrained=constrained)
+    return BatchingScheduler(generator, sampling, lanes=1, constrained=constrained)
