@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ from agentrl.learner.models import CHATML, ModelError
 from agentrl.envs.cache import cache_dir
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+log = logging.getLogger(__name__)
 
 
 def resolve_model(spec: str) -> Path:
@@ -47,6 +49,7 @@ def _publish(build: Any, final: Path) -> Path:
     """Build into a temp folder and rename, so concurrent processes never see half a model."""
     if (final / "config.json").exists():
         return final
+    log.info("building the model folder %s (once: later runs reuse it)", final)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
     try:
         build(tmp)
@@ -133,11 +136,14 @@ def tiny_folder(**overrides: Any) -> Path:
 def env_corpus(envs: tuple[str, ...] = ("sokoban", "sokoban-large", "frozenlake", "bandit", "webshop", "alfworld"),
                tasks_per_env: int = 30) -> list[str]:
     """Text the tiny tokenizer is trained on: expert episodes rendered as the rollout engine renders them."""
+    from agentrl.progress import Progress
     from agentrl.rollout.prompts import step_messages
     from agentrl.envs import make
     from agentrl.envs.replay import run_expert
 
     lines: list[str] = []
+    # a fresh clone builds ALFWorld games here (~0.5 s each); rank 0 alone shows it
+    progress = Progress("tiny tokenizer corpus", len(envs) * tasks_per_env, os.environ.get("RANK", "0") == "0")
     for name in envs:
         # the corpus must not move: it fixes every env's token ids (ALFWorld's text from its planner expert)
         env = make(name, **({"expert": "planner"} if name == "alfworld" else {}))
@@ -152,8 +158,10 @@ def env_corpus(envs: tuple[str, ...] = ("sokoban", "sokoban-large", "frozenlake"
                     lines.append(f"<think>I should {action} now.</think>"
                                  f"<{spec.answer_tag}>{action}</{spec.answer_tag}>")
                     history.append((obs, action))
+                progress.advance(info=name)
         finally:
             env.close()
+    progress.close()
     return lines
 
 

@@ -13,6 +13,7 @@ from agentrl import dist
 from agentrl.algos.losses import sft_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
 from agentrl.learner.lr import lr_factor, restore_lr, set_lr
+from agentrl.progress import Progress
 from agentrl.generation.embedded import along_choices
 from agentrl.rollout.engine import RolloutConfig, answer_choices, first_prompt_ids
 from agentrl.rollout.prompts import numbered_actions
@@ -36,6 +37,7 @@ def _answer(action: str, numbered: list[str] | None) -> str:
 
 
 _DEMO_ENV: Any = None
+SFT_LINE_EVERY_S = 10.0  # a progress line at least this often during SFT (and one at each pass's end)
 
 
 def noisy_expert_episode(env: Any, task_id: str, seed: int, noise: float = 0.0
@@ -76,26 +78,41 @@ def _play_demo(job: tuple[str, dict, str, int, float]
 
 
 def expert_demos(env_name: str, env_kwargs: dict, jobs: list[tuple[str, int]], workers: int = 1,
-                 noise: float = 0.0) -> list[Any]:
+                 noise: float = 0.0, show: bool = False) -> list[Any]:
     """(trace, observations, infos, targets, prompt spec, instruction) per (task, seed), in order. With
     workers > 1 they are played in that many processes: a fresh clone's ALFWorld demos are mostly game
-    generation (~0.5 s a game), which halves on two cores. The episodes are the same either way."""
+    generation (~0.5 s a game), which halves on two cores. The episodes are the same either way.
+    ``show``: progress lines (or a bar) while they are played, since a first ALFWorld run builds its games here."""
     todo = [(env_name, env_kwargs, t, seed, noise) for t, seed in jobs]
     if workers == 0:  # one per core, at most 8 (each holds an env; ALFWorld's engine is ~80 MiB)
         workers = min(8, os.cpu_count() or 1)
-    if workers <= 1 or len(todo) < 2 * workers:
-        global _DEMO_ENV
-        _DEMO_ENV = None
-        try:
-            return [_play_demo(j) for j in todo]
-        finally:
-            if _DEMO_ENV is not None:
-                _DEMO_ENV.close()
-            _DEMO_ENV = None
-    import multiprocessing as mp
+    out: list[Any] = []
+    won = 0
+    with Progress(f"{env_name} demonstrations", len(todo), show) as progress:
 
-    with mp.get_context("spawn").Pool(workers) as pool:
-        return list(pool.imap(_play_demo, todo, chunksize=4))
+        def keep(demo: Any) -> None:
+            nonlocal won
+            out.append(demo)
+            won += bool(demo[2][-1].get("won"))
+            progress.advance(info=f"expert success {won / len(out):.2f}")
+
+        if workers <= 1 or len(todo) < 2 * workers:
+            global _DEMO_ENV
+            _DEMO_ENV = None
+            try:
+                for j in todo:
+                    keep(_play_demo(j))
+            finally:
+                if _DEMO_ENV is not None:
+                    _DEMO_ENV.close()
+                _DEMO_ENV = None
+            return out
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(workers) as pool:
+            for demo in pool.imap(_play_demo, todo, chunksize=4):
+                keep(demo)
+        return out
 
 
 def _seed_or_runs(trainer: "Run", seed: int) -> int:
@@ -114,7 +131,7 @@ def expert_samples(trainer: "Run", n_episodes: int, split: str = "train") -> tup
     jobs = [(task_id, rng.randrange(2**31)) for task_id in rng.sample(ids, min(n_episodes, len(ids)))]
     samples, wins = [], 0
     for (task_id, _), demo in zip(jobs, expert_demos(trainer.cfg.env, trainer.cfg.env_kwargs, jobs, s.workers,
-                                                    s.noise)):
+                                                    s.noise, show=trainer.is_main and trainer.cfg.trainer.progress)):
         wins += bool(demo[2][-1].get("won"))
         for prompt, target, choices in demo_steps(tok, cfg, demo, s.constrain_actions):
             allowed = along_choices(target[:-1], choices)  # None without sft.constrain_actions (no choices)
@@ -237,7 +254,7 @@ def fit_sft(trainer: "Run", samples: list[Sample], epochs: int, batch_size: int,
 
     losses = []
     n_batches = (len(samples) + batch_size - 1) // batch_size
-    t0 = time.perf_counter()
+    t0 = shown = time.perf_counter()  # shown: when the last progress line was printed
     done = 0  # batches made
     last = max(epochs, max_epochs) if keep_going else epochs
     of = f"{epochs}-{last}" if last > epochs else str(epochs)
@@ -256,9 +273,10 @@ def fit_sft(trainer: "Run", samples: list[Sample], epochs: int, batch_size: int,
         batch = collate(weighted, eng.pad_id)
         losses.append(eng.step(batch, loss)["loss"])
         done += 1
-        if b % 50 == 0 or b == n_batches:  # a long warm start should not be silent
+        if b == n_batches or time.perf_counter() - shown >= SFT_LINE_EVERY_S:  # a long warm start is never silent
+            shown = time.perf_counter()
             trainer.echo(f"sft {stage + ' ' if stage else ''}pass {epoch + 1}/{of}: batch {b}/{n_batches}, "
-                         f"loss {losses[-1]:.3f}, {time.perf_counter() - t0:.0f}s")
+                         f"loss {losses[-1]:.3f}, {shown - t0:.0f}s")
         past = done - epochs * n_batches
         if asking and past >= 0 and (past % every == 0 or done == last * n_batches):
             trainer.sync_weights()

@@ -4,6 +4,7 @@ env (``envs.alfworld_env``) and the game generator (``envs.alfworld_gen``), whic
 game is solvable."""
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,7 @@ def plan_game(game_file: Path) -> list[str] | None:
         _PLANNER.load(str(game_file))
         inner = innermost(_PLANNER)
         plan = inner._pddl_state.replan(inner._entity_infos)
-    except Exception:  # the planner raises on unsolvable problems; those are filtered out
+    except Exception as e:  # the planner raises on unsolvable problems; those are filtered out
+        logging.getLogger(__name__).debug("no plan for %s (%s: %s)", game_file, type(e).__name__, e)
         return None
     return list(plan) if plan else None

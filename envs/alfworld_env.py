@@ -16,7 +16,9 @@ back to it when it has nothing left to try.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from agentrl.envs.cache import cache_dir
 REAL_SPLITS = {"train": "train", "valid": "valid_seen", "test": "valid_unseen"}
 ALFWORLD_DEFAULT_CACHE = Path("~/.cache/alfworld").expanduser()
 GEN_VERSION = "v1"  # bump when the generator changes, so cached games are not mixed across versions
+log = logging.getLogger(__name__)
 
 
 def _real_games(root: Path) -> dict[str, list[Task]]:
@@ -97,7 +100,9 @@ class AlfWorldEnv(TextEnv):
         folder = cache_dir("alfworld", GEN_VERSION, split, task_type) / f"{i:05d}"
         if not (folder / "game.tw-pddl").exists() or not json.loads((folder / "game.tw-pddl").read_text()).get(
                 "solvable"):
+            t = time.perf_counter()
             write_game(folder, layout, task_type, seed)
+            log.debug("generated game %s in %.2f s (cached in %s)", task.task_id, time.perf_counter() - t, folder)
         return folder / "game.tw-pddl"
 
     def game_file(self, task: Task) -> Path:
@@ -163,6 +168,7 @@ class AlfWorldEnv(TextEnv):
         inner = innermost(self.tw)
         try:
             plan = inner._pddl_state.replan(inner._entity_infos)
-        except Exception:
+        except Exception as e:  # the planner raises where no plan is left: the expert has no action
+            log.debug("planner: no plan from this state of %s (%s: %s)", self.name, type(e).__name__, e)
             return None
         return plan[0] if plan else None

@@ -7,7 +7,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # lowest first; a module may import from its own layer or any layer below
 LAYERS = [
     ["agentrl.types", "agentrl.registry", "agentrl.seeds", "agentrl.prefix", "agentrl.schema", "agentrl.dist",
-     "agentrl.launch", "agentrl.io_atomic"],
+     "agentrl.launch", "agentrl.io_atomic", "agentrl.progress", "agentrl.logs",
+     "agentrl.checkpoint"],
     ["agentrl.envs", "agentrl.algos", "agentrl.metrics"],
     ["agentrl.config"],  # the config dataclasses, which every layer above may be typed against
     ["agentrl.learner"],
@@ -20,7 +21,7 @@ LAYERS = [
     ["agentrl.trainer"],
     ["agentrl.train_cmd", "agentrl.serve_cmd", "agentrl.envs_cmd", "agentrl.bench_cmd",
      "agentrl.bench_ranks", "agentrl.bench_sync", "agentrl.bench_rollout", "agentrl.bench_learner",
-     "agentrl.cli", "agentrl"],
+     "agentrl.bench_async", "agentrl.cli", "agentrl"],
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 # config.py holds both the dataclasses (low) and the loader, whose name checks look up the recipes,
