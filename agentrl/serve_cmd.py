@@ -24,6 +24,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--api-key", default=os.environ.get("AGENTRL_API_KEY"),
                    help="agentrl backend: require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $AGENTRL_API_KEY; none: no key)")
+    p.add_argument("--max-request-tokens", type=int, default=1 << 17, metavar="N",
+                   help="agentrl backend: refuse (400) a request whose prompts x n x max_tokens is more than N "
+                        "(default 131072)")
+    p.add_argument("--max-client-tokens", type=int, default=1 << 20, metavar="N",
+                   help="agentrl backend: answer 429 (Retry-After) while one client address has more than N tokens "
+                        "(prompt + max_tokens, every row) queued or running (default 1048576)")
+    p.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="agentrl backend: open connections and requests in flight; beyond, 503 (default 1024)")
     p.set_defaults(func=run)
 
 
@@ -39,10 +47,23 @@ def run(args: argparse.Namespace) -> int:
         # our logits processor (constrained decoding) must be importable by vLLM's interpreter
         os.execve(cmd[0], cmd, vllm_env(None, args.lora))
     from agentrl.generation.embedded import EmbeddedGenerator
+    from agentrl.generation.requests import ServerLimits
     from agentrl.generation.server import start_server
 
-    server = start_server(EmbeddedGenerator.from_folder(folder, args.dtype), str(args.model), args.host, args.port,
-                          allow_weights_dirs=args.allow_weights_dir, api_key=args.api_key)
+    for flag in ("max_request_tokens", "max_client_tokens", "max_connections"):
+        if getattr(args, flag) < 1:
+            print(f"error: --{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
+            return 2
+    limits = ServerLimits(max_request_tokens=args.max_request_tokens, max_client_tokens=args.max_client_tokens,
+                          max_connections=args.max_connections)
+    generator = EmbeddedGenerator.from_folder(folder, args.dtype)
+    try:
+        server = start_server(generator, str(args.model), args.host, args.port,
+                              allow_weights_dirs=args.allow_weights_dir, api_key=args.api_key, limits=limits)
+    except OSError as e:  # the port is taken, or the address is not this machine's
+        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e}): pick another --port or --host",
+              file=sys.stderr)
+        return 2
     print(f"serving {args.model} ({folder}) on http://{args.host}:{server.server_address[1]}  (Ctrl-C stops)",
           flush=True)
     try:

@@ -1,6 +1,9 @@
-"""Several generation servers as one generator (real `agentrl serve` HTTP servers on loopback), and the
-shared-memory weight hand-over that vLLM's workers read (the vLLM side runs in `make test-vllm`)."""
+"""Several generation servers as one generator (real `agentrl serve` HTTP servers on loopback), the
+shared-memory weight hand-over that vLLM's workers read (the vLLM side runs in `make test-vllm`), and
+`agentrl serve` under hostile input: over-context prompts, abandoned requests, budgets, a bad row in a
+batch, slow or malformed bodies, linked or corrupt weights."""
 import json
+import time
 import types
 
 import pytest
@@ -231,3 +234,263 @@ def test_constrained_rollouts_through_a_server_equal_in_process_ones(tiny_genera
     turns = [[(t.gen_ids, t.gen_allowed, t.actions) for t in ep.turns] for ep in served]
     assert turns == [[(t.gen_ids, t.gen_allowed, t.actions) for t in ep.turns] for ep in local]
     assert all(t.gen_allowed and not t.info["inadmissible"] for ep in served for t in ep.turns)
+
+
+# ----- `agentrl serve` under hostile input (issue 68: context, cancellation, budgets, isolation, weights) ----
+
+def _post(url, body, headers=None, timeout=60):
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_generator):
+    """A server with small timeouts and budgets, so the tests that hit them run in a second or two."""
+    from agentrl.generation.requests import ServerLimits
+
+    srv = start_server(tiny_generator, "tiny-test", port=0, limits=ServerLimits(
+        header_timeout_s=1.0, body_timeout_s=1.0, max_request_tokens=1 << 17, max_client_tokens=4000))
+    yield srv, f"http://127.0.0.1:{srv.server_address[1]}"
+    _kill(srv)
+
+
+@pytest.mark.parametrize("route,body,param,words", [
+    # 16,000 token ids and max_tokens 1 were answered after 8 s, with 360 MB more RSS
+    ("completions", {"prompt": list(range(16)) * 1000, "max_tokens": 1}, "prompt", "context of 4096 tokens"),
+    ("completions", {"prompt": [1] * 4096, "max_tokens": 1}, "prompt", "context of 4096 tokens"),
+    ("completions", {"prompt": [1] * 4000, "max_tokens": 200}, "max_tokens",
+     "'max_tokens' must be an integer in [1, 96]"),
+    ("completions", {"prompt": [1] * 4097, "max_tokens": 0, "echo": True}, "prompt", "context of 4096 tokens"),
+    ("completions", {"prompt": "Up Left " * 3000, "max_tokens": 1}, "prompt", "context of 4096 tokens"),
+    ("completions", {"prompt": [[1] * 2000] * 600}, "prompt", "more than this server takes in one request"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Up Left " * 3000}]}, "prompt", "context of 4096"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages", "'messages' must be"),
+    ("completions", {"prompt": [1, 2], "n": 64, "max_tokens": 4000}, "max_tokens", "budget per request (131072"),
+    ("completions", {"prompt": [1, 2], "seed": 10**30}, "seed", "'seed' must be an integer in"),
+    ("completions", {"prompt": [[1, 2], [3]], "seed": [1, -(10**20)]}, "seed", "'seed' must be an integer in"),
+    ("completions", {"prompt": [1, 2], "stream": True}, "stream", "'stream' must be false"),
+    ("completions", {"prompt": [1, 2], "top_p": 0}, "top_p", "'top_p' must be a number in (0, 1]"),
+    ("completions", {"prompt": [1, 2], "temperature": True}, "temperature", "'temperature' must be a number"),
+])
+def test_every_route_checks_the_context_and_the_budgets(guarded, route, body, param, words):
+    srv, url = guarded
+    status, out = _post(f"{url}/v1/{route}", body)
+    assert status == 400 and words in out["error"]["message"] and out["error"]["param"] == param, out
+    assert out["error"]["type"] == "invalid_request_error"
+    status, out = _post(f"{url}/v1/completions", {"prompt": [1] * 4095, "max_tokens": 1})  # the edge fits
+    assert status == 200 and len(out["choices"][0]["token_ids"]) == 1
+
+
+def test_malformed_bodies_framing_and_slow_clients(guarded):
+    import http.client
+    import socket
+    import time
+
+    srv, url = guarded
+    port = srv.server_address[1]
+    for raw, words in [(b"{bad", "not valid JSON"), (b"[1, 2]", "JSON object"), (b"", "prompt must be")]:
+        status, out = _post(f"{url}/v1/completions", raw)
+        assert status == 400 and words in out["error"]["message"]
+    status, out = _post(f"{url}/nowhere", {})
+    assert status == 404 and out["error"]["message"] == "no route /nowhere"
+    # a chunked body is read whole; one past the cap is refused while it streams in
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", body=iter([b'{"prompt": [1, 2', b', 3], "max_tokens": 2}']),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    resp = conn.getresponse()
+    assert resp.status == 200 and len(json.loads(resp.read())["choices"][0]["token_ids"]) <= 2
+    conn.request("POST", "/v1/completions", body=iter([b" " * (1 << 20)] * 9), encode_chunked=True)
+    assert conn.getresponse().status == 413
+    conn.close()
+    # a body that stops arriving: 408 after body_timeout_s; headers that never end: closed after header_timeout_s
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        assert s.recv(4096).startswith(b"HTTP/1.1 408")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        t = time.monotonic()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert s.recv(4096) == b"" and time.monotonic() - t < 5  # closed by the server, no answer owed
+    assert _post(f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 1})[0] == 200
+
+
+def test_an_abandoned_request_is_cancelled_and_the_next_one_is_answered_at_once(guarded, tiny_generator):
+    """32 rows forced to decode 4,000 tokens each (one allowed answer that long); its client hangs up after
+    1 s. Before, the next request waited for all of it (103 s for the issue's n=64, max_tokens=1500)."""
+    import http.client
+    import time
+
+    srv, url = guarded
+    worker = srv.service.worker
+    before = worker.stats["cancelled_rows"]
+    long = [[7 + i % 50 for i in range(4000)]]
+    body = json.dumps({"prompt": [[1, 2, 3, 4]] * 32, "max_tokens": 4000, "temperature": 1.0,
+                       "choice_token_ids": [long] * 32}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=60)
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    time.sleep(1.0)
+    conn.close()  # the client hangs up
+    t = time.monotonic()
+    while srv.service._queued and time.monotonic() - t < 5:  # its budget is released once the hang-up is seen
+        time.sleep(0.01)
+    status, out = _post(f"{url}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4})
+    took = time.monotonic() - t
+    assert status == 200 and out["choices"][0]["token_ids"]
+    assert took < 5, took  # the whole big request takes ~100 s on one loaded core
+    deadline = time.monotonic() + 5
+    while worker.stats["cancelled_rows"] < before + 32 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.stats["cancelled_rows"] == before + 32
+
+
+def test_queued_work_is_bounded_per_client(guarded):
+    """max_client_tokens=4000: a second request while the first is queued is a 429 with Retry-After; the
+    first is answered once the worker is free."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from agentrl.generation.server import _Call
+
+    srv, url = guarded
+    gate = threading.Event()
+    srv.service.worker.submit(_Call(lambda call: gate.wait(30)))  # the worker is busy until the gate opens
+    first = {}
+    t = threading.Thread(target=lambda: first.update(r=_post(f"{url}/v1/completions",
+                                                            {"prompt": [1, 2, 3], "n": 8, "max_tokens": 400})))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.service._queued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(
+            {"prompt": [1, 2, 3], "n": 2, "max_tokens": 400}).encode(), headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
+        assert "too much work queued for 127.0.0.1" in json.loads(e.value.read())["error"]["message"]
+    finally:
+        gate.set()
+        t.join(60)
+    assert first["r"][0] == 200 and len(first["r"][1]["choices"]) == 8
+    assert not srv.service._queued  # released once answered
+
+
+def test_a_request_that_fails_inside_a_batch_fails_alone(tiny_generator):
+    """Three requests batched into one generate, the middle one with a seed no generator takes (validation
+    would stop it at the door; here it is handed straight to the worker): the honest two get exactly what
+    they get alone, the bad one its own error. Before, all of a batch failed with it (20 of 20 tries)."""
+    import threading
+
+    from agentrl.generation.server import BatchingWorker, _Call, _Job
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    worker = BatchingWorker(tiny_generator)
+    gate = threading.Event()
+    worker.submit(_Call(lambda call: gate.wait(30)))  # hold the worker so the three queue up together
+    jobs = [_Job([[1, 2, 3]], sampling, [11]), _Job([[4, 5]], sampling, [2**70]), _Job([[6, 7, 8]], sampling, [13])]
+    futures = [worker.submit(j) for j in jobs]
+    gate.set()
+    honest = [futures[0].result(60), futures[2].result(60)]
+    with pytest.raises(Exception, match="Overflow|seed"):
+        futures[1].result(60)
+    assert worker.stats["isolated_failures"] == 1
+    for got, (p, s) in zip(honest, [([1, 2, 3], 11), ([6, 7, 8], 13)]):
+        assert [c.ids for c in got] == [c.ids for c in tiny_generator.generate([p], sampling, seeds=[s])]
+    worker.close()
+
+
+def test_cancelled_rows_leave_the_batch_and_the_others_are_unchanged(tiny_generator):
+    g = tiny_generator
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    prompts, seeds = [[1, 2, 3], [4, 5], [6, 7, 8]], [1, 2, 3]
+    ref = g.generate(prompts, sampling, seeds=seeds)
+    steps = []
+
+    def cancelled():
+        steps.append(1)
+        return {1} if len(steps) >= 3 else set()
+
+    got = g.generate(prompts, sampling, seeds=seeds, cancelled=cancelled)
+    assert got[1].finish_reason == "cancelled" and got[1].ids == ref[1].ids[:len(got[1].ids)] and len(got[1].ids) <= 3
+    assert [got[0].ids, got[2].ids] == [ref[0].ids, ref[2].ids]
+    assert all(c.finish_reason == "cancelled" for c in g.generate(prompts, sampling, cancelled=lambda: {0, 1, 2}))
+
+
+def _weights_folder(model_dir, dest, edit=None):
+    """A copy of ``model_dir``'s config and weights in ``dest``, ``edit`` applied to the tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True)
+    shutil.copy(model_dir / "config.json", dest / "config.json")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    if edit:
+        edit(tensors)
+    save_file(tensors, str(dest / "model.safetensors"))
+    return dest
+
+
+def test_load_weights_refuses_links_out_nan_and_integer_tensors(tiny_generator, tiny_model_dir, tmp_path):
+    """Each refused load names what is wrong, and the served weights are untouched by it."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    srv = start_server(tiny_generator, "tiny-test", port=0, allow_weights_dirs=[str(allowed)])
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    probe = {"prompt": [1, 2, 3, 4], "max_tokens": 0, "echo": True}
+    try:
+        before = _post(f"{url}/v1/completions", probe)[1]["choices"][0]["logprobs"]["token_logprobs"]
+        elsewhere = _weights_folder(tiny_model_dir, outside / "w")
+        linked = allowed / "linked"  # a real folder inside the allowed one, its weights a link to elsewhere
+        linked.mkdir(parents=True)
+        (linked / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+        (linked / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
+        (allowed / "folder_link").symlink_to(elsewhere, target_is_directory=True)
+
+        def nan(t):
+            t["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+
+        def ints(t):
+            t["model.norm.weight"] = t["model.norm.weight"].to(torch.int64)
+
+        _weights_folder(tiny_model_dir, allowed / "nan", nan)
+        _weights_folder(tiny_model_dir, allowed / "ints", ints)
+        (allowed / "torn").mkdir()
+        (allowed / "torn" / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+        (allowed / "torn" / "model.safetensors").write_bytes(b"\x00" * 64)
+        for name, code, words in [
+                ("linked", 403, "model.safetensors links outside the directories"),
+                ("folder_link", 403, "not under a directory this server may load weights from"),
+                ("nan", 400, "tensor model.layers.0.mlp.up_proj.weight has 1 NaN or infinite values"),
+                ("ints", 400, "tensor model.norm.weight is int64, the served model's is float32"),
+                ("torn", 400, "model.safetensors is not a readable safetensors file")]:
+            status, out = _post(f"{url}/load_weights", {"path": str(allowed / name)})
+            assert status == code and words in out["error"]["message"], (name, out)
+        assert _post(f"{url}/load_weights", {"path": 5})[1]["error"]["param"] == "path"
+        after = _post(f"{url}/v1/completions", probe)[1]["choices"][0]["logprobs"]["token_logprobs"]
+        assert after == before
+        _weights_folder(tiny_model_dir, allowed / "good")
+        assert _post(f"{url}/load_weights", {"path": str(allowed / "good")})[0] == 200
+    finally:
+        _kill(srv)
+
+
+@pytest.mark.slow
+def test_the_load_test_answers_every_normal_request(tmp_path):
+    """scripts/load_test_server.py, short: 20 clients for 5 s against a real `agentrl serve` process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "scripts/load_test_server.py", "--clients", "20", "--seconds", "5"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["normal_sent"] > 0 and report["normal_answered"] == report["normal_sent"], report
+    assert set(report["errors_by_code"]) <= {"400", "413", "429"}, report

@@ -29,6 +29,15 @@ from agentrl.generation.embedded import along_choices
 from agentrl.types import Completion, SamplingParams
 
 CHOICES_XARG = "agentrl_choices"  # the vllm_xargs key our vLLM logits processor reads (a JSON string)
+BUSY_WAIT_S = 120.0  # how long a request waits out a busy server (429/503 with Retry-After) before failing
+
+
+def _retry_after(e: urllib.error.HTTPError) -> float | None:
+    """The server's Retry-After in seconds (at most 10), or None when it sent none."""
+    try:
+        return min(10.0, max(0.05, float(e.headers.get("Retry-After", ""))))
+    except (TypeError, ValueError):
+        return None
 
 
 class GenerationServerError(RuntimeError):
@@ -59,14 +68,23 @@ class RemoteGenerator:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            raise GenerationServerError(f"{method} {path}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}",
-                                        e.code) from None
-        except urllib.error.URLError as e:
-            raise GenerationServerError(f"{method} {path}: cannot reach {self.base_url} ({e.reason})") from None
+        waited = 0.0
+        while True:
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    raw = resp.read()
+                break
+            except urllib.error.HTTPError as e:
+                # 429: this client has too much queued on the server; 503: its connections are full. Both pass.
+                pause = _retry_after(e)
+                if e.code in (429, 503) and pause is not None and waited + pause <= min(self.timeout, BUSY_WAIT_S):
+                    time.sleep(pause)
+                    waited += pause
+                    continue
+                raise GenerationServerError(f"{method} {path}: HTTP {e.code}: "
+                                            f"{e.read().decode(errors='replace')[:500]}", e.code) from None
+            except urllib.error.URLError as e:
+                raise GenerationServerError(f"{method} {path}: cannot reach {self.base_url} ({e.reason})") from None
         if not raw.strip():
             return {}
         try:

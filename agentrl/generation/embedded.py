@@ -6,6 +6,7 @@ live rows cost. Each sampled token's log-prob is taken from the same logits it w
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -165,12 +166,18 @@ class EmbeddedGenerator:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
-                 choices: list[list[list[int]] | None] | None = None) -> list[Completion]:
+                 choices: list[list[list[int]] | None] | None = None,
+                 cancelled: Callable[[], Collection[int]] | None = None) -> list[Completion]:
         """``choices``: per prompt, the token-id sequences its completion must be one of (None: free); each
         token is then drawn from softmax over the ids that continue a choice, and its log-prob is under
-        that distribution (``Completion.allowed`` lists those ids)."""
+        that distribution (``Completion.allowed`` lists those ids).
+        ``cancelled``: asked before the prefill and after every decode step for the indices of the prompts
+        nobody waits for any more (a server's client hung up); those rows stop there with
+        ``finish_reason="cancelled"`` and leave the batch, the others go on exactly as without it."""
         if not prompts:
             return []
+        if cancelled is not None and len(set(cancelled())) >= len(prompts):
+            return [Completion([], [], "", "cancelled", []) for _ in prompts]
         if choices is not None and len(choices) != len(prompts):
             raise ValueError(f"{len(choices)} choice lists for {len(prompts)} prompts")
         tries = [ChoiceTrie(c) if c else None for c in (choices or [None] * len(prompts))]
@@ -212,6 +219,13 @@ class EmbeddedGenerator:
                     finish[r] = "stop"
                 else:
                     keep.append(j)
+            if cancelled is not None and keep:
+                gone = cancelled()
+                if gone:
+                    for j in keep:
+                        if rows[j] in gone:
+                            finish[rows[j]] = "cancelled"
+                    keep = [j for j in keep if rows[j] not in gone]
             if not keep or step == sampling.max_new_tokens - 1:
                 break
             if len(keep) < len(rows):

@@ -1,18 +1,156 @@
-"""What a client may ask ``agentrl serve``: every field of a completions request checked (type, range,
-size) before it reaches the batching worker. A bad field is a ``ValueError`` naming it (HTTP 400)."""
+"""What a client may ask ``agentrl serve``: pydantic models of the request bodies (types and fixed ranges),
+then the checks that need the served model (vocabulary, context, budgets). Anything wrong is a
+``BadRequest`` naming the field (HTTP 400, OpenAI-style ``{"error": {"message", "param"}}``), raised before
+the request reaches the batching worker."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agentrl.types import SamplingParams
 
-MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused (413) before it is read
+MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused (413), from its header or while it streams in
 MAX_PROMPTS = 1024  # prompts x n per request
 MAX_N = 64
 MAX_STOP = 16  # stop strings per request, each at most MAX_STOP_CHARS
 MAX_STOP_CHARS = 256
 MAX_CHOICES = 1024  # answers per prompt under ``choice_token_ids``
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what a torch generator takes
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The budgets of one server (``agentrl serve`` flags set the first three)."""
+    max_request_tokens: int = 1 << 17  # prompts x n x max_tokens of one request
+    max_client_tokens: int = 1 << 20  # tokens (prompt + max_tokens, every row) queued or running per client
+    max_connections: int = 1024  # open connections + requests in flight; beyond: 503
+    max_prompt_tokens: int = 1 << 20  # prompt token ids of one request, all prompts together
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = 30.0  # to send a whole body once the headers are in
+    header_timeout_s: float = 10.0  # to send a request's headers on a new or idle connection
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+
+
+class BadRequest(ValueError):
+    """The client's fault: HTTP 400 (or ``status``) with ``message``, naming ``param`` where there is one."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+# The sentence a type or range error of each field becomes (", got VALUE" is appended).
+RULES = {
+    "model": "'model' must be a string",
+    "max_tokens": "'max_tokens' must be an integer",
+    "n": f"'n' must be an integer in [1, {MAX_N}]",
+    "temperature": "'temperature' must be a number in [0, 100]",
+    "top_p": "'top_p' must be a number in (0, 1]",
+    "seed": f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}], or a list of them (one per prompt)",
+    "stop": f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings of at most "
+            f"{MAX_STOP_CHARS} characters",
+    "echo": "'echo' must be true or false",
+    "logprobs": "'logprobs' must be true, false, null or an integer in [0, 20]",
+    "return_tokens_as_token_ids": "'return_tokens_as_token_ids' must be true or false",
+    "choice_token_ids": "'choice_token_ids' must be null or a list with one entry per prompt, each null or a list of "
+                        "token-id lists",
+    "stream": "'stream' must be false (this server answers whole completions only)",
+    "messages": "'messages' must be a non-empty list of {role, content} strings",
+    "path": "'path' must be a non-empty string",
+}
+
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+
+
+class _Sampling(BaseModel):
+    # strict: no "2" for 2, no true for 1; unknown fields (user, logit_bias...) are accepted and ignored, as
+    # OpenAI clients send them
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: Seed | list[Seed] | None = None
+    stop: str | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = \
+        Field(None, max_length=MAX_STOP)
+    echo: bool = False
+    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
+    return_tokens_as_token_ids: bool = True
+    choice_token_ids: list[list[list[int]] | None] | None = None
+    stream: bool = False
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError(RULES["stream"])
+        return v
+
+
+class CompletionBody(_Sampling):
+    """``POST /v1/completions``."""
+    prompt: Any = None  # checked by hand below: a list of a million ids is walked once, never tried as 4 types
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(type(t) is int for t in x)
+
+        if isinstance(v, str) or (isinstance(v, list) and v and (
+                ids(v) or all(ids(p) for p in v) or all(isinstance(p, str) for p in v))):
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, list) for p in v):
+            raise ValueError("'prompt' as a list of lists must hold token ids (integers)")
+        raise ValueError("prompt must be a string, a list of token ids, or a list of either")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str
+
+
+class ChatBody(_Sampling):
+    """``POST /v1/chat/completions``."""
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class LoadWeightsBody(BaseModel):
+    """``POST /load_weights``."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    path: str = Field(min_length=1)
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """The body as ``model``; the first error as a ``BadRequest`` naming its field."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        raise bad_request_of(e) from None
+
+
+def bad_request_of(e: ValidationError) -> BadRequest:
+    err = e.errors(include_url=False)[0]
+    loc, kind = err["loc"], err["type"]
+    if kind == "json_invalid":
+        return BadRequest(f"the request body is not valid JSON ({err['msg'].removeprefix('Invalid JSON: ')})")
+    if not loc:
+        return BadRequest("the request body must be a JSON object")
+    field = str(loc[0])
+    if kind == "missing":
+        return BadRequest(f"'{field}' is required", field)
+    if kind == "extra_forbidden":
+        return BadRequest(f"'{field}' is not a field of this request", field)
+    if kind == "value_error":
+        return BadRequest(err["msg"].removeprefix("Value error, "), field)
+    got = repr(err.get("input"))
+    got = got if len(got) <= 60 else got[:57] + "..."
+    return BadRequest(f"{RULES.get(field, repr(field) + ': ' + err['msg'])}, got {got}", field)
 
 
 @dataclass
@@ -27,107 +165,109 @@ class CompletionRequest:
     # our extension: per prompt, the token-id sequences its completion must be one of (None: free)
     choices: list[list[list[int]] | None] | None = None
 
+    @property
+    def rows(self) -> int:
+        return len(self.prompts) * self.n
 
-def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
-    v = body.get(key, default)
-    if v is None:
-        v = default
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise ValueError(f"'{key}' must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
-
-
-def _float(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(key, default)
-    if v is None:
-        v = default
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
-        raise ValueError(f"'{key}' must be a number in [{lo}, {hi}], got {v!r}")
-    return float(v)
+    @property
+    def tokens(self) -> int:
+        """What the request costs the server: every row's prompt and new tokens (its KV-cache footprint)."""
+        return self.n * sum(len(p) for p in self.prompts) + self.rows * self.sampling.max_new_tokens
 
 
-def _prompts(prompt: Any, tokenizer: Any, vocab: int, context: int) -> list[list[int]]:
+def _prompts(prompt: Any, tokenizer: Any, vocab: int, context: int, limits: ServerLimits) -> list[list[int]]:
     def ids_of(text: str) -> list[int]:
         if len(text) > 8 * context:  # no tokenizer call on a 10 MB string: it cannot fit anyway
-            raise ValueError(f"'prompt' is longer than the model's context ({context} tokens)")
+            raise BadRequest(f"'prompt' is longer than the model's context ({context} tokens)", "prompt")
         return tokenizer(text)["input_ids"]
 
     if isinstance(prompt, str):
         out = [ids_of(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+    elif all(type(x) is int for x in prompt):
         out = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        if not all(isinstance(x, int) and not isinstance(x, bool) for p in prompt for x in p):
-            raise ValueError("'prompt' as a list of lists must hold token ids (integers)")
-        out = [list(p) for p in prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    elif all(isinstance(p, str) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:  # before tokenizing any of them
+            raise BadRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
         out = [ids_of(p) for p in prompt]
     else:
-        raise ValueError("prompt must be a string, a list of token ids, or a list of either")
+        out = [list(p) for p in prompt]
     if len(out) > MAX_PROMPTS:
-        raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(out)}")
+        raise BadRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(out)}", "prompt")
+    total = sum(len(p) for p in out)
+    if total > limits.max_prompt_tokens:
+        raise BadRequest(f"'prompt' holds {total} token ids in all, more than this server takes in one request "
+                         f"({limits.max_prompt_tokens})", "prompt")
     for p in out:
         if not p:
-            raise ValueError("a prompt is empty")
+            raise BadRequest("a prompt is empty", "prompt")
         bad = next((x for x in p if not 0 <= x < vocab), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise BadRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
     return out
 
 
-def _choices(body: dict[str, Any], prompts: int, vocab: int, max_tokens: int) -> list[list[list[int]] | None] | None:
+def _choices(raw: list[list[list[int]] | None] | None, prompts: int, vocab: int,
+             max_tokens: int) -> list[list[list[int]] | None] | None:
     """``choice_token_ids``: null, or one entry per prompt, each null (free decoding) or a list of
     non-empty token-id lists no longer than ``max_tokens`` (an answer that could not be finished)."""
-    raw = body.get("choice_token_ids")
     if raw is None:
         return None
-    if not isinstance(raw, list) or len(raw) != prompts:
-        raise ValueError(f"'choice_token_ids' must be a list with one entry per prompt ({prompts}), each null or "
-                         "a list of token-id lists")
-    out: list[list[list[int]] | None] = []
+    if len(raw) != prompts:
+        raise BadRequest(f"'choice_token_ids' must be a list with one entry per prompt ({prompts}), each null or "
+                         "a list of token-id lists", "choice_token_ids")
     for entry in raw:
-        if entry is None:
-            out.append(None)
-            continue
-        if not isinstance(entry, list) or not entry or len(entry) > MAX_CHOICES or not all(
-                isinstance(c, list) and 0 < len(c) <= max_tokens and all(
-                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab for x in c) for c in entry):
-            raise ValueError(f"'choice_token_ids': each prompt's entry must be null or 1-{MAX_CHOICES} lists of "
-                             f"1-{max_tokens} token ids (max_tokens) in [0, {vocab})")
-        out.append([list(c) for c in entry])
-    return out
+        if entry is not None and (not entry or len(entry) > MAX_CHOICES or not all(
+                0 < len(c) <= max_tokens and all(0 <= x < vocab for x in c) for c in entry)):
+            raise BadRequest(f"'choice_token_ids': each prompt's entry must be null or 1-{MAX_CHOICES} lists of "
+                             f"1-{max_tokens} token ids (max_tokens) in [0, {vocab})", "choice_token_ids")
+    return raw
 
 
-def parse_completion(body: Any, tokenizer: Any, vocab: int, context: int) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise ValueError("the request body must be a JSON object")
-    prompts = _prompts(body.get("prompt"), tokenizer, vocab, context)
-    n = _int(body, "n", 1, 1, MAX_N)
-    if len(prompts) * n > MAX_PROMPTS:
-        raise ValueError(f"prompts x n = {len(prompts) * n} is more than {MAX_PROMPTS} completions per request")
-    longest = max(len(p) for p in prompts)
-    echo = body.get("echo", False)
-    if not isinstance(echo, bool):
-        raise ValueError(f"'echo' must be true or false, got {echo!r}")
+def parse_completion(body: Any, tokenizer: Any, vocab: int, context: int,
+                     limits: ServerLimits = ServerLimits()) -> CompletionRequest:
+    """A completions request, checked in full against the served model (``body``: the parsed model, a dict
+    or the raw JSON bytes). Every prompt plus ``max_tokens`` must fit the context, whatever route or form
+    (token ids, text, echo, chat) it came by."""
+    if isinstance(body, (bytes, str)):
+        body = parse_body(CompletionBody, body.encode() if isinstance(body, str) else body)
+    elif not isinstance(body, CompletionBody):
+        try:
+            body = CompletionBody.model_validate(body, strict=True)
+        except ValidationError as e:
+            raise bad_request_of(e) from None
+    b: CompletionBody = body
+    if b.prompt is None:
+        raise BadRequest("prompt must be a string, a list of token ids, or a list of either", "prompt")
+    prompts = _prompts(b.prompt, tokenizer, vocab, context, limits)
+    if len(prompts) * b.n > MAX_PROMPTS:
+        raise BadRequest(f"prompts x n = {len(prompts) * b.n} is more than {MAX_PROMPTS} completions per request",
+                         "n")
     # echo scores the prompt (a weight check): it may ask for no new tokens
-    max_tokens = _int(body, "max_tokens", 16, 0 if echo else 1, max(1, context - longest))
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop) \
-            or len(stop) > MAX_STOP:
-        raise ValueError(f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings of at most "
-                         f"{MAX_STOP_CHARS} characters")
-    seed, seeds = body.get("seed"), None
+    low = 0 if b.echo else 1
+    for i, p in enumerate(prompts):
+        if len(p) + low > context:
+            raise BadRequest(f"prompt {i} has {len(p)} tokens: with max_tokens >= {low} it does not fit the model's "
+                             f"context of {context} tokens", "prompt")
+    room = context - max(len(p) for p in prompts)
+    max_tokens = min(16, room) if b.max_tokens is None else b.max_tokens
+    if not low <= max_tokens <= room:
+        raise BadRequest(f"'max_tokens' must be an integer in [{low}, {room}] (the model's context of {context} "
+                         f"tokens less the longest prompt), got {max_tokens}", "max_tokens")
+    rows = len(prompts) * b.n
+    if rows * max_tokens > limits.max_request_tokens:
+        raise BadRequest(f"prompts x n x max_tokens = {rows} x {max_tokens} = {rows * max_tokens} is more than this "
+                         f"server's budget per request ({limits.max_request_tokens} tokens): split the request",
+                         "max_tokens")
+    stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise BadRequest(RULES["stop"], "stop")
+    seed, seeds = b.seed, None
     if isinstance(seed, list):
-        if n != 1 or len(seed) != len(prompts) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                           for x in seed):
-            raise ValueError("seed as a list needs n=1 and one integer per prompt")
-        seed, seeds = None, [int(x) for x in seed]
-    elif seed is not None:
-        seed = _int(body, "seed", 0, -(2**63), 2**63 - 1)
-    sampling = SamplingParams(temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
-                              top_p=_float(body, "top_p", 1.0, 1e-9, 1.0), max_new_tokens=max_tokens, stop=list(stop),
-                              seed=seed)
-    return CompletionRequest(prompts, n, sampling, seeds, echo, body.get("logprobs") is not None,
-                             bool(body.get("return_tokens_as_token_ids", True)),
-                             _choices(body, len(prompts), vocab, max_tokens))
+        if b.n != 1 or len(seed) != len(prompts):
+            raise BadRequest("seed as a list needs n=1 and one integer per prompt", "seed")
+        seed, seeds = None, list(seed)
+    sampling = SamplingParams(temperature=float(b.temperature), top_p=float(b.top_p), max_new_tokens=max_tokens,
+                              stop=stop, seed=seed)
+    logprobs = b.logprobs is not None and b.logprobs is not False
+    return CompletionRequest(prompts, b.n, sampling, seeds, b.echo, logprobs, b.return_tokens_as_token_ids,
+                             _choices(b.choice_token_ids, len(prompts), vocab, max_tokens))

@@ -1,4 +1,4 @@
-"""`agentrl serve`: an HTTP generation server speaking the OpenAI completions protocol.
+"""`agentrl serve`: an HTTP generation server speaking the OpenAI completions protocol (FastAPI on uvicorn).
 
 The subset ``vllm serve`` also speaks, so one client drives both: ``POST /v1/completions`` with token-id
 prompts (a list of ints, or a list of lists), ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``
@@ -14,92 +14,151 @@ tensor checked first), ``GET /v1/models``, ``GET /health``. Every field is valid
 (``agentrl.generation.requests``): a bad request is a 400 naming the field, never a dead worker.
 ``--api-key`` / ``AGENTRL_API_KEY`` guards every route but ``/health``.
 
-Concurrent requests are batched: a single worker thread takes everything queued (waiting a few ms for
-stragglers), runs one batched ``generate`` per distinct sampling setting, and answers each request.
-Binds 127.0.0.1 unless told otherwise.
+Concurrent requests are batched: one worker thread owns the model and, each time it is free, takes
+everything queued (waiting a few ms for stragglers) and runs one batched ``generate`` per distinct
+sampling setting, so requests that keep arriving while it decodes join the next batch. A client that
+hangs up has its rows dropped at the next decode step; a request that fails inside a batch is retried
+alone, so it fails by itself. Budgets (``ServerLimits``): tokens per request (400), tokens queued per
+client address (429), body size (413), time to send headers and body (connection closed / 408), open
+connections (503). Binds 127.0.0.1 unless told otherwise.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
-import queue
+import os
+import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentrl.generation.base import chat_ids
 from agentrl.generation.embedded import EmbeddedGenerator
-from agentrl.generation.requests import MAX_BODY_BYTES, parse_completion
+from agentrl.generation.requests import (BadRequest, ChatBody, CompletionBody, CompletionRequest, LoadWeightsBody,
+                                         ServerLimits, parse_body, parse_completion)
 from agentrl.generation.weights_check import WeightsRefused, allowed_folder, load_into, read_checked
 from agentrl.learner.logprobs import token_logprobs
 from agentrl.types import SamplingParams
 
 
-@dataclass
+class Cancelled(Exception):
+    """Nobody waits for this job any more (its client hung up, or the server is stopping)."""
+
+
+def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    try:  # the waiting side may have cancelled the future already
+        fut.set_exception(error) if error is not None else fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+@dataclass(eq=False)
 class _Job:
     prompts: list[list[int]]
     sampling: SamplingParams
     seeds: list[int] | None = None  # one per prompt (then ``sampling.seed`` is None)
     choices: list[list[list[int]] | None] | None = None  # one per prompt: its answers (None: free)
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: str = ""
+    future: Future = field(default_factory=Future)
+    cancelled: bool = False  # set by the request's handler when its client hangs up
+
+    @property
+    def gone(self) -> bool:
+        return self.cancelled or self.future.cancelled()
+
+
+@dataclass(eq=False)
+class _Call:
+    """Anything else that needs the model to itself (a weight swap, prompt scoring), run in queue order."""
+    fn: Callable[["_Call"], Any]
+    future: Future = field(default_factory=Future)
+    cancelled: bool = False
+
+    @property
+    def gone(self) -> bool:
+        return self.cancelled or self.future.cancelled()
 
 
 class BatchingWorker:
     """Owns the model: generation and weight loads run on this one thread, never concurrently."""
 
-    def __init__(self, generator: EmbeddedGenerator, max_wait_s: float = 0.005, max_batch: int = 256):
+    def __init__(self, generator: Any, max_wait_s: float = 0.005, max_batch: int = 256):
+        import queue
+
         self.gen, self.max_wait_s, self.max_batch = generator, max_wait_s, max_batch
         self.q: queue.Queue = queue.Queue()
+        self.stats = {"batches": 0, "cancelled_rows": 0, "isolated_failures": 0}
         self.thread = threading.Thread(target=self._loop, daemon=True, name="agentrl-generate")
         self.thread.start()
 
-    def submit(self, job: Any) -> Any:
+    def submit(self, job: _Job | _Call) -> Future:
         self.q.put(job)
-        job.done.wait()
-        if job.error:
-            raise (ValueError if getattr(job, "bad_request", False) else RuntimeError)(job.error)
-        return job.result
+        return job.future
+
+    def close(self) -> None:
+        """Fail what is queued, stop what runs at its next decode step, end the thread."""
+        self.q.put(None)
 
     def _loop(self) -> None:
+        import queue
+
         while True:
             jobs = [self.q.get()]
             deadline = time.monotonic() + self.max_wait_s
-            while sum(len(j.prompts) for j in jobs if isinstance(j, _Job)) < self.max_batch:
+            while jobs[-1] is not None and sum(len(j.prompts) for j in jobs if isinstance(j, _Job)) < self.max_batch:
                 try:
                     jobs.append(self.q.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
-            self._run(jobs)
+            if jobs[-1] is None:  # closing: nobody will be served any more
+                while True:
+                    try:
+                        jobs.append(self.q.get_nowait())
+                    except queue.Empty:
+                        break
+                for j in jobs:
+                    if j is not None:
+                        _settle(j.future, error=Cancelled("the server is stopping"))
+                return
+            try:
+                self._run(jobs)
+            except BaseException as e:  # whatever happened, every caller is answered and the worker lives on
+                for j in jobs:
+                    _settle(j.future, error=RuntimeError(f"{type(e).__name__}: {e}"))
 
-    def _run(self, jobs: list[Any]) -> None:
-        try:
-            self._run_jobs(jobs)
-        except Exception as e:  # whatever a request did, the worker lives on and every caller is answered
-            for job in jobs:
-                if not job.done.is_set():
-                    job.error = f"{type(e).__name__}: {e}"
-                    job.done.set()
+    def _run(self, jobs: list[_Job | _Call]) -> None:
+        """In arrival order: the generation jobs between two calls batch together, a call runs alone."""
+        batch: list[_Job] = []
+        for job in jobs:
+            if job.gone:
+                _settle(job.future, error=Cancelled("the client hung up"))
+            elif isinstance(job, _Call):
+                self._generate_all(batch)
+                batch = []
+                try:
+                    _settle(job.future, job.fn(job))
+                except Exception as e:  # reported to its caller (BadRequest stays a 400), the server keeps serving
+                    _settle(job.future, error=e)
+            else:
+                batch.append(job)
+        self._generate_all(batch)
 
-    def _run_jobs(self, jobs: list[Any]) -> None:
+    def _generate_all(self, jobs: list[_Job]) -> None:
         groups: dict[Any, list[_Job]] = {}
         for job in jobs:
-            if not isinstance(job, _Job):  # a callable: weight load or scoring, run alone, in order
-                try:
-                    job.result = job.fn()
-                except ValueError as e:  # the caller's fault (a 400), re-raised as is in ``submit``
-                    job.error, job.bad_request = str(e), True
-                except Exception as e:  # reported to the caller, the server keeps serving
-                    job.error = f"{type(e).__name__}: {e}"
-                job.done.set()
-                continue
             s = job.sampling
             # Requests with one seed run alone so their draws do not depend on what they were batched with;
             # per-row seeds batch freely (each row draws from its own stream).
@@ -107,56 +166,107 @@ class BatchingWorker:
                    id(job) if s.seed is not None else 0)
             groups.setdefault(key, []).append(job)
         for group in groups.values():
-            prompts = [p for j in group for p in j.prompts]
-            seeds = [x for j in group for x in j.seeds] if group[0].seeds is not None else None
-            # constrained and free rows batch together: the generator takes a choice list per row
-            choices = [c for j in group for c in (j.choices or [None] * len(j.prompts))]
-            extra = {"choices": choices} if any(c is not None for c in choices) else {}
-            try:
-                outs = self.gen.generate(prompts, group[0].sampling, seeds=seeds, **extra)
-            except Exception as e:
-                for j in group:
-                    j.error = f"{type(e).__name__}: {e}"
-                    j.done.set()
-                continue
-            k = 0
+            self._generate(group)
+
+    def _generate(self, group: list[_Job]) -> None:
+        spans, k = [], 0
+        for j in group:
+            spans.append((j, range(k, k + len(j.prompts))))
+            k += len(j.prompts)
+
+        def cancelled() -> set[int]:
+            return {i for j, rows in spans if j.gone for i in rows}
+
+        prompts = [p for j in group for p in j.prompts]
+        seeds = [x for j in group for x in j.seeds] if group[0].seeds is not None else None
+        # constrained and free rows batch together: the generator takes a choice list per row
+        choices = [c for j in group for c in (j.choices or [None] * len(j.prompts))]
+        extra = {"choices": choices} if any(c is not None for c in choices) else {}
+        try:
+            outs = self.gen.generate(prompts, group[0].sampling, seeds=seeds, cancelled=cancelled, **extra)
+        except Exception as e:
+            if len(group) == 1:
+                _settle(group[0].future, error=e)
+                return
+            # one request broke the batch: each is run alone, so only the one at fault fails
+            self.stats["isolated_failures"] += 1
             for j in group:
-                j.result, k = outs[k:k + len(j.prompts)], k + len(j.prompts)
-                j.done.set()
-
-
-@dataclass
-class _Call:
-    fn: Any
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: str = ""
-    bad_request: bool = False
+                self._generate([j])
+            return
+        self.stats["batches"] += 1
+        for j, rows in spans:
+            mine = outs[rows.start:rows.stop]
+            if j.gone:
+                self.stats["cancelled_rows"] += sum(c.finish_reason == "cancelled" for c in mine)
+                _settle(j.future, error=Cancelled("the client hung up"))
+            else:
+                _settle(j.future, mine)
 
 
 class GenerationService:
-    def __init__(self, generator: EmbeddedGenerator, model_name: str, allow_weights_dirs: list[str] | None = None):
+    """The routes' work, apart from HTTP: parse and check a request, queue it, shape the answer."""
+
+    def __init__(self, generator: EmbeddedGenerator, model_name: str, allow_weights_dirs: list[str] | None = None,
+                 limits: ServerLimits | None = None):
         self.gen, self.model_name = generator, model_name
-        self.allow = [Path(d).expanduser().resolve() for d in (allow_weights_dirs or [])]
+        self.limits = limits or ServerLimits()
+        self.allow = [Path(os.path.realpath(Path(d).expanduser())) for d in (allow_weights_dirs or [])]
         self.worker = BatchingWorker(generator)
         cfg = generator.model.config
         self.vocab = int(cfg.vocab_size)
         self.context = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
+        self._queued: dict[str, int] = {}  # client -> tokens it has queued or running
+        self._lock = threading.Lock()
 
-    def completions(self, body: Any) -> dict[str, Any]:
-        r = parse_completion(body, self.gen.tokenizer, self.vocab, self.context)
+    # ----- parsing (runs on a thread of the pool: tokenizing may take a while) ---------------------
+    def parse_completion(self, raw: bytes) -> CompletionRequest:
+        return parse_completion(parse_body(CompletionBody, raw), self.gen.tokenizer, self.vocab, self.context,
+                                self.limits)
+
+    def parse_chat(self, raw: bytes) -> CompletionRequest:
+        body: ChatBody = parse_body(ChatBody, raw)
+        if sum(len(m.content) for m in body.messages) > 8 * self.context:
+            raise BadRequest(f"'messages' are longer than the model's context ({self.context} tokens)", "messages")
+        ids = chat_ids(self.gen.tokenizer, [{"role": m.role, "content": m.content} for m in body.messages])
+        fields = body.model_dump(exclude={"messages"}) | {"prompt": ids}
+        return parse_completion(CompletionBody.model_validate(fields), self.gen.tokenizer, self.vocab,
+                                self.context, self.limits)
+
+    # ----- budgets --------------------------------------------------------------------------------
+    def reserve(self, client: str, tokens: int) -> None:
+        with self._lock:
+            held = self._queued.get(client, 0)
+            if held and held + tokens > self.limits.max_client_tokens:
+                raise BadRequest(f"too much work queued for {client}: {held} tokens queued or running, this request "
+                                 f"adds {tokens}, the limit is {self.limits.max_client_tokens}; retry when some "
+                                 "are answered", status=429)
+            self._queued[client] = held + tokens
+
+    def release(self, client: str, tokens: int) -> None:
+        with self._lock:
+            left = self._queued.get(client, 0) - tokens
+            if left > 0:
+                self._queued[client] = left
+            else:
+                self._queued.pop(client, None)
+
+    # ----- work -----------------------------------------------------------------------------------
+    def job(self, r: CompletionRequest) -> _Job | _Call:
+        if r.echo:
+            return _Call(lambda call: self._score(r.prompts, call))
+        expanded = [p for p in r.prompts for _ in range(r.n)]
+        answers = None if r.choices is None else [c for c in r.choices for _ in range(r.n)]
+        return _Job(expanded, r.sampling, r.seeds, answers)
+
+    def answer(self, r: CompletionRequest, outs: Any) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         usage = {"prompt_tokens": sum(len(p) for p in r.prompts) * r.n, "completion_tokens": 0}
         if r.echo:
-            scores = self.worker.submit(_Call(lambda: self._score(r.prompts)))
-            for i, (p, lp) in enumerate(zip(r.prompts, scores)):
+            for i, (p, lp) in enumerate(zip(r.prompts, outs)):
                 choices.append(dict(index=i, text="", finish_reason="length", token_ids=[], prompt_token_ids=p,
                                     logprobs=dict(tokens=[f"token_id:{t}" for t in p], token_logprobs=[None] + lp,
                                                   top_logprobs=None, text_offset=[])))
             return self._response(choices, usage)
-        expanded = [p for p in r.prompts for _ in range(r.n)]
-        answers = None if r.choices is None else [c for c in r.choices for _ in range(r.n)]
-        outs = self.worker.submit(_Job(expanded, r.sampling, r.seeds, answers))
         for i, c in enumerate(outs):
             usage["completion_tokens"] += len(c.ids)
             tokens = [f"token_id:{t}" for t in c.ids] if r.as_ids else [self.gen.tokenizer.decode([t]) for t in c.ids]
@@ -165,126 +275,256 @@ class GenerationService:
                                               text_offset=[]) if r.logprobs else None))
         return self._response(choices, usage)
 
-    def chat_completions(self, body: Any) -> dict[str, Any]:
-        """``/v1/chat/completions``: the messages through the model's chat template, then a completion."""
-        if not isinstance(body, dict):
-            raise ValueError("the request body must be a JSON object")
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
-            raise ValueError("'messages' must be a non-empty list of {role, content} strings")
-        if sum(len(m["content"]) for m in msgs) > 8 * self.context:
-            raise ValueError(f"'messages' are longer than the model's context ({self.context} tokens)")
-        ids = chat_ids(self.gen.tokenizer, [{"role": m["role"], "content": m["content"]} for m in msgs])
-        out = self.completions({k: v for k, v in body.items() if k != "messages"} | {"prompt": ids})
-        out["object"] = "chat.completion"
-        out["choices"] = [dict(index=c["index"], finish_reason=c["finish_reason"],
-                               message={"role": "assistant", "content": c["text"]}) for c in out["choices"]]
-        return out
-
     def _response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
 
     @torch.inference_mode()
-    def _score(self, prompts: list[list[int]]) -> list[list[float]]:
+    def _score(self, prompts: list[list[int]], call: _Call) -> list[list[float]]:
         out = []
         for p in prompts:
+            if call.gone:
+                raise Cancelled("the client hung up")
             ids = torch.tensor([p])
             out.append(token_logprobs(self.gen.model, ids, torch.ones_like(ids))[0].tolist())
         return out
 
-    def load_weights(self, path: Any) -> dict[str, Any]:
-        """Only a folder under ``--allow-weights-dir``, of the served architecture with every tensor the
-        model has (names and shapes), checked before the swap; never a download."""
+    def check_weights(self, path: Any) -> tuple[Path, dict[str, torch.Tensor]]:
+        """Only a folder under ``--allow-weights-dir`` (every file in it too, links followed), of the served
+        architecture with every tensor the model has (names, shapes, finite, floating), checked before
+        the swap; never a download."""
         folder = allowed_folder(path, self.allow)
-        model = self.gen.model
+        return folder, read_checked(folder, self.gen.model, self.allow)
 
-        def swap() -> None:
-            load_into(model, read_checked(folder, model))
+    def swap(self, tensors: dict[str, torch.Tensor]) -> _Call:
+        return _Call(lambda call: load_into(self.gen.model, tensors))
 
-        self.worker.submit(_Call(swap))
+    def close(self) -> None:
+        self.worker.close()
+
+
+async def _read_body(request: Request, limits: ServerLimits) -> bytes:
+    """The body, refused past ``max_body_bytes`` (from its Content-Length, or while chunks stream in) or when
+    it takes longer than ``body_timeout_s`` to arrive."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise BadRequest("the Content-Length header is not a number")
+        if int(length) > limits.max_body_bytes:
+            raise BadRequest(f"the request body must be at most {limits.max_body_bytes} bytes", status=413)
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise BadRequest(f"the request body must be at most {limits.max_body_bytes} bytes", status=413)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), limits.body_timeout_s)
+    except TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {limits.body_timeout_s:g} s", status=408) from None
+    return b"".join(chunks)
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns when the client disconnects (ASGI: once the body is read, ``receive`` waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)
+
+
+async def _until_done(request: Request, job: _Job | _Call) -> Any:
+    """The job's result; if the client hangs up first, the job is cancelled (the worker drops its rows)."""
+    result = asyncio.wrap_future(job.future)
+    gone = asyncio.ensure_future(_hung_up(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not result.done():
+            job.cancelled = True
+    if not result.done():
+        raise ClientDisconnect()
+    return result.result()
+
+
+_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
+          503: "server_overloaded"}
+
+
+def _error(status: int, message: str, param: str | None = None, close: bool = False) -> JSONResponse:
+    kind = _KINDS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    headers = {"Connection": "close"} if close else {}
+    if status == 429:
+        headers["Retry-After"] = "1"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status,
+                        headers=headers)
+
+
+def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
+    async def guard(request: Request) -> None:
+        if api_key and request.url.path != "/health" and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()):
+            raise BadRequest("missing or wrong API key (Authorization: Bearer KEY)", status=401)
+
+    app = FastAPI(title="agentrl serve", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(guard)])
+    limits = service.limits
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, e: BadRequest) -> JSONResponse:
+        # a body refused before it was read in full leaves the connection unusable: close it
+        return _error(e.status, f"bad request: {e}" if e.status == 400 else str(e), e.param,
+                      close=e.status in (408, 413))
+
+    @app.exception_handler(WeightsRefused)
+    async def refused(request: Request, e: WeightsRefused) -> JSONResponse:
+        return _error(403, str(e), "path")
+
+    @app.exception_handler(ClientDisconnect)
+    async def hung_up(request: Request, e: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody reads it: the work was dropped
+
+    @app.exception_handler(Cancelled)
+    async def stopping(request: Request, e: Cancelled) -> JSONResponse:
+        return _error(503, str(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            return _error(404, f"no route {request.url.path}")
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(400, f"bad request: {e.errors()[0].get('msg')}")
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception) -> JSONResponse:
+        return _error(500, f"{type(e).__name__}: {e}")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model"}]}
+
+    async def complete(request: Request, parse: Callable[[bytes], CompletionRequest]) -> dict[str, Any]:
+        raw = await _read_body(request, limits)
+        r = await run_in_threadpool(parse, raw)
+        client = request.client.host if request.client else "?"
+        service.reserve(client, r.tokens)
+        try:
+            job = service.job(r)
+            service.worker.submit(job)
+            outs = await _until_done(request, job)
+        finally:
+            service.release(client, r.tokens)
+        return await run_in_threadpool(service.answer, r, outs)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        return JSONResponse(await complete(request, service.parse_completion))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        out = await complete(request, service.parse_chat)
+        out["object"] = "chat.completion"
+        out["choices"] = [dict(index=c["index"], finish_reason=c["finish_reason"],
+                               message={"role": "assistant", "content": c["text"]}) for c in out["choices"]]
+        return JSONResponse(out)
+
+    @app.post("/load_weights")
+    async def load_weights(request: Request) -> dict[str, Any]:
+        body: LoadWeightsBody = parse_body(LoadWeightsBody, await _read_body(request, limits))
+        try:
+            folder, tensors = await run_in_threadpool(service.check_weights, body.path)
+        except ValueError as e:
+            raise BadRequest(str(e), "path") from None
+        call = service.swap(tensors)
+        service.worker.submit(call)
+        await asyncio.wrap_future(call.future)  # a swap is not abandoned half-way when the client leaves
         return {"status": "ok", "loaded": str(folder)}
 
+    return app
 
-def make_handler(service: GenerationService, api_key: str | None = None) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
 
-        def log_message(self, fmt: str, *args: Any) -> None:  # quiet by default; errors still answer
-            pass
+def _protocol(header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol plus a deadline for a request's headers: a connection that opens and sends
+    nothing, or trickles bytes (slowloris), is closed after ``header_timeout_s`` instead of held forever."""
 
-        def _send(self, code: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    class Protocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
 
-        def _error(self, code: int, message: str, kind: str = "invalid_request_error") -> None:
-            self._send(code, {"error": {"message": message, "type": kind}})
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
 
-        def _authorized(self) -> bool:
-            if not api_key or self.path == "/health":
-                return True
-            if hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {api_key}"):
-                return True
-            self._error(401, "missing or wrong API key (Authorization: Bearer KEY)", "authentication_error")
-            return False
+        def _arm(self) -> None:
+            self.loop.call_later(header_timeout_s, self._expire, self.cycle)
 
-        def do_GET(self) -> None:  # noqa: N802
-            if not self._authorized():
-                return
-            if self.path == "/health":
-                self._send(200, {"status": "ok"})
-            elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": service.model_name, "object": "model"}]})
-            else:
-                self._error(404, f"no route {self.path}")
+        def _expire(self, cycle: Any) -> None:
+            # no new request began since the timer was armed (self.cycle is replaced when one does)
+            if self.cycle is cycle and not self.transport.is_closing():
+                self.transport.close()
 
-        def do_POST(self) -> None:  # noqa: N802
-            try:
-                length = int(self.headers.get("Content-Length", "0"))
-            except ValueError:
-                length = -1
-            if not 0 <= length <= MAX_BODY_BYTES:
-                self.close_connection = True
-                return self._error(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
-            raw = self.rfile.read(length)
-            if not self._authorized():
-                return
-            try:
-                body = json.loads(raw or b"{}")
-                if self.path == "/v1/completions":
-                    self._send(200, service.completions(body))
-                elif self.path == "/v1/chat/completions":
-                    self._send(200, service.chat_completions(body))
-                elif self.path == "/load_weights":
-                    if not isinstance(body, dict):
-                        raise ValueError("the request body must be a JSON object")
-                    self._send(200, service.load_weights(body.get("path")))
-                else:
-                    self._error(404, f"no route {self.path}")
-            except WeightsRefused as e:
-                self._error(403, str(e), "permission_error")
-            except (ValueError, KeyError, TypeError) as e:
-                self._error(400, f"bad request: {e}")
-            except Exception as e:
-                self._error(500, f"{type(e).__name__}: {e}", "server_error")
+    return Protocol
 
-    return Handler
+
+class RunningServer:
+    """``start_server``'s handle: ``server_address`` (host, port); ``shutdown()`` stops it (queued work is
+    answered 503, running work stops at its next decode step, the port is closed)."""
+
+    def __init__(self, service: GenerationService, server: uvicorn.Server, sock: socket.socket,
+                 thread: threading.Thread):
+        self.service, self.server, self.sock, self.thread = service, server, sock, thread
+        self.server_address: tuple[str, int] = sock.getsockname()[:2]
+        self._stopped = False
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.service.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def server_close(self) -> None:
+        self.shutdown()
+        self.sock.close()
 
 
 def start_server(generator: EmbeddedGenerator, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 allow_weights_dirs: list[str] | None = None, api_key: str | None = None) -> ThreadingHTTPServer:
-    """Start serving in a background thread; returns the server (``server.server_address`` has the port).
-    ``allow_weights_dirs``: where ``/load_weights`` may read (none: it refuses every path); ``api_key``:
-    required as ``Authorization: Bearer KEY`` on every route but ``/health``."""
-    service = GenerationService(generator, model_name, allow_weights_dirs)
-    server = ThreadingHTTPServer((host, port), make_handler(service, api_key))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True, name="agentrl-http").start()
-    return server
+                 allow_weights_dirs: list[str] | None = None, api_key: str | None = None,
+                 limits: ServerLimits | None = None) -> RunningServer:
+    """Start serving in a background thread (uvicorn on its own event loop); returns the running server
+    (``server.server_address`` has the port, 0 picks a free one). ``allow_weights_dirs``: where
+    ``/load_weights`` may read (none: it refuses every path); ``api_key``: required as ``Authorization:
+    Bearer KEY`` on every route but ``/health``; ``limits``: the budgets (``ServerLimits``)."""
+    service = GenerationService(generator, model_name, allow_weights_dirs, limits)
+    lim = service.limits
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family)
+    config = uvicorn.Config(make_app(service, api_key), http=_protocol(lim.header_timeout_s), lifespan="off",
+                            log_config=None, log_level="error", access_log=False,
+                            limit_concurrency=lim.max_connections, timeout_keep_alive=int(lim.keep_alive_s),
+                            timeout_graceful_shutdown=3)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True,
+                              name="agentrl-http")
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            service.close()
+            sock.close()
+            raise RuntimeError(f"the generation server did not start on {host}:{port}")
+        time.sleep(0.01)
+    return RunningServer(service, server, sock, thread)
