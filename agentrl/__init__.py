@@ -5,12 +5,9 @@ Training from Python::
     import agentrl
 
     cfg = agentrl.load_config("grpo", env="sokoban", overrides=["trainer.steps=2"])
-    trainer = agentrl.Trainer.from_config(cfg)
-    try:
+    with agentrl.Trainer.from_config(cfg) as trainer:  # closes its env workers and generator at the end
         result = trainer.train()  # the final evaluation's metrics
         print(trainer.evaluate())
-    finally:
-        trainer.close()
 
 ``import agentrl`` itself is light: it neither imports torch or the envs nor changes the process
 environment; each name below is imported the first time it is used.

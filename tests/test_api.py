@@ -15,6 +15,7 @@ def test_python_api_trains_a_bandit_run_and_evaluates(tiny_model_dir, tmp_path):
         "rollout.max_new_tokens=8", "rollout.fill_groups=0", "eval.tasks=2", "eval.samples=1", "sft.enabled=false"])
     with agentrl.Trainer.from_config(cfg) as trainer:
         assert isinstance(trainer.recipe, agentrl.RECIPES.get(cfg.method))
+        _implements_run(trainer)
         result = trainer.train()
         assert trainer.step == 2
         assert 0.0 <= result["eval/success"] <= 1.0  # the final evaluation's metrics
@@ -26,6 +27,21 @@ def test_python_api_trains_a_bandit_run_and_evaluates(tiny_model_dir, tmp_path):
                    for e in trainer.eval_episodes)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
+
+
+def _implements_run(trainer):
+    """The trainer offers everything the ``Run`` protocol promises the recipes, with compatible signatures."""
+    import inspect
+
+    for name in agentrl.Run.__annotations__:
+        assert hasattr(trainer, name), name
+    methods = [n for n, v in vars(agentrl.Run).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert {"rollout", "update", "evaluate", "echo", "sync_weights"} <= set(methods)
+    for name in methods:
+        promised = inspect.signature(getattr(agentrl.Run, name)).parameters
+        offered = inspect.signature(getattr(type(trainer), name)).parameters
+        assert list(promised) == list(offered)[:len(promised)], name
+        assert all(offered[p].default == promised[p].default for p in promised), name
 
 
 def test_registries_are_filled_without_importing_the_recipes():
