@@ -14,6 +14,7 @@ trainer's and recipe's state; checkpoints are collective.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -531,8 +532,8 @@ class Trainer:
             trouble = {k: v for k, v in self.envs.stats.items() if v}
             if trouble and self.is_main:  # this rank's env workers over the whole run
                 why = self.envs.last_error
-                self.echo("env workers: " + ", ".join(f"{v} {k}" for k, v in sorted(trouble.items()))
-                          + (f" (last: {why})" if why else ""))
+                logging.getLogger(__name__).warning("env workers: %s%s", ", ".join(
+                    f"{v} {k}" for k, v in sorted(trouble.items())), f" (last: {why})" if why else "")
         if not final and (self.out_dir / "final.json").exists():  # a finished run started again: nothing new
             final = json.loads((self.out_dir / "final.json").read_text())
         if self.is_main:
