@@ -90,7 +90,9 @@ class MetricsLogger:
             import wandb as wb
 
             os.environ.setdefault("WANDB_MODE", "offline")
-            self.wb = wb.init(project="agentrl", dir=str(out_dir), config=config or {}, reinit=True)
+            # finish_previous: a second run in one process (a study script) closes the first instead of
+            # logging into it; the boolean form is deprecated
+            self.wb = wb.init(project="agentrl", dir=str(out_dir), config=config or {}, reinit="finish_previous")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}}
