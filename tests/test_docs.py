@@ -50,3 +50,11 @@ def test_cli_reference_lists_every_command():
 
 def test_readme_is_at_most_200_lines():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+def test_every_recipe_yaml_is_listed_on_the_recipes_page():
+    index = (ROOT / "docs/recipes/index.md").read_text()
+    names = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml") if p.stem != "base")
+    assert names, "no recipe YAMLs found"
+    missing = [n for n in names if f"`{n}`" not in index]
+    assert not missing, f"recipes missing from docs/recipes/index.md: {missing}"
