@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(BIN)/agentrl bench
 	$(BIN)/agentrl bench parse
 	$(BIN)/agentrl bench learner
+	$(BIN)/agentrl bench async --repeats 3
 
 serve: $(STAMP)
 	$(BIN)/agentrl serve --model $(or $(MODEL),tiny)
