@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import math
 import random
 import shutil
 import time
@@ -25,10 +25,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from agentrl import checkpoint as ckpt
 from agentrl import dist
+from agentrl.checkpoint import RunError
 from agentrl.config import ConfigError, RecipeCfg, dump, warm_start_folder
+from agentrl.io_atomic import atomic_write_text
 from agentrl.learner.batch import Sample, collate
 from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
+from agentrl.learner.finite import StepGuard, params_finite
 from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, peak_rss_gib, read_metrics,
                              truncate_metrics)
@@ -42,11 +46,8 @@ if TYPE_CHECKING:
     from agentrl.recipe import Recipe
     from agentrl.envs.slots import EnvSlots
 
-CHECKPOINT_LINK = "checkpoint"  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
-
-
-class RunError(RuntimeError):
-    """A run cannot go on for a reason outside the config (disk, permissions); one line for the user."""
+CHECKPOINT_LINK = ckpt.LINK  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
+__all__ = ["RunError", "Trainer", "check_run_folder"]  # RunError lives in agentrl.checkpoint; the CLI imports it here
 
 
 # what may change when a run resumes (how long it trains, how it is evaluated and logged, where servers
@@ -67,11 +68,8 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
 
 def check_run_folder(out_dir: Path, cfg: RecipeCfg) -> None:
     """Refuse to resume a checkpoint written with another config (anything but ``RESUMABLE`` keys)."""
-    ckpt = out_dir / CHECKPOINT_LINK / "trainer.pt"
-    if not ckpt.exists():
-        return
-    saved = torch.load(ckpt, weights_only=False).get("config")
-    if not saved:  # a checkpoint from before configs were stored in it
+    saved = _saved_config(out_dir)
+    if not saved:  # no checkpoint, or one from before configs were stored in it
         return
     was, now = _flat(saved), _flat(cfg.to_dict())
     # keys only one side has come from a code change (a new option at its default), not from the user
@@ -83,6 +81,20 @@ def check_run_folder(out_dir: Path, cfg: RecipeCfg) -> None:
                           "Start a new run with another trainer.out_dir (--out), or delete that folder; only the "
                           "budgets (trainer.steps, trainer.env_steps, trainer.time_limit_s), evaluation and "
                           "logging settings may change on resume")
+
+
+def _saved_config(out_dir: Path) -> dict | None:
+    """The config of the checkpoint a resume would start from: the link's, else the newest complete one's.
+    Unreadable ones are passed over here; the resume itself verifies and says why."""
+    target, _ = ckpt.link_target(out_dir)
+    for folder in ([target] if target is not None else []) + ckpt.sealed_checkpoints(out_dir / "checkpoints"):
+        if (folder / "trainer.pt").is_file():
+            try:
+                state = ckpt.load_plain(folder / "trainer.pt")
+            except ckpt.CheckpointCorrupt:
+                continue
+            return state.get("config") if isinstance(state, dict) else None
+    return None
 
 
 def seed_everything(seed: int) -> None:
@@ -120,6 +132,7 @@ class Trainer:
         self.model_dir = resolve_model(str(warm_start_folder(cfg)) if cfg.sft.warm_start else cfg.model.name)
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.run_id = self._claim_run_folder()  # a folder that is not this run's is refused before any write
             check_run_folder(self.out_dir, cfg)  # before config.yaml is rewritten: another run's folder is refused
             if self.is_main:
                 dump(cfg, self.out_dir / "config.yaml")
@@ -132,6 +145,7 @@ class Trainer:
         self.env_steps = 0  # the training rollouts' env steps so far (``trainer.env_steps`` budgets them)
         self._time_up, self._longest_step = False, 0.0  # trainer.time_limit_s
         self.engine: LearnerEngine = self._make_engine()
+        self._step_guard = StepGuard(self.engine)  # an optimizer step with a NaN or infinite gradient is not applied
         self.tokenizer = self.engine.tokenizer
         self.generator: Generator = self._make_generator()
         self.envs: EnvSlots = self._make_envs()
@@ -142,6 +156,24 @@ class Trainer:
         self.eval_episodes: list[Episode] = []
         self._rollout_stats: dict[str, float] = {}
         self._sync_stats: dict[str, float] = {}  # the last server weight sync (time, check), logged per step
+
+    def _claim_run_folder(self) -> str:
+        """Rank 0 reads or writes the run folder's marker (``agentrl.checkpoint.claim_run_folder``); every
+        rank gets its run id, or the same one-line error."""
+        found: tuple[str | None, str | None] = (None, None)
+        if self.is_main:
+            about = dict(recipe=self.cfg.recipe, env=self.cfg.env, model=str(self.cfg.model.name))
+            try:
+                found = (ckpt.claim_run_folder(self.out_dir, about), None)
+            except RunError as e:
+                found = (None, str(e))
+            except OSError as e:
+                found = (None, f"cannot write the run folder {self.out_dir}: {e.strerror or e}; choose another "
+                               "trainer.out_dir (--out)")
+        run_id, error = dist.broadcast_object(found)
+        if error:
+            raise RunError(error)
+        return str(run_id)
 
     def _resolve_device(self) -> str:
         try:
@@ -317,7 +349,7 @@ class Trainer:
         n_mb = -(-len(order) // a.mini_batch_samples) if a.mini_batch_samples > 0 else a.mini_batches
         n_mb = max(1, min(n_mb, len(order)))
         sums: dict[str, float] = {}
-        n_steps = 0
+        n_steps = skipped = 0
         for _ in range(a.ppo_epochs):
             if n_mb > 1:
                 self.rng.shuffle(order)
@@ -326,14 +358,37 @@ class Trainer:
                 s = self.engine.step(mb, loss_fn, temperature=self.cfg.rollout.temperature,
                                      need_entropy=True, need_values=need_values,
                                      weight_by="tokens" if a.agg == "token-mean" else "sequences")
+                if self._nonfinite_step(s):  # not applied (StepGuard); skip policy: left out of the means
+                    skipped += 1
+                    continue
                 for k, v in s.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 n_steps += 1
-        stats = {k: v / n_steps for k, v in sums.items()}  # means over the optimizer steps
+        stats = {k: v / max(1, n_steps) for k, v in sums.items()}  # means over the optimizer steps
         stats["optim_steps"] = float(n_steps)
+        if self.cfg.trainer.nan_policy == "skip":
+            stats["nonfinite_skipped"] = float(skipped)
+        if not params_finite(self.engine):  # one max-abs reduction: finite gradients can still overflow a weight
+            raise RunError(f"step {self.step + 1}: the weights hold non-finite values after this update; the run "
+                           f"stops without saving them (the last checkpoint is {self.out_dir / CHECKPOINT_LINK}). "
+                           "Lower optim.lr (or optim.grad_clip) and resume with the same command")
         self.sync_weights()
         stats["time_learn_s"] = time.perf_counter() - t
         return stats
+
+    def _nonfinite_step(self, s: dict[str, float]) -> bool:
+        """Whether an optimizer step's loss or gradient norm is NaN or infinite (both are global under
+        DeepSpeed, so every rank decides alike). ``trainer.nan_policy=stop`` ends the run here."""
+        vals = {k: float(s[k]) for k in ("loss", "grad_norm") if k in s}
+        if all(math.isfinite(v) for v in vals.values()):
+            return False
+        if self.cfg.trainer.nan_policy == "skip":
+            return True
+        shown = ", ".join(f"{k} {v}" for k, v in vals.items())
+        raise RunError(f"step {self.step + 1}: non-finite {shown} (trainer.nan_policy=stop): the run stops and this "
+                       f"update is neither applied nor saved; the last checkpoint is {self.out_dir / CHECKPOINT_LINK}. "
+                       "Lower optim.lr or check the rewards and resume with the same command, or set "
+                       "trainer.nan_policy=skip to drop such updates and count them (nonfinite_skipped)")
 
     def values(self, samples: list[Sample]) -> list[float]:
         """Critic value at the last prompt token of each sample (PPO)."""
@@ -409,65 +464,133 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Collective. Every rank writes its part (ZeRO shards, its RNG) into ``checkpoints/step-N``, rank 0
-        the trainer and recipe state; only then does rank 0 switch the ``checkpoint`` link to it (an atomic
-        rename) and drop older ones, so a kill at any point leaves the previous complete checkpoint."""
+        the trainer and recipe state; then rank 0 seals it (a manifest with every file's sha256, written last),
+        switches the ``checkpoint`` link to it (an atomic rename) and removes this run's checkpoints beyond
+        ``trainer.keep_checkpoints``: a kill at any point leaves the previous complete checkpoints, and nothing
+        the run did not write is ever removed (``agentrl.checkpoint``)."""
         root = self.out_dir / "checkpoints"
         folder = root / f"step-{self.step:06d}"
+        if not params_finite(self.engine):
+            raise RunError(f"step {self.step}: the weights hold non-finite values; they are not saved (the last "
+                           f"checkpoint is {self.out_dir / CHECKPOINT_LINK}). Lower optim.lr and resume with the "
+                           "same command")
+        error = None
+        if self.is_main:
+            try:
+                ckpt.clear_for_save(folder, self.run_id)  # only a save of this step by this run
+                ckpt.begin(folder, self.run_id, self.step)
+            except RunError as e:
+                error = str(e)
+            except OSError as e:
+                error = (f"checkpoint at step {self.step} could not start ({e.strerror or e}); the last complete one "
+                         f"is {self.out_dir / CHECKPOINT_LINK}. Free space and run the same command to resume")
+        error = dist.broadcast_object(error)
+        if error:
+            raise RunError(error)
         try:
-            if self.is_main:
-                if folder.exists():  # a save of this step that was killed half-way
-                    shutil.rmtree(folder)
-                folder.mkdir(parents=True)
-            dist.barrier()
             self.engine.save(folder)
             if self.is_main:
                 torch.save(dict(step=self.step, env_steps=self.env_steps, rng=self.rng.getstate(),
-                                recipe=self.recipe.state_dict(), world=self.world, engine=self.cfg.trainer.engine,
-                                config=self.cfg.to_dict()),
+                                recipe=ckpt.to_plain(self.recipe.state_dict(), "recipe state"), world=self.world,
+                                engine=self.cfg.trainer.engine, config=self.cfg.to_dict()),
                            folder / "trainer.pt")
-        except OSError as e:  # a full disk: drop the partial save, keep the previous checkpoint, say so
-            shutil.rmtree(folder, ignore_errors=True)
+            dist.barrier()
+            if self.is_main:
+                ckpt.seal(folder, self.run_id, self.step)
+        except OSError as e:  # a full disk: drop the partial save (this run's), keep the previous checkpoint, say so
+            if self.is_main:
+                shutil.rmtree(folder, ignore_errors=True)
             raise RunError(f"checkpoint at step {self.step} failed ({e.strerror or e}) and was removed; the last "
                            f"complete one is {self.out_dir / CHECKPOINT_LINK}. Free space and run the same command "
                            "to resume") from None
-        dist.barrier()
         if self.is_main:
-            link, tmp = self.out_dir / CHECKPOINT_LINK, self.out_dir / (CHECKPOINT_LINK + ".new")
-            if tmp.is_symlink() or tmp.exists():
-                tmp.unlink()
-            tmp.symlink_to(Path("checkpoints") / folder.name)
-            if link.is_dir() and not link.is_symlink():  # the single-folder layout of older runs
-                shutil.rmtree(link)
-            os.replace(tmp, link)
-            for old in root.iterdir():
-                if old.name != folder.name:
-                    shutil.rmtree(old, ignore_errors=True)
-            legacy = self.out_dir / "checkpoint.tmp"
-            if legacy.exists():
-                shutil.rmtree(legacy, ignore_errors=True)
+            ckpt.point_link(self.out_dir, folder)
+            ckpt.rotate(root, self.cfg.trainer.keep_checkpoints, self.run_id, folder)
         dist.barrier()
         return folder
 
     def load_checkpoint(self) -> bool:
-        ckpt = self.out_dir / CHECKPOINT_LINK
-        if not (ckpt / "trainer.pt").exists():
-            return False
-        state = torch.load(ckpt / "trainer.pt", weights_only=False)
-        saved_world = state.get("world", 1)
-        saved_engine = state.get("engine") or ("deepspeed" if (ckpt / "deepspeed").exists() else "torch")
-        if saved_world != self.world or saved_engine != self.cfg.trainer.engine:
-            raise ConfigError(f"{ckpt} was written by {saved_world} rank(s) with trainer.engine={saved_engine}; "
-                              f"this run has {self.world} with trainer.engine={self.cfg.trainer.engine}. Resume "
-                              "with the same launch, or start a new run (another trainer.out_dir)")
-        self.engine.load(ckpt)
+        """Resume from the newest intact checkpoint: rank 0 verifies each complete one (newest first) against
+        its manifest, every rank loads the first that passes (weights_only, finite weights). Falling back says
+        so in one line and renames the corrupt ones ``corrupt-step-N``; with none intact the run stops with one
+        line and nothing changed. False: nothing to resume (a new run)."""
+        root = self.out_dir / "checkpoints"
+        target, dangling = ckpt.link_target(self.out_dir)
+        folders = [Path(f) for f in dist.broadcast_object(
+            [str(f) for f in ckpt.sealed_checkpoints(root)] if self.is_main else None)]
+        skipped: list[tuple[Path, str]] = []
+        for folder in folders:
+            why = dist.broadcast_object(ckpt.verify(folder) if self.is_main else None)
+            if why is None:
+                why = self._load_from(folder)
+            if why is None:
+                self._after_resume(folder, target, dangling, skipped)
+                return True
+            skipped.append((folder, why))
+        if skipped or dangling or (target is not None and (target / "trainer.pt").exists()):
+            raise RunError(self._nothing_to_resume(root, target, dangling, skipped))
+        return False
+
+    def _load_from(self, folder: Path) -> str | None:
+        """Load ``folder`` into the trainer, engine and recipe; None, or why it cannot be (on any rank)."""
+        why = None
+        try:
+            state = ckpt.load_plain(folder / "trainer.pt")
+            saved_world = state.get("world", 1)
+            saved_engine = state.get("engine") or ("deepspeed" if (folder / "deepspeed").exists() else "torch")
+            if saved_world != self.world or saved_engine != self.cfg.trainer.engine:
+                raise ConfigError(f"{folder} was written by {saved_world} rank(s) with trainer.engine={saved_engine}; "
+                                  f"this run has {self.world} with trainer.engine={self.cfg.trainer.engine}. Resume "
+                                  "with the same launch, or start a new run (another trainer.out_dir)")
+            recipe_state = ckpt.from_plain(state["recipe"])
+            self.engine.load(folder)
+            if not params_finite(self.engine):  # checksums vouch for the bytes, not for what was saved
+                raise ckpt.CheckpointCorrupt("its weights hold non-finite values (NaN or infinity)")
+        except ckpt.CheckpointCorrupt as e:
+            why = str(e)
+        except (KeyError, AttributeError) as e:
+            why = f"trainer.pt lacks {e}"
+        whys = [w for w in dist.all_gather_object(why) if w]
+        if whys:
+            return whys[0]
         self.step = state["step"]
         # checkpoints from before the budget existed: the steps are in the metrics logged up to this one
         self.env_steps = state["env_steps"] if "env_steps" in state else int(sum(
             r.get("env_steps", 0) for r in read_metrics(self.out_dir) if 0 < r.get("step", 0) <= self.step))
         self.rng.setstate(state["rng"])
-        self.recipe.load_state_dict(state["recipe"])
+        self.recipe.load_state_dict(recipe_state)
         self.sync_weights()
-        return True
+        return None
+
+    def _after_resume(self, folder: Path, target: Path | None, dangling: bool,
+                      skipped: list[tuple[Path, str]]) -> None:
+        """Point the link at the checkpoint resumed from; say why it is not the newest, if it is not."""
+        notes = []
+        if dangling and target is not None:
+            notes.append(f"{self.out_dir / CHECKPOINT_LINK} pointed to {target.name}, which is missing")
+        if self.is_main:
+            if target is None or target.resolve() != folder.resolve():
+                ckpt.point_link(self.out_dir, folder)
+            for bad, why in skipped:
+                kept = ckpt.quarantine(bad)
+                notes.append(f"checkpoint {bad.name} is corrupt ({why}; kept as checkpoints/{kept.name})")
+        if notes:
+            self.echo("; ".join(notes) + f": resumed from {folder.name} (step {self.step}) instead")
+        dist.barrier()
+
+    def _nothing_to_resume(self, root: Path, target: Path | None, dangling: bool,
+                           skipped: list[tuple[Path, str]]) -> str:
+        link = self.out_dir / CHECKPOINT_LINK
+        if skipped:
+            what = "; ".join(f"{f.name}: {why}" for f, why in skipped)
+            head = f"no intact checkpoint to resume in {root} ({what})"
+        elif dangling and target is not None:
+            head = f"{link} points to {target.name}, which is missing, and {root} holds no other complete checkpoint"
+        else:
+            head = (f"{target} has no manifest (written by an agentrl from before checkpoints carried checksums): "
+                    "it cannot be verified, so it is not resumed")
+        return (head + ". Nothing was changed or deleted; to start over, choose another trainer.out_dir (--out) "
+                "or move this run folder away")
 
     # ----- the run -----------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -483,8 +606,8 @@ class Trainer:
                 self.echo(f"resumed from {self.out_dir / CHECKPOINT_LINK} at step {self.step}")
             else:
                 self._check_free_space()
-            if self.is_main:  # rows logged after the checkpoint (and a torn last line) are redone, not repeated
-                truncate_metrics(self.out_dir, self.step)
+            if self.is_main:  # rows logged after the checkpoint (and a torn last line) are redone, not repeated;
+                truncate_metrics(self.out_dir, self.step if resumed else -1)  # a new start redoes step 0 too
         if self.step == 0 and not resumed:
             pre = self.recipe.before_training(self) if hasattr(self.recipe, "before_training") else {}
             first = self.evaluate() if self.cfg.eval.tasks and self.cfg.eval.at_start else {}
@@ -534,11 +657,22 @@ class Trainer:
                 why = self.envs.last_error
                 logging.getLogger(__name__).warning("env workers: %s%s", ", ".join(
                     f"{v} {k}" for k, v in sorted(trouble.items())), f" (last: {why})" if why else "")
-        if not final and (self.out_dir / "final.json").exists():  # a finished run started again: nothing new
-            final = json.loads((self.out_dir / "final.json").read_text())
+        if not final:  # a finished run started again: nothing new
+            final = self._last_final()
         if self.is_main:
-            (self.out_dir / "final.json").write_text(json.dumps(final, indent=1))
+            atomic_write_text(self.out_dir / "final.json", json.dumps(final, indent=1))
         return final
+
+    def _last_final(self) -> dict[str, float]:
+        """The run's last evaluation: final.json, or where an older version tore it, the last logged one."""
+        try:
+            final = json.loads((self.out_dir / "final.json").read_text())
+            if isinstance(final, dict):
+                return final
+        except (OSError, ValueError):
+            pass
+        rows = [r for r in read_metrics(self.out_dir) if any(k.startswith("eval/") for k in r)]
+        return {k: v for k, v in rows[-1].items() if k.startswith("eval/")} if rows else {}
 
     def finished(self) -> bool:
         """Every rank agrees: the step count and the env steps (summed over the gathered episodes) are global."""

@@ -182,7 +182,7 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tiny_model_dir, 
     eng = engine()
     [eng.step(b, loss) for _ in range(2)]
     eng.save(tmp_path / "ckpt")
-    saved = torch.load(tmp_path / "ckpt" / "engine.pt", weights_only=False)["model"]
+    saved = torch.load(tmp_path / "ckpt" / "engine.pt", weights_only=True)["model"]
     assert saved and all("lora_" in k for k in saved)
     resumed = engine()
     resumed.load(tmp_path / "ckpt")

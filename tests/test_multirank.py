@@ -265,9 +265,13 @@ def test_checkpoint_of_another_world_size_is_refused(tiny_model_dir, tmp_path):
     finally:
         t.close()
     state_file = tmp_path / "checkpoint" / "trainer.pt"
-    state = torch.load(state_file, weights_only=False)
+    state = torch.load(state_file, weights_only=True)
     state["world"] = 2
     torch.save(state, state_file)
+    from agentrl import checkpoint as ckpt  # sealed again: a checkpoint of 2 ranks, not a corrupt one
+
+    m = ckpt.read_manifest(state_file.parent)
+    ckpt.seal(state_file.resolve().parent, m["run_id"], m["step"])
     t = _trainer(_cfg(tmp_path, tiny_model_dir, "trainer.steps=2"))
     try:
         with pytest.raises(ConfigError, match=r"written by 2 rank\(s\).*this run has 1"):

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
+from agentrl.checkpoint import load_plain
 from agentrl.learner.batch import TokenBatch, micro_batches, row_blocks
 from agentrl.learner.engine import (EngineConfig, FrozenReference, ValueHead, batch_prefix_len, batched_forward,
                                     forward_batch, memory_hint, rng_state, set_rng_state)
@@ -77,6 +78,15 @@ def load_ds_config(spec: str | Path | dict | None) -> dict[str, Any]:
         ds.setdefault("zero_force_ds_cpu_optimizer", False)  # offload with the engine's torch AdamW
     ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two keys above and the world size
     return ds
+
+
+def _load_ds_file(path: str, map_location: Any = None) -> Any:
+    """A DeepSpeed checkpoint file, loaded with ``weights_only`` (the ZeRO stage enum and loss scaler
+    allowed, plain classes of DeepSpeed's): a tampered file is refused, not run."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return load_plain(path, map_location=map_location, safe_globals=(ZeroStageEnum, LossScaler))
 
 
 def skip_cpu_shm_build() -> None:
@@ -290,11 +300,13 @@ class DeepSpeedEngine:
 
     def load(self, folder: str | Path) -> None:
         folder = Path(folder)
+        # DeepSpeed's own reader unpickles anything; its files hold tensors, containers and two plain classes
+        self.ds.checkpoint_engine.load = _load_ds_file
         _, client = self.ds.load_checkpoint(str(folder / "deepspeed"))
         self.global_step = (client or {}).get("global_step", 0)
         rng = folder / f"rng-rank{self.rank}.pt"
         if rng.exists():
-            set_rng_state(torch.load(rng, weights_only=False))
+            set_rng_state(load_plain(rng))
 
     def close(self) -> None:
         """Leave the process group in step with the other ranks. Without this, gloo's and DeepSpeed's

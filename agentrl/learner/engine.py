@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from agentrl.checkpoint import load_plain
 from agentrl.learner.batch import TokenBatch, micro_batches
 from agentrl.learner.logprobs import mask_logits
 from agentrl.learner.protocol import LossFn
@@ -58,12 +59,17 @@ class EngineConfig:
 
 
 def rng_state() -> dict[str, Any]:
-    return dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate())
+    """The process's RNG states as plain tensors, numbers and tuples (checkpoints load with weights_only)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return dict(torch=torch.get_rng_state(), python=random.getstate(),
+                numpy=(str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)))
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
     random.setstate(state["python"])
 
 
@@ -412,7 +418,7 @@ class TorchEngine:
 
     def load(self, folder: str | Path) -> None:
         folder = Path(folder)
-        state = torch.load(folder / "engine.pt", weights_only=False)
+        state = load_plain(folder / "engine.pt")  # tensors and containers only: a tampered file runs no code
         if self.cfg.lora is None:
             self.model.load_state_dict(state["model"])
         else:  # the adapters (a checkpoint of older runs holds the base too, the same weights)

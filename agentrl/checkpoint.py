@@ -1,0 +1,328 @@
+"""Run folders and checkpoints: nothing the user wrote is deleted, nothing corrupt is trained on.
+
+* A run folder carries a marker (``RUN/.agentrl-run``: run id, creation time, recipe) written when the run
+  creates it; a non-empty folder without one is refused.
+* A checkpoint ``RUN/checkpoints/step-NNNNNN`` carries a manifest (``agentrl-checkpoint.json``): the run id,
+  and once the save is complete (written last, atomically) the size and sha256 of every file in it. Resume
+  verifies it; rotation removes only folders named like checkpoints whose manifest carries this run's id.
+* Checkpoint state is plain tensors, numbers, strings and containers, loaded with
+  ``torch.load(weights_only=True)``: a tampered file cannot run code through pickle.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import importlib
+import json
+import os
+import pickle
+import re
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from agentrl.io_atomic import atomic_write_text, fsync_dir
+
+MARKER = ".agentrl-run"
+MANIFEST = "agentrl-checkpoint.json"
+FORMAT = "agentrl-checkpoint/1"
+LINK = "checkpoint"  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
+_STEP = re.compile(r"^step-(\d{6,})$")
+
+
+class RunError(RuntimeError):
+    """A run cannot go on for a reason outside the config (disk, permissions, its folder); one line for the user."""
+
+
+class CheckpointCorrupt(Exception):
+    """A checkpoint file that must not be loaded; the message says which and why."""
+
+
+# ----- the run folder -------------------------------------------------------------------------------------
+def _legacy_run(out_dir: Path) -> bool:
+    """A run folder written before markers existed: agentrl's config.yaml and its metrics or checkpoints."""
+    return (out_dir / "config.yaml").is_file() and any(
+        (out_dir / n).exists() or (out_dir / n).is_symlink() for n in ("metrics.jsonl", LINK, "checkpoints"))
+
+
+def claim_run_folder(out_dir: Path, about: dict[str, Any]) -> str:
+    """This run's id: from the folder's marker, or a new one written into a new or empty folder (or a run
+    folder of an older agentrl). Any other non-empty folder is refused: a run writes and replaces files there."""
+    marker = out_dir / MARKER
+    if marker.is_file():
+        try:
+            return str(json.loads(marker.read_text())["run_id"])
+        except (ValueError, KeyError, TypeError, OSError):
+            raise RunError(f"{marker} is not a marker agentrl wrote (unreadable): choose another trainer.out_dir "
+                           "(--out)") from None
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunError(f"trainer.out_dir {out_dir} is a file, not a folder: choose another trainer.out_dir (--out)")
+    entries = list(out_dir.iterdir()) if out_dir.is_dir() else []
+    legacy = bool(entries) and _legacy_run(out_dir)
+    if entries and not legacy:
+        raise RunError(f"trainer.out_dir {out_dir} is not empty and is not an agentrl run folder (no {MARKER}): a "
+                       "run writes and replaces files in its folder, so it will not use this one. Choose a new or "
+                       "empty folder with --out (trainer.out_dir)")
+    # an older run's sealed checkpoints keep their id, so rotation still recognises them as this run's
+    ids = [m["run_id"] for m in map(read_manifest, step_folders(out_dir / "checkpoints")) if m and m.get("run_id")]
+    run_id = ids[0] if legacy and ids else uuid.uuid4().hex
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(marker, json.dumps(dict(run_id=run_id, created_at=_now(), adopted=legacy, **about), indent=1))
+    return run_id
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# ----- plain state ----------------------------------------------------------------------------------------
+_DC, _SET, _ND = "__dataclass__", "__set__", "__ndarray__"
+
+
+def to_plain(obj: Any, where: str = "state") -> Any:
+    """``obj`` as tensors, numbers, strings, lists, tuples and dicts (what ``weights_only`` loads). Dataclasses
+    of agentrl become tagged dicts that ``from_plain`` rebuilds; anything else is a TypeError naming it."""
+    import numpy as np
+
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.Tensor)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return {_ND: torch.from_numpy(np.ascontiguousarray(obj)).clone()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        cls = type(obj)
+        fields = {f.name: to_plain(getattr(obj, f.name), f"{where}.{f.name}") for f in dataclasses.fields(obj)}
+        return {_DC: f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
+    if isinstance(obj, dict):
+        return {to_plain(k, where): to_plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(to_plain(x, f"{where}[{i}]") for i, x in enumerate(obj))
+    if isinstance(obj, list):
+        return [to_plain(x, f"{where}[{i}]") for i, x in enumerate(obj)]
+    if isinstance(obj, (set, frozenset)):
+        return {_SET: [to_plain(x, where) for x in obj]}
+    raise TypeError(f"{where}: a {type(obj).__name__} cannot be stored in a checkpoint; give the state as tensors, "
+                    "numbers, strings, containers or agentrl dataclasses")
+
+
+def _agentrl_dataclass(name: str) -> type:
+    module, _, qual = name.partition(":")
+    if not (module == "agentrl" or module.startswith("agentrl.")):
+        raise CheckpointCorrupt(f"the state names a class outside agentrl ({name}): refused")
+    obj: Any = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part, None)
+    if not (isinstance(obj, type) and dataclasses.is_dataclass(obj)):
+        raise CheckpointCorrupt(f"the state names {name}, which is not an agentrl dataclass: refused")
+    return obj
+
+
+def from_plain(obj: Any) -> Any:
+    """The inverse of ``to_plain``."""
+    import numpy as np
+
+    if isinstance(obj, dict):
+        if set(obj) == {_DC, "fields"}:
+            cls = _agentrl_dataclass(obj[_DC])
+            vals = {k: from_plain(v) for k, v in obj["fields"].items()}
+            init = {f.name for f in dataclasses.fields(cls) if f.init}
+            inst = cls(**{k: v for k, v in vals.items() if k in init})
+            for k, v in vals.items():
+                if k not in init:
+                    setattr(inst, k, v)
+            return inst
+        if set(obj) == {_SET}:
+            return {from_plain(x) for x in obj[_SET]}
+        if set(obj) == {_ND}:
+            return np.asarray(obj[_ND].numpy())
+        return {from_plain(k): from_plain(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(from_plain(x) for x in obj)
+    if isinstance(obj, list):
+        return [from_plain(x) for x in obj]
+    return obj
+
+
+def load_plain(path: str | Path, map_location: Any = "cpu", safe_globals: Iterable[Any] = ()) -> Any:
+    """``torch.load(weights_only=True)``: tensors and containers only (plus the named ``safe_globals``, a
+    library's own plain classes). A file holding anything else, or that cannot be read, is ``CheckpointCorrupt``."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e)) or re.search(r"WeightsUnpickler error: ([^\n]+)", str(e))
+        what = found.group(1) if found else "refused by torch.load(weights_only=True)"
+        raise CheckpointCorrupt(f"{path.name} holds Python objects other than tensors and containers ({what}); "
+                                "refused, since loading it could run code") from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as e:
+        raise CheckpointCorrupt(f"{path.name} cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [x for x in str(e).splitlines() if x.strip()]
+    return lines[0][:200] if lines else type(e).__name__
+
+
+# ----- checkpoints ----------------------------------------------------------------------------------------
+def step_folders(root: Path) -> list[Path]:
+    """Folders named like checkpoints (``step-NNNNNN``) under ``root``, newest step first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()
+             and not p.is_symlink()]
+    return [p for _, p in sorted(found, key=lambda x: -x[0])]
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        m = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and m.get("format") == FORMAT else None
+
+
+def is_sealed(folder: Path) -> bool:
+    m = read_manifest(folder)
+    return bool(m and m.get("state") == "complete")
+
+
+def sealed_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints (their manifest written), newest first; not verified yet."""
+    return [f for f in step_folders(root) if is_sealed(f)]
+
+
+def owned(folder: Path, run_id: str) -> bool:
+    m = read_manifest(folder)
+    return bool(m and m.get("run_id") == run_id)
+
+
+def begin(folder: Path, run_id: str, step: int) -> None:
+    """Create the folder of a new save with a manifest that claims it for this run (state: writing)."""
+    folder.mkdir(parents=True)
+    atomic_write_text(folder / MANIFEST, json.dumps(dict(format=FORMAT, run_id=run_id, step=step, state="writing",
+                                                         created_at=_now())))
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.is_file() and not p.is_symlink() and p.name != MANIFEST)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        os.fsync(f.fileno())  # the bytes the manifest vouches for are on disk before it is
+    return digest
+
+
+def _hash_all(folder: Path, names: list[str]) -> list[str]:
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:  # hashlib releases the GIL
+        return list(ex.map(lambda n: _sha256(folder / n), names))
+
+
+def seal(folder: Path, run_id: str, step: int) -> None:
+    """Write the manifest of a complete save: every file's size and sha256. Written last and atomically: a
+    checkpoint without it is incomplete and never resumed from."""
+    names = _files(folder)
+    for n in names:  # the folders too, so the files' names are durable before the manifest names them
+        fsync_dir((folder / n).parent)
+    digests = _hash_all(folder, names)
+    files = {n: dict(bytes=(folder / n).stat().st_size, sha256=d) for n, d in zip(names, digests)}
+    atomic_write_text(folder / MANIFEST, json.dumps(dict(format=FORMAT, run_id=run_id, step=step, state="complete",
+                                                         created_at=_now(), files=files), indent=1))
+
+
+def verify(folder: Path) -> str | None:
+    """None if every file the manifest lists is there with its size and checksum; else why not (one phrase)."""
+    if not folder.is_dir():
+        return "it is missing"
+    m = read_manifest(folder)
+    if m is None:
+        return "it has no manifest (a save that did not finish, or not a checkpoint of agentrl)"
+    if m.get("state") != "complete":
+        return "its save did not finish"
+    files = m.get("files")
+    if not isinstance(files, dict) or not files:
+        return "its manifest lists no files"
+    for name, info in files.items():
+        p = folder / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"its manifest names a file outside it ({name})"
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != info.get("bytes"):
+            return f"{name} is truncated or altered ({p.stat().st_size} bytes, {info.get('bytes')} written)"
+    names = sorted(files)
+    for name, digest in zip(names, _hash_all(folder, names)):
+        if digest != files[name].get("sha256"):
+            return f"{name} fails its sha256 checksum"
+    return None
+
+
+def rotate(root: Path, keep: int, run_id: str, current: Path) -> list[Path]:
+    """Remove this run's checkpoints beyond the ``keep`` newest complete ones (and its unfinished saves).
+    Only folders named like checkpoints whose manifest carries ``run_id`` are ever removed."""
+    mine = [f for f in step_folders(root) if owned(f, run_id)]
+    complete = [f for f in mine if is_sealed(f)]
+    keepers = set(complete[:max(1, keep)]) | {current}
+    removed = [f for f in mine if f not in keepers]
+    for f in removed:
+        shutil.rmtree(f, ignore_errors=True)
+    return removed
+
+
+def clear_for_save(folder: Path, run_id: str) -> None:
+    """Before saving into ``folder``: remove an earlier save of this step by this run (killed half-way, or
+    the corrupt one a resume fell back from); an empty folder goes too. Anything else there is refused."""
+    if not folder.exists():
+        return
+    if owned(folder, run_id):
+        shutil.rmtree(folder)
+    elif folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+    else:
+        raise RunError(f"{folder} exists and was not written by this run: move it out of {folder.parent}, then run "
+                       "the same command again")
+
+
+def point_link(out_dir: Path, folder: Path) -> None:
+    """Switch ``RUN/checkpoint`` to ``folder`` with one atomic rename."""
+    link, tmp = out_dir / LINK, out_dir / (LINK + ".new")
+    if link.exists() and not link.is_symlink():
+        raise RunError(f"{link} is a folder, not the link to the last checkpoint this run keeps: move it away "
+                       "(or choose another trainer.out_dir), then run the same command again")
+    if tmp.is_symlink():
+        tmp.unlink()
+    tmp.symlink_to(Path("checkpoints") / folder.name)
+    os.replace(tmp, link)
+    fsync_dir(out_dir)
+
+
+def quarantine(folder: Path) -> Path:
+    """Rename a corrupt checkpoint out of the checkpoint naming (nothing deleted): it is neither resumed
+    from nor counted among the kept ones again."""
+    dest = folder.with_name(f"corrupt-{folder.name}")
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = folder.with_name(f"corrupt-{folder.name}-{n}")
+    folder.rename(dest)
+    return dest
+
+
+def link_target(out_dir: Path) -> tuple[Path | None, bool]:
+    """(where ``RUN/checkpoint`` points, whether that is missing). (None, False) when there is no link."""
+    link = out_dir / LINK
+    if link.is_symlink():
+        target = out_dir / os.readlink(link)
+        return target, not target.is_dir()
+    if link.is_dir():
+        return link, False
+    return None, False
