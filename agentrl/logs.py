@@ -21,7 +21,9 @@ class _Handler(logging.StreamHandler):
 
 def setup_logging(level: str | None = None) -> int:
     """One line per record on stderr for the ``agentrl`` loggers, at ``level`` (else ``$AGENTRL_LOG_LEVEL``,
-    else INFO); under several ranks each line names its rank. Returns the level set."""
+    else INFO); under several ranks each line names its rank. Below DEBUG, transformers' own progress bars
+    (loading and saving weights) are turned off unless ``HF_HUB_DISABLE_PROGRESS_BARS`` says otherwise.
+    Returns the level set. For the command line: a library never configures logging on import."""
     name = (level or os.environ.get(LEVEL_ENV) or "INFO").upper()
     if name not in LEVELS:
         raise ConfigError(f"bad log level {name.lower()!r} (--log-level or {LEVEL_ENV}); allowed: "
@@ -36,4 +38,9 @@ def setup_logging(level: str | None = None) -> int:
     logger.addHandler(handler)
     logger.setLevel(name)
     logger.propagate = False  # a root handler of the caller's would print every line twice
+    # transformers' bars at every model load and save would bury the progress lines; the variable is read
+    # when transformers is imported, so one imported already is told directly
+    if name != "DEBUG" and os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" \
+            and "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
     return logger.level

@@ -46,6 +46,7 @@ def agentrl_logger():
 
 def test_setup_logging_prints_one_line_per_record_at_the_chosen_level(agentrl_logger, capsys, monkeypatch):
     monkeypatch.delenv("AGENTRL_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # a user's setting wins over ours
     assert setup_logging() == logging.INFO  # the default
     setup_logging()  # a second call replaces its handler: no line twice
     log = logging.getLogger("agentrl.envs.alfworld_env")
