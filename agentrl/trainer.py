@@ -254,14 +254,14 @@ class Trainer:
         return EmbeddedGenerator(model, self.tokenizer, stop_token_ids(self.tokenizer, model.config), self.device)
 
     def _make_envs(self) -> "EnvSlots":
+        from agentrl.envs.registry import make_pool
+
         r = self.cfg.rollout
-        if r.pool == "process":
-            from agentrl.envs.pool import EnvPool
-
-            return EnvPool(self.cfg.env, r.slots, self.cfg.env_kwargs)
-        from agentrl.envs.pool import InProcessEnvs
-
-        return InProcessEnvs(self.cfg.env, r.slots, self.cfg.env_kwargs)
+        # each rank owns its own slots (its actors under Ray, as its worker processes otherwise)
+        opts = dict(address=self.cfg.trainer.ray_address, slots_per_actor=r.ray_slots_per_actor,
+                    num_cpus=r.ray_num_cpus, memory_mb=r.ray_memory_mb, resources=r.ray_resources) \
+            if r.pool == "ray" else {}
+        return make_pool(r.pool, self.cfg.env, r.slots, self.cfg.env_kwargs, **opts)
 
     def rollout_config(self, temperature: float | None = None, max_turns: int | None = None) -> RolloutConfig:
         r = self.cfg.rollout

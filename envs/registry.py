@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.envs.base import EnvError, TextEnv
+
+if TYPE_CHECKING:
+    from agentrl.envs.slots import EnvSlots
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,20 @@ def make(name: str, **kwargs: Any) -> TextEnv:
     env = s.load_class()(**{**s.kwargs, **kwargs})
     env.name = name  # variants share a class; report the registered name
     return env
+
+
+# env-slot pools by ``rollout.pool``: each is built as (env name, slots, env kwargs, **its own options)
+POOLS: dict[str, str] = {"inprocess": "agentrl.envs.pool:InProcessEnvs", "process": "agentrl.envs.pool:EnvPool",
+                         "ray": "agentrl.envs.ray_pool:RayEnvPool"}
+
+
+def make_pool(kind: str, env_name: str, num_slots: int, env_kwargs: dict[str, Any] | None = None,
+              **options: Any) -> "EnvSlots":
+    """``num_slots`` envs of ``env_name`` in the pool named ``kind`` (imported only when chosen)."""
+    if kind not in POOLS:
+        raise EnvError(f"rollout.pool: unknown pool '{kind}'; choose one of {', '.join(POOLS)}")
+    module, _, cls = POOLS[kind].partition(":")
+    return getattr(importlib.import_module(module), cls)(env_name, num_slots, env_kwargs, **options)
 
 
 def names() -> list[str]:

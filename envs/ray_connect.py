@@ -1,0 +1,74 @@
+"""Connecting to Ray for env workers: attach to a cluster, or start a local instance on loopback.
+
+``trainer.ray_address`` (or ``$RAY_ADDRESS``) names an existing cluster (``ray start --head`` on one node,
+``ray start --address`` on the others). Without one, a local Ray instance is started for the run, bound to
+127.0.0.1, with usage stats off and no dashboard, and stopped when the pool that started it closes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from agentrl.envs.base import EnvError
+
+INSTALL_HINT = "install the ray extra (pip install -e '.[ray]'; make setup does) or set rollout.pool=process"
+
+
+def import_ray() -> Any:
+    """``ray``, imported on first use so that the other pools never need it."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # set before the import: Ray reads it then
+    try:
+        import ray
+    except ImportError:
+        raise EnvError(f"rollout.pool=ray needs the 'ray' package: {INSTALL_HINT}") from None
+    return ray
+
+
+def connect(address: str = "", num_cpus: float = 0.0, resources: dict[str, float] | None = None) -> bool:
+    """Attach to ``address`` (else ``$RAY_ADDRESS``) or start a local instance with at least ``num_cpus``
+    CPUs and ``resources``; True when this call started Ray (its caller stops it with ``disconnect``).
+    A process already connected (``ray.init`` called by the user or a test) is used as it is."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise EnvError(f"trainer.ray_address: cannot attach to the Ray cluster at {address!r} "
+                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); start one with "
+                           "`ray start --head`, or leave trainer.ray_address and RAY_ADDRESS empty for a "
+                           "local instance") from None
+        return False
+    _start_local(ray, max(float(os.cpu_count() or 1), num_cpus), dict(resources or {}))
+    return True
+
+
+def _start_local(ray: Any, num_cpus: float, resources: dict[str, float]) -> None:
+    # Ray resolves "127.0.0.1" to the host's routable address unless it thinks clusters are off (as on
+    # macOS): switch that off for the start only, so every Ray socket of the local instance is on loopback.
+    from ray._private import ray_constants
+
+    flag, env = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    try:
+        ray.init(address="local", num_cpus=num_cpus, resources=resources or None, include_dashboard=False,
+                 object_store_memory=256 * 1024 ** 2,  # env messages are small; the default takes 30% of RAM
+                 logging_level=logging.WARNING, log_to_driver=False)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = flag
+        if env is None:
+            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
+        else:
+            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = env
+
+
+def disconnect(started: bool) -> None:
+    """Stop the local instance this process started (a cluster it attached to keeps running)."""
+    ray = sys.modules.get("ray")
+    if started and ray is not None and ray.is_initialized():
+        ray.shutdown()

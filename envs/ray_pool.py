@@ -1,0 +1,348 @@
+"""Env slots as Ray actors: env workers on any node of a Ray cluster, with ``EnvPool``'s recovery.
+
+Each actor holds ``slots_per_actor`` envs of one registered env and is placed by Ray's scheduler with the
+resources it declares (CPUs, memory, custom resources that pin workers to env nodes). The pool keeps each
+slot's journal exactly as ``EnvPool`` does and replays it with the same code (``envs/pool.py``), so results,
+fingerprints and restores are the same on either pool.
+
+Faults: an actor that dies (killed, OOM, segfault, node lost) or hangs past ``step_timeout`` is killed and a
+new one started (wherever Ray places it); every slot it held replays its journal, fingerprint-checked, on
+its next request. A slot whose replay diverges or whose request keeps failing is dropped and counted, like
+``EnvPool``'s. ``submit`` (``envs/slots.py``) runs one slot's request in that slot's thread, which waits on
+the actor's Ray future; requests on different actors run concurrently.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.envs.base import EnvError
+from agentrl.envs.pool import _handle
+from agentrl.envs.ray_connect import connect, disconnect, import_ray
+from agentrl.envs.replay import DivergenceError, Trace
+from agentrl.envs.results import StepResult
+from agentrl.envs.slots import SlotThreads
+
+
+class EnvWorker:
+    """The actor: ``n`` envs of one name in one Ray worker process (methods answer like ``EnvPool``'s
+    workers: ``("ok", value)``, ``("env_error", EnvError)`` or ``("crash", traceback)``)."""
+
+    def __init__(self, env_name: str, env_kwargs: dict[str, Any], n: int):
+        from agentrl.envs.registry import make
+
+        self.envs: list[Any] = []
+        self.error = ""
+        try:
+            self.envs = [make(env_name, **env_kwargs) for _ in range(n)]
+        except Exception:  # reported by ready(): an exception here would only say "actor died"
+            self.error = traceback.format_exc()
+
+    def ready(self) -> tuple[str, Any]:
+        return ("ok", os.getpid()) if not self.error else ("crash", self.error)
+
+    def run(self, k: int, cmd: str, args: Any) -> tuple[str, Any]:
+        try:
+            return "ok", _handle(self.envs[k], cmd, args)
+        except EnvError as e:
+            return "env_error", e
+        except Exception:  # an env bug or a dead engine: the pool restarts this actor
+            return "crash", traceback.format_exc()
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+@dataclass
+class _Actor:
+    handle: Any = None
+    pid: int = 0
+    gen: int = 0  # bumped by each restart: a slot whose env state is of an older generation replays first
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _Slot:
+    actor: int
+    local: int  # the env's index inside its actor
+    journal: list[tuple] = field(default_factory=list)  # as EnvPool's
+    dropped: bool = False
+    gen: int = -1  # the actor generation whose env holds this slot's episode
+
+
+@dataclass
+class _Pending:
+    ref: Any = None
+    gen: int = 0
+    answer: tuple[str, Any] | None = None  # known before sending (a replay that failed)
+
+
+def _last_line(tb: Any) -> str:
+    return (str(tb).strip().splitlines() or ["?"])[-1][:300]
+
+
+class RayEnvPool(SlotThreads):
+    """``num_slots`` envs of one registered env in Ray actors, addressed by slot index."""
+
+    def __init__(self, env_name: str, num_slots: int, env_kwargs: dict[str, Any] | None = None,
+                 address: str = "", slots_per_actor: int = 1, num_cpus: float = 1.0, memory_mb: int = 0,
+                 resources: dict[str, float] | None = None, step_timeout: float = 60.0,
+                 start_timeout: float = 180.0, max_restarts: int = 2):
+        if slots_per_actor < 1:
+            raise EnvError(f"rollout.ray_slots_per_actor must be >= 1, got {slots_per_actor}")
+        if num_cpus < 0 or memory_mb < 0:
+            raise EnvError("rollout.ray_num_cpus and rollout.ray_memory_mb must be >= 0")
+        self.env_name, self.env_kwargs = env_name, dict(env_kwargs or {})
+        self.step_timeout, self.start_timeout, self.max_restarts = step_timeout, start_timeout, max_restarts
+        self.stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
+        self.last_error = ""
+        self._count_lock = threading.Lock()
+        n_actors = -(-num_slots // slots_per_actor)
+        self.slots = [_Slot(i // slots_per_actor, i % slots_per_actor) for i in range(num_slots)]
+        self.actors = [_Actor() for _ in range(n_actors)]
+        self._sizes = [sum(1 for s in self.slots if s.actor == a) for a in range(n_actors)]
+        resources = dict(resources or {})
+        self._ray = import_ray()
+        self._started = connect(address, n_actors * num_cpus,
+                                {k: v * n_actors for k, v in resources.items()})
+        opts: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": 0, "max_task_retries": 0}
+        if memory_mb:
+            opts["memory"] = memory_mb * 1024 ** 2
+        if resources:
+            opts["resources"] = resources
+        self._cls = self._ray.remote(**opts)(EnvWorker)
+        try:
+            for a in range(n_actors):
+                self._create(a)
+            for a in range(n_actors):
+                why = self._await_ready(a)
+                if why:
+                    raise EnvError(f"env worker for '{env_name}' failed to start: {why}")
+        except BaseException:
+            self.close()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    # ----- actor management --------------------------------------------------------------------
+    def _create(self, a: int) -> None:
+        self.actors[a].handle = self._cls.remote(self.env_name, self.env_kwargs, self._sizes[a])
+
+    def _await_ready(self, a: int) -> str:
+        """"" once actor ``a`` has built its envs, else why not."""
+        ray = self._ray
+        try:
+            status, payload = ray.get(self.actors[a].handle.ready.remote(), timeout=self.start_timeout)
+        except ray.exceptions.GetTimeoutError:
+            return (f"not started within {self.start_timeout:.0f}s (does the cluster have a node with the "
+                    "CPUs, memory and resources that rollout.ray_num_cpus/ray_memory_mb/ray_resources ask for?)")
+        except ray.exceptions.RayError as e:
+            return _last_line(e)
+        if status != "ok":
+            return _last_line(payload)
+        self.actors[a].pid = payload
+        return ""
+
+    def _kill(self, a: int) -> None:
+        if self.actors[a].handle is not None:
+            try:
+                self._ray.kill(self.actors[a].handle, no_restart=True)
+            except Exception:  # already gone with its node
+                pass
+            self.actors[a].handle = None
+
+    def _restart(self, a: int) -> str:
+        """Kill actor ``a`` and start another (caller holds its lock); "" or why the new one failed."""
+        self._kill(a)
+        self._count("restarts")
+        self.actors[a].gen += 1
+        self._create(a)
+        return self._await_ready(a)
+
+    def _count(self, key: str) -> None:
+        with self._count_lock:
+            self.stats[key] += 1
+
+    def pid(self, slot: int) -> int:
+        """The process id of the Ray worker holding ``slot`` (on its node)."""
+        return self.actors[self.slots[slot].actor].pid
+
+    def actor(self, slot: int) -> Any:
+        """The Ray actor handle holding ``slot``."""
+        return self.actors[self.slots[slot].actor].handle
+
+    # ----- the request/recover cycle -----------------------------------------------------------
+    def _get(self, i: int, p: _Pending, timeout: float) -> tuple[str, Any]:
+        """The answer to a sent request: status "timeout" and "crash" are not counted here."""
+        if p.answer is not None:
+            return p.answer
+        ray = self._ray
+        try:
+            status, payload = ray.get(p.ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            return "timeout", f"no answer within {timeout:.0f}s"
+        except ray.exceptions.RayError as e:  # actor or node died
+            return "crash", f"env actor died ({type(e).__name__})"
+        if status in ("ok", "env_error"):
+            self.slots[i].gen = p.gen
+        return status, payload
+
+    def _send(self, i: int, req: tuple[str, Any]) -> _Pending:
+        """Start ``req`` on slot i's actor; first replay its journal there if the actor was restarted."""
+        s, a = self.slots[i], self.actors[self.slots[i].actor]
+        with a.lock:  # waits out a restart in progress: generation and handle must belong together
+            gen, handle = a.gen, a.handle
+        if handle is None:
+            return _Pending(None, gen, ("crash", "env actor not running"))
+        if s.journal and s.gen != gen:
+            self._count("replayed")
+            status, payload = self._get(i, _Pending(handle.run.remote(s.local, "journal", s.journal), gen),
+                                        self.start_timeout)
+            if status == "env_error" and isinstance(payload, DivergenceError):
+                return _Pending(None, gen, ("drop", str(payload)))  # this episode cannot be rebuilt
+            if status != "ok":
+                return _Pending(None, gen, (status, payload))
+        return _Pending(handle.run.remote(s.local, *req), gen)
+
+    def _recover(self, i: int, req: tuple[str, Any], timeout: float, failed: tuple[str, Any], gen: int
+                 ) -> tuple[str, Any]:
+        """Restart slot i's actor (unless another slot's recovery already did), replay, retry ``req``;
+        drop after ``max_restarts`` tries."""
+        a = self.slots[i].actor
+        status, payload = failed
+        for _ in range(self.max_restarts):
+            with self.actors[a].lock:
+                if self.actors[a].gen == gen:  # ours to count and restart; otherwise it is a consequence
+                    self._trouble(status, payload)
+                    why = self._restart(a)
+                    if why:
+                        status, payload, gen = "crash", why, self.actors[a].gen
+                        continue
+            p = self._send(i, req)
+            status, payload = self._get(i, p, timeout)
+            gen = p.gen
+            if status not in ("timeout", "crash"):
+                return status, payload
+        with self.actors[a].lock:
+            if self.actors[a].gen == gen:
+                self._trouble(status, payload)
+                if status == "timeout":  # a hung actor would keep its CPUs and its other slots' requests
+                    self._restart(a)
+        return "drop", _last_line(payload)
+
+    def _trouble(self, status: str, why: Any) -> None:
+        self._count("timeouts" if status == "timeout" else "crashes")
+        self.last_error = _last_line(why)
+
+    def _run(self, requests: dict[int, tuple[str, Any]], timeout: float) -> dict[int, tuple[str, Any]]:
+        """Send all requests first (actors run in parallel), then collect each answer, then recover."""
+        pending = {i: self._send(i, req) for i, req in requests.items()}
+        deadline = time.monotonic() + timeout
+        answers = {i: self._get(i, p, max(0.0, deadline - time.monotonic())) for i, p in pending.items()}
+        for i, (status, payload) in list(answers.items()):
+            if status in ("timeout", "crash"):
+                answers[i] = self._recover(i, requests[i], timeout, (status, payload), pending[i].gen)
+        return answers
+
+    def _collect(self, answers: dict[int, tuple[str, Any]], on_ok: Any) -> dict[int, StepResult]:
+        """Book every slot's answer first, then raise the callers' errors, so no slot's journal is lost."""
+        out, errors = {}, []
+        for i, (status, payload) in answers.items():
+            if status == "drop":
+                self._count("dropped")
+                self.slots[i].dropped, self.slots[i].journal = True, []
+                out[i] = StepResult("", 0.0, True, False, {"dropped": True, "drop_reason": payload})
+            elif status == "env_error":
+                errors.append(payload)
+            else:
+                out[i] = on_ok(i, payload)
+        if errors:
+            raise errors[0]
+        return out
+
+    # ----- public API (as EnvPool's) -----------------------------------------------------------
+    def reset(self, requests: dict[int, tuple[str, int]]) -> dict[int, StepResult]:
+        """``{slot: (task_id, seed)}`` -> ``{slot: StepResult}`` (reward 0, not done) for each slot."""
+        for i in requests:
+            self.slots[i].journal, self.slots[i].dropped = [], False
+
+        def ok(i: int, payload: Any) -> StepResult:
+            obs, info = payload
+            self.slots[i].journal = [("reset", *requests[i], info["fingerprint"])]
+            return StepResult(obs, 0.0, False, False, info)
+
+        return self._collect(self._run({i: ("reset", r) for i, r in requests.items()}, self.start_timeout), ok)
+
+    def restore(self, requests: dict[int, tuple[Trace, int, int | None]]) -> dict[int, StepResult]:
+        """``{slot: (trace, t, reseed)}``: rebuild the state after ``t`` actions of ``trace`` by replay."""
+        journals = {}
+        for i, (trace, t, reseed) in requests.items():
+            if not trace.fingerprints or not 0 <= t <= len(trace.actions):
+                raise EnvError(f"restore needs a trace with fingerprints and 0 <= t <= {len(trace.actions)}")
+            j: list[tuple] = [("reset", trace.task_id, trace.seed, trace.fingerprints[0])]
+            j += [("step", a, fp) for a, fp in zip(trace.actions[:t], trace.fingerprints[1:t + 1])]
+            if reseed is not None:
+                j.append(("reseed", reseed))
+            journals[i] = j
+            self.slots[i].journal, self.slots[i].dropped = [], False
+
+        def ok(i: int, payload: Any) -> StepResult:
+            obs, info = payload
+            self.slots[i].journal = journals[i]
+            return StepResult(obs, 0.0, False, False, info)
+
+        return self._collect(self._run({i: ("journal", j) for i, j in journals.items()}, self.start_timeout), ok)
+
+    def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
+        """One action per slot, all actors in parallel."""
+        for i in actions:
+            if self.slots[i].dropped or not self.slots[i].journal:
+                raise EnvError(f"slot {i}: step() without a live episode (reset or restore it first)")
+
+        def ok(i: int, payload: Any) -> StepResult:
+            obs, reward, term, trunc, info = payload
+            self.slots[i].journal.append(("step", actions[i], info["fingerprint"]))
+            return StepResult(obs, reward, term, trunc, info)
+
+        return self._collect(self._run({i: ("step", a) for i, a in actions.items()}, self.step_timeout), ok)
+
+    def call(self, slot: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call a side-effect-free env method in the slot's actor (e.g. ``expert_action``)."""
+        status, payload = self._run({slot: ("call", (method, args, kwargs))}, self.step_timeout)[slot]
+        if status == "drop":
+            raise EnvError(f"slot {slot}: env actor lost during call to {method}: {payload}")
+        if status == "env_error":
+            raise payload
+        return payload
+
+    def close(self) -> None:
+        self._close_slot_threads()
+        if getattr(self, "_ray", None) is None or not self._ray.is_initialized():
+            return
+        refs = [a.handle.close.remote() for a in getattr(self, "actors", []) if a.handle is not None]
+        try:
+            self._ray.wait(refs, num_returns=len(refs), timeout=5)
+        except Exception:  # an actor already dead: killed below all the same
+            pass
+        for a in range(len(getattr(self, "actors", []))):
+            self._kill(a)
+        disconnect(getattr(self, "_started", False))
+        self._started = False
+
+    def __enter__(self) -> "RayEnvPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,152 @@
+"""Env slots as Ray actors (local Ray instance on loopback): same episodes as the process pool, killed actors
+restarted and replayed with fingerprints checked, hung steps timed out and counted."""
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+from agentrl.envs import EnvError, make
+from agentrl.envs.replay import run_expert
+
+ray = pytest.importorskip("ray")
+
+CRASHY = "tests.crash_envs:CrashOnCommandEnv"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    """One local Ray instance for the module (starting one takes seconds); pools built here attach to it."""
+    from agentrl.envs.ray_connect import connect, disconnect
+
+    started = connect("", num_cpus=4)
+    assert started and ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")  # loopback only
+    yield
+    disconnect(started)
+    assert not ray.is_initialized()
+
+
+def _play(pool, tasks, seeds, sabotage):
+    """The expert in every slot; ``sabotage(k, pool, live)`` kills or freezes actors before step k."""
+    res = pool.reset({i: (t, seeds[i]) for i, t in enumerate(tasks)})
+    obs = {i: [r.obs] for i, r in res.items()}
+    live, k = set(res), 0
+    while live:
+        actions = {i: pool.call(i, "expert_action") for i in sorted(live)}
+        sabotage(k, pool, sorted(live))
+        for i, r in pool.step(actions).items():
+            assert not r.dropped, r.info
+            obs[i].append(r.obs)
+            if r.done:
+                live.discard(i)
+        k += 1
+    return obs
+
+
+def _ray_kill(pool, slot):
+    """ray.kill is asynchronous: wait until the actor is gone, so the next request finds it dead."""
+    handle = pool.actor(slot)
+    ray.kill(handle)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(handle.ready.remote(), timeout=30)
+
+
+def _reference(name, tasks, seeds):
+    env = make(name)
+    return {i: run_expert(env, t, seeds[i])[1] for i, t in enumerate(tasks)}
+
+
+def test_ray_pool_implements_the_slots_protocol():
+    from agentrl.envs.ray_pool import RayEnvPool
+    from agentrl.envs.slots import AsyncEnvSlots, EnvSlots
+    from tests.test_protocols import _same_signatures
+
+    _same_signatures(EnvSlots, RayEnvPool)
+    _same_signatures(AsyncEnvSlots, RayEnvPool)
+
+
+@pytest.mark.timeout(120)
+def test_killed_actor_is_restarted_and_its_episodes_replayed():
+    """ray.kill of one actor, SIGKILL of another's worker process: every episode continues exactly; two
+    slots share an actor, so one death costs both a replay."""
+    from agentrl.envs.ray_pool import RayEnvPool
+
+    tasks, seeds = ["train/00011", "train/00014", "train/00016"], [0, 0, 0]  # expert needs 7, 6, 11 steps
+
+    def kill(k, pool, live):
+        if k == 1:
+            _ray_kill(pool, 0)  # slots 0 and 1
+        if k == 2:
+            os.kill(pool.pid(2), signal.SIGKILL)
+
+    with RayEnvPool("sokoban-large", 3, slots_per_actor=2, step_timeout=30) as pool:
+        got = _play(pool, tasks, seeds, kill)
+        assert pool.stats["restarts"] == 2 and pool.stats["replayed"] == 3 and pool.stats["dropped"] == 0
+        assert pool.stats["crashes"] == 2 and "ActorDiedError" in pool.last_error
+        # the replay checks fingerprints: a journal that no longer matches its env is dropped, not resumed
+        trace, observations, _ = run_expert(make("sokoban-large"), tasks[0])
+        pool.restore({0: (trace, 3, None)})
+        assert pool.submit(0, "step", trace.actions[3]).result().obs == observations[4]
+        pool.slots[0].journal[-1] = ("step", trace.actions[3], "0" * 16)
+        _ray_kill(pool, 0)
+        out = pool.step({0: trace.actions[4]})
+        assert out[0].dropped and "replay diverged" in out[0].info["drop_reason"] and pool.stats["dropped"] == 1
+    assert got == _reference("sokoban-large", tasks, seeds)
+
+
+@pytest.mark.timeout(120)
+def test_hung_step_times_out_and_is_counted():
+    from agentrl.envs.ray_pool import RayEnvPool
+
+    with RayEnvPool("frozenlake", 2, step_timeout=3) as pool:  # a stochastic env: the replay redraws its slips
+        tasks, seeds = ["train/00003", "train/00004"], [7, 8]
+
+        def freeze(k, pool, live):
+            if k == 1:
+                os.kill(pool.pid(live[-1]), signal.SIGSTOP)  # hung, not dead: only the timeout can tell
+
+        got = _play(pool, tasks, seeds, freeze)
+        assert pool.stats["timeouts"] == 1 and pool.stats["restarts"] == 1 and pool.stats["dropped"] == 0
+    assert got == _reference("frozenlake", tasks, seeds)
+    with RayEnvPool(CRASHY, 2, step_timeout=2, max_restarts=1) as pool:  # a step that hangs every time
+        pool.reset({0: ("train/00001", 0), 1: ("train/00002", 0)})
+        out = pool.step({0: "hang", 1: "Up"})
+        assert out[0].dropped and not out[1].dropped and pool.stats["dropped"] == 1
+        assert pool.stats["timeouts"] == 2 and "no answer within 2s" in pool.last_error
+        assert not pool.reset({0: ("train/00001", 0)})[0].dropped and not pool.step({0: "Up"})[0].dropped
+        with pytest.raises(EnvError, match="unknown task id"):  # the caller's error: raised, not retried
+            pool.reset({1: ("train/99999999", 0)})
+
+
+def test_missing_ray_is_one_error_line(monkeypatch):
+    from agentrl.envs.ray_connect import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(EnvError, match=r"needs the 'ray' package: install the ray extra") as e:
+        import_ray()
+    assert "\n" not in str(e.value)
+
+
+def _metrics(out_dir):
+    drop = ("time", "_s", "per_s", "tokens_per", "mem")  # wall-clock readings differ between any two runs
+    rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_grpo_on_sokoban_same_metrics_on_ray_as_on_process_pool(tiny_model_dir, tmp_path):
+    from agentrl.config import load_config
+    from tests.test_trainer import run, small
+
+    got = {}
+    for pool in ("process", "ray"):
+        cfg = load_config("grpo", env="sokoban", overrides=small(
+            tmp_path / pool, tiny_model_dir, f"rollout.pool={pool}", "rollout.ray_slots_per_actor=2",
+            "rollout.ray_num_cpus=0.5"))
+        trainer, _ = run(cfg)
+        got[pool] = _metrics(tmp_path / pool)
+    assert [r["step"] for r in got["ray"]] == [0, 1, 2]
+    assert got["ray"] == got["process"]
+    assert all(r.get("env_restarts", 0) == 0 for r in got["ray"])
