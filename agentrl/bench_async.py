@@ -3,10 +3,11 @@
 The same starts, the same generator and the same sampling seeds in both modes, on an env whose steps take
 a long-tailed random time (``latency:<env>``, ``envs/latency.py``); answers are constrained to the env's
 admissible actions so that every turn steps the env. Lockstep refills slots as episodes end (its faster
-variant). Throughput is generated tokens over wall time, the median of ``--repeats`` alternating runs;
-``same_episodes`` checks that both modes rolled out identical episodes. Where vLLM is installed
-(``make vllm-setup``), the loop through a vLLM server is also compared with vLLM alone on the same prompts
-(``loop_over_vllm``; the plain env, so env time does not count against the loop).
+variant); the process pool steps the slots of a lockstep turn in parallel, so lockstep waits for the slowest
+step of each turn, not for their sum. Throughput is generated tokens over wall time, the median of
+``--repeats`` alternating runs; ``same_episodes`` checks that both modes rolled out identical episodes.
+Where vLLM is installed (``make vllm-setup``), the loop through a vLLM server is also compared with vLLM
+alone on the same prompts (``loop_over_vllm``; the plain env, so env time does not count against the loop).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-s", type=float, default=0.05, help="async: median (scale) step delay, s")
     p.add_argument("--latency-sigma", type=float, default=1.5, help="async: lognormal shape (tail weight)")
     p.add_argument("--episodes", type=int, default=0, help="async: episodes per run (default 2 x slots)")
-    p.add_argument("--pool", default="inprocess", choices=["inprocess", "process"], help="async: env slots")
+    p.add_argument("--pool", default="", choices=["", "inprocess", "process"],
+                   help="async: env slots (default process: slots step in parallel, as in training runs; "
+                   "in-process slots step one after another, which lockstep mode pays for every turn)")
     p.add_argument("--quick", action="store_true", help="async: a seconds-long smoke run (4 slots, 2 turns)")
 
 
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
     slots, turns, repeats = args.slots or 32, args.turns, args.repeats
     latency_s, max_new = args.latency_s, args.max_new_tokens
+    pool = args.pool or ("inprocess" if args.quick else "process")
     if args.quick:
         slots, turns, repeats, latency_s, max_new = 4, 2, 1, min(latency_s, 0.01), min(max_new, 16)
     n = args.episodes or 2 * slots
@@ -122,12 +126,12 @@ def run(args: argparse.Namespace) -> int:
     starts = [Start(tasks[(i // 2) % len(tasks)].task_id, i, f"g{i // 2}") for i in range(n)]
 
     def make_envs() -> Any:
-        cls = EnvPool if args.pool == "process" else InProcessEnvs
+        cls = EnvPool if pool == "process" else InProcessEnvs
         return cls(env_name, slots, kwargs)
 
     fig: dict[str, Any] = dict(model=args.model, env=env_name, latency=args.latency, latency_s=latency_s,
                                latency_sigma=args.latency_sigma, slots=slots, episodes=n, turns=turns,
-                               max_new_tokens=max_new, repeats=repeats, pool=args.pool,
+                               max_new_tokens=max_new, repeats=repeats, pool=pool,
                                threads=torch.get_num_threads())
     fig.update(compare(gen, gen.tokenizer, make_envs, env_name, starts, turns, max_new, repeats))
     if vllm_python() is None:
