@@ -285,11 +285,56 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# A recipe resolves to a few hundred nodes; anchors and aliases may not expand a document past this many, so a
+# few hundred bytes of nested aliases ("billion laughs") cannot make every later walk over the config exponential
+MAX_YAML_NODES = 20_000
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a document whose aliases expand beyond MAX_YAML_NODES nodes (or refer to themselves)."""
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        sizes: dict[int, int | None] = {}
+
+        def size(n: yaml.Node) -> int:  # nodes in the expansion, each shared node counted once per reference
+            if id(n) in sizes:
+                if sizes[id(n)] is None:
+                    raise ConfigError("an alias refers to the node that holds it (a recursive anchor)")
+                return sizes[id(n)]  # type: ignore[return-value]
+            sizes[id(n)] = None
+            kids = [x for kv in n.value for x in kv] if isinstance(n, yaml.MappingNode) else \
+                n.value if isinstance(n, yaml.SequenceNode) else []
+            total = 1 + sum(size(k) for k in kids)
+            if total > MAX_YAML_NODES:
+                raise ConfigError(f"anchors and aliases expand it to more than {MAX_YAML_NODES} nodes; write "
+                                  "the values out or use fewer nested aliases")
+            sizes[id(n)] = total
+            return total
+
+        if node is not None:
+            size(node)
+        return node
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """``text`` parsed as YAML (safe types only, aliases bounded); one ConfigError line naming ``what`` otherwise."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506  (a SafeLoader subclass)
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what}: malformed YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{what}: YAML nested too deeply") from None
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: malformed YAML: {str(e).splitlines()[0]}") from None
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the recipe YAML: {e}") from None
+    data = load_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe YAML must be a mapping, got {type(data).__name__}")
     return data
@@ -319,12 +364,16 @@ def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None 
     data = _read_yaml(path)
     own_method = data.get("method") or (path.stem if path.stem in RECIPES else None)
     base = data.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{path}: bad value for 'base': {base!r}; allowed: a recipe name (e.g. base: grpo) or a "
+                          "path to a .yaml")
     overlay = None
     if env is not None:
         overlays = data.pop("env_overlays", None) or {}
         if not isinstance(overlays, dict):
             raise ConfigError(f"{path}: env_overlays must map env names to sections, got {type(overlays).__name__}")
-        overlay = overlays.get(env)
+        # an outside suite's envs ("gem:game:GuessTheNumber-v0") also take the suite's overlay ("gem")
+        overlay = overlays.get(env, overlays.get(env.split(":")[0]) if ":" in env else None)
         if overlay is not None and not isinstance(overlay, dict):
             raise ConfigError(f"{path}: env_overlays.{env} must be a mapping of sections, got {type(overlay).__name__}")
     if base:
@@ -342,9 +391,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override '{text}' must look like key.sub=value")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw)
+        value = yaml.load(raw, Loader=_BoundedLoader)  # noqa: S506  (a SafeLoader subclass)
     except yaml.YAMLError:
-        value = raw
+        value = raw  # not YAML: the text itself (a path with a colon, say)
+    except ConfigError as e:
+        raise ConfigError(f"override '{key.strip()}': {e}") from None
+    except RecursionError:
+        raise ConfigError(f"override '{key.strip()}': YAML nested too deeply") from None
     return key.strip().split("."), value
 
 
@@ -481,6 +534,71 @@ def _check_names(cfg: RecipeCfg) -> None:
     if cfg.rollout.max_rounds < 1 or cfg.rollout.fill_groups < 0:
         raise ConfigError(f"bad value for 'rollout.max_rounds' ({cfg.rollout.max_rounds}) or 'rollout.fill_groups' "
                           f"({cfg.rollout.fill_groups}); allowed: max_rounds >= 1, fill_groups >= 0")
+    _check_ranges(cfg)
+    _check_contradictions(cfg)
+
+
+def _check_ranges(cfg: RecipeCfg) -> None:
+    """Values their types admit but no run can use (a negative temperature, a zero lr): one line naming the key."""
+    r, a, o, s, e, t = cfg.rollout, cfg.algo, cfg.optim, cfg.sft, cfg.eval, cfg.trainer
+    rules: list[tuple[str, Any, bool, str]] = [
+        ("rollout.temperature", r.temperature, r.temperature >= 0, ">= 0 (0: greedy)"),
+        ("eval.temperature", e.temperature, e.temperature >= 0, ">= 0 (0: greedy)"),
+        ("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "above 0, at most 1"),
+        ("optim.lr", o.lr, o.lr > 0, "> 0"),
+        ("sft.lr", s.lr, s.lr > 0, "> 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.grad_clip", o.grad_clip, o.grad_clip is None or o.grad_clip > 0, "> 0, or null for no clipping"),
+        ("optim.token_budget", o.token_budget, o.token_budget >= 1, ">= 1"),
+        ("algo.eps_low", a.eps_low, a.eps_low >= 0, ">= 0"),
+        ("algo.eps_high", a.eps_high, a.eps_high >= 0, ">= 0"),
+        ("algo.gamma", a.gamma, 0 <= a.gamma <= 1, "0 to 1"),
+        ("algo.lam", a.lam, 0 <= a.lam <= 1, "0 to 1"),
+        ("algo.kl_coef", a.kl_coef, a.kl_coef >= 0, ">= 0"),
+        ("algo.kl_reward_coef", a.kl_reward_coef, a.kl_reward_coef >= 0, ">= 0"),
+        ("algo.variance_keep", a.variance_keep, 0 < a.variance_keep <= 1, "above 0, at most 1"),
+        ("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1"),
+        ("algo.mini_batches", a.mini_batches, a.mini_batches >= 1, ">= 1"),
+        ("algo.mini_batch_samples", a.mini_batch_samples, a.mini_batch_samples >= 0, ">= 0 (0: algo.mini_batches)"),
+        ("rollout.max_turns", r.max_turns, r.max_turns >= 1, ">= 1"),
+        ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
+        ("rollout.slots", r.slots, r.slots >= 1, ">= 1"),
+        ("sft.batch_size", s.batch_size, s.batch_size >= 1, ">= 1"),
+        ("eval.tasks", e.tasks, e.tasks >= 0, ">= 0 (0: no evaluation)"),
+        ("eval.samples", e.samples, e.samples >= 1, ">= 1 (pass@k reads k <= samples)"),
+        ("eval.every", e.every, e.every >= 0, ">= 0 (0: only at the end)"),
+        ("trainer.steps", t.steps, t.steps >= 0, ">= 0"),
+        ("trainer.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 1, ">= 1"),
+        ("trainer.time_limit_s", t.time_limit_s, t.time_limit_s >= 0, ">= 0 (0: no limit)"),
+    ]
+    for key, value, ok, allowed in rules:
+        if not ok:
+            raise ConfigError(f"bad value for '{key}': {value!r}; allowed: {allowed}")
+
+
+# estimators whose advantage is relative to the rest of the episode's group: zero (or undefined) in a group of one
+GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo", "gigpo", "gigpo_dr", "reinforce_pp_baseline")
+
+
+def _check_contradictions(cfg: RecipeCfg) -> None:
+    """Settings that each make sense but not together: one line naming both keys."""
+    r, a = cfg.rollout, cfg.algo
+    if r.group_size == 1:
+        why = "rollout.group_size=1: a group of one never has reward variance"
+        if r.fill_groups > 0:
+            raise ConfigError(f"rollout.fill_groups={r.fill_groups} (dynamic sampling) waits for groups with reward "
+                              f"variance, and {why}; set rollout.fill_groups=0 or rollout.group_size >= 2")
+        for f in a.filters:
+            if f in ("variance", "zero_variance"):
+                raise ConfigError(f"algo.filters has '{f}', which drops groups without reward variance, and {why}; "
+                                  f"drop '{f}' from algo.filters or set rollout.group_size >= 2")
+        if a.estimator in GROUP_RELATIVE:
+            raise ConfigError(f"algo.estimator={a.estimator} is relative to the episode's group, and {why}; set "
+                              "rollout.group_size >= 2, or a batch-wide estimator (gae, reinforce_pp)")
+    if a.level == "trajectory" and a.mini_batch_samples == 0 and a.mini_batches > r.groups * r.group_size:
+        raise ConfigError(f"algo.mini_batches={a.mini_batches} is more than the {r.groups * r.group_size} episodes a "
+                          f"step trains on at algo.level=trajectory (rollout.groups x rollout.group_size); lower "
+                          "algo.mini_batches or raise rollout.groups")
 
 
 def warm_start_folder(cfg: RecipeCfg) -> Path | None:

@@ -4,6 +4,7 @@ the recipes."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any, Literal, get_args, get_origin
 
@@ -37,14 +38,19 @@ def _type_ok(tp: Any, value: Any) -> tuple[bool, Any, str]:
         return isinstance(value, bool), value, "true or false"
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value, "an integer"
-    if tp is float:
+    if tp is float:  # finite: a NaN or infinite temperature, lr or coefficient trains to the end on NaN losses
         if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
             try:
-                return True, float(value), "a number"
+                f = float(value)
             except ValueError:
-                return False, value, "a number"
+                return False, value, "a number (finite)"
+            return math.isfinite(f), f, "a number (finite)"
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else value, "a number"
+        try:
+            ok = ok and math.isfinite(value)
+        except OverflowError:  # an int too large for a float
+            ok = False
+        return ok, float(value) if ok else value, "a number (finite)"
     if tp is str:
         return isinstance(value, str), value, "a string"
     return True, value, ""

@@ -54,6 +54,12 @@ def _config(args: argparse.Namespace, recipe: str) -> Any:
     return load_config(recipe, env=args.env, overrides=overrides, model=args.model)
 
 
+def preflight(cfg: Any) -> None:
+    from agentrl.preflight import preflight as check
+
+    check(cfg)
+
+
 def _trainer(cfg: Any) -> Any:
     import agentrl.recipes  # noqa: F401
     from agentrl.recipe import RECIPES
@@ -70,6 +76,7 @@ def run_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
+    preflight(cfg)  # this machine can run it: device, packages, env, model folder; before anything is built
     trainer = _trainer(cfg)
     try:
         final = trainer.train()
@@ -81,10 +88,16 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from agentrl.config import ConfigError
+
+    for flag, value in (("--tasks", args.tasks), ("--samples", args.samples)):
+        if value < 1:
+            raise ConfigError(f"bad value for '{flag}': {value}; allowed: 1 or more")
     overrides = list(args.overrides or []) + [f"eval.split={args.split}", f"eval.tasks={args.tasks}",
                                               f"eval.samples={args.samples}"]
     args.overrides = overrides
     cfg = _config(args, "eval")
+    preflight(cfg)
     trainer = _trainer(cfg)
     try:
         res = trainer.evaluate()  # pass@1, 2, 4, ... up to eval.samples (the ladder lives in Trainer.evaluate)

@@ -1,0 +1,134 @@
+"""Checks a resolved config against this machine before any work starts: the device it names exists, the
+packages its options need import, its env spec and model folder load. Each failure is one ``ConfigError``
+line naming the key and what to do, instead of a traceback minutes into a run (after games were built,
+demonstrations played or SFT passes made). ``agentrl train`` and ``agentrl eval`` call :func:`preflight`
+before they build anything; ``--print-config`` does not (a GPU config resolves on a CPU machine)."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from agentrl.schema import ConfigError
+
+BUILTIN_MODELS = ("tiny", "smollm2")  # built here (agentrl.model_zoo); anything else is a model folder
+
+
+def preflight(cfg: Any) -> None:
+    """Raise ConfigError (one line) when ``cfg`` cannot run on this machine."""
+    check_device(cfg)
+    check_packages(cfg)
+    check_env(cfg)
+    check_model_folder(cfg)
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` can be found (not imported: wandb and ray take seconds to import)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (blocked)
+        return False
+
+
+def check_device(cfg: Any) -> None:
+    device = cfg.trainer.device
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(f"trainer.device={device} but {why} (torch {torch.__version__}); use trainer.device=cpu, "
+                          "or trainer.device=auto to take a GPU when there is one")
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"trainer.device={device} but this machine has {torch.cuda.device_count()} CUDA "
+                          f"device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+
+
+# option -> (module it imports, what to install)
+PACKAGES: list[tuple[str, Any, str, str]] = [
+    ("trainer.wandb=true", lambda c: c.trainer.wandb, "wandb",
+     "pip install wandb (an agentrl requirement: pip install -e .), or trainer.wandb=false"),
+    ("rollout.pool=ray", lambda c: c.rollout.pool == "ray", "ray",
+     'install the ray extra: pip install -e ".[ray]", or rollout.pool=process'),
+    ("trainer.engine=deepspeed", lambda c: c.trainer.engine == "deepspeed", "deepspeed",
+     'install the train extra: pip install -e ".[train]" (or ".[gpu]" on CUDA nodes), or trainer.engine=torch'),
+    ("model.lora_r > 0", lambda c: c.model.lora_r > 0, "peft",
+     'install the train extra: pip install -e ".[train]", or model.lora_r=0'),
+]
+
+
+def check_packages(cfg: Any) -> None:
+    for option, wanted, module, how in PACKAGES:
+        if wanted(cfg) and not importable(module):
+            raise ConfigError(f"{option} needs the {module} package, which is not installed: {how}")
+
+
+def check_env(cfg: Any) -> None:
+    """A ``package.module:EnvClass`` env imports and names something that exists."""
+    from agentrl.envs import registry
+    from agentrl.envs.base import EnvError
+
+    try:
+        spec = registry.spec(cfg.env)
+    except EnvError as e:
+        raise ConfigError(f"bad value for 'env': {e}") from None
+    if spec.entry != cfg.env:  # a registered env, a suite or a wrapper: its entry is ours
+        return
+    module, _, attr = cfg.env.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"bad value for 'env': {cfg.env!r}: module '{module}' cannot be imported ({e}); give "
+                          "package.module:EnvClass importable here, or a registered env (agentrl envs list)") from None
+    except Exception as e:  # the user's module failed while importing
+        raise ConfigError(f"bad value for 'env': {cfg.env!r}: importing '{module}' failed: "
+                          f"{type(e).__name__}: {e}") from None
+    if not attr or not hasattr(mod, attr):
+        raise ConfigError(f"bad value for 'env': {cfg.env!r}: module '{module}' has no '{attr}'; give "
+                          "package.module:EnvClass")
+
+
+def check_model_folder(cfg: Any) -> None:
+    """A model given as a folder holds a causal language model transformers can load, with its weights."""
+    name = cfg.model.name
+    if name in BUILTIN_MODELS or name.startswith("tiny:"):
+        return
+    folder = Path(name).expanduser()
+    where = f"bad value for 'model.name': {name!r}"
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{where} is not 'tiny', 'tiny:KEY=N,...', 'smollm2' or a Hugging Face model folder "
+                          "(no config.json)")
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{where}: its config.json is not readable JSON ({e})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{where}: its config.json has no 'model_type', so it is not a Hugging Face model folder")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise ConfigError(f"{where}: model_type '{model_type}' is unknown to this transformers; give a causal "
+                          "language model's folder (e.g. a run's warm_start or checkpoint/model)")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"{where}: model_type '{model_type}' is not a causal language model (it cannot generate "
+                          "actions); give a causal LM's folder (e.g. a run's warm_start or checkpoint/model)")
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(folder)
+    except Exception as e:  # transformers raises ValueError, KeyError or TypeError for a config it cannot read
+        raise ConfigError(f"{where}: transformers cannot read its config.json ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
+                                                "tokenizer_config.json")):
+        raise ConfigError(f"{where}: the folder holds no tokenizer (tokenizer.json); save the tokenizer with the model")
+    weights = [p for pat in ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+               for p in folder.glob(pat)]
+    if not weights:
+        raise ConfigError(f"{where}: the folder holds no weights (model.safetensors or pytorch_model.bin)")
