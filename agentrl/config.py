@@ -45,11 +45,10 @@ class RolloutCfg:
     # "async": each episode advances on its own, no per-turn barrier (same episodes; docs/guides/async.md)
     mode: Literal["lockstep", "async"] = "lockstep"
     pool: Literal["inprocess", "process", "ray"] = "inprocess"
-    # pool=ray: envs per Ray actor and what each actor asks Ray's scheduler for; custom resources pin env
-    # workers to the nodes that offer them, e.g. {env_node: 1} (docs/guides/ray.md)
-    ray_slots_per_actor: int = 1
-    ray_num_cpus: float = 1.0
-    ray_memory_mb: int = 0
+    ray_slots_per_actor: int = 1  # pool=ray: env slots per Ray actor (one worker process; docs/guides/ray.md)
+    ray_num_cpus: float = 1.0  # pool=ray: CPUs each actor reserves on its node (Ray's scheduler places it)
+    ray_memory_mb: int = 0  # pool=ray: memory each actor reserves, MiB (0: none declared)
+    # pool=ray: custom resources each actor needs, e.g. {env_node: 1} pins env workers to nodes offering them
     ray_resources: dict[str, float] = field(default_factory=dict)
     max_turns: int = 8
     history_len: int = 2
