@@ -191,6 +191,23 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+DOC_PATH = re.compile(r"docs/([A-Za-z0-9_/.-]+\.md)")
+
+
+def _link_docs(text: str, page_dir: str = "reference") -> str:
+    """``docs/x.md`` named in a source comment becomes a link from the generated page (a study write-up
+    moved under studies/ is found there); a path that names no page stays text."""
+    def link(m: re.Match) -> str:
+        rel = m.group(1)
+        if not (ROOT / "docs" / rel).is_file() and (ROOT / "docs/studies" / Path(rel).name).is_file():
+            rel = f"studies/{Path(rel).name}"
+        if not (ROOT / "docs" / rel).is_file():
+            return m.group(0)
+        up = "../" * len(Path(page_dir).parts)
+        return f"[{rel}]({up}{rel})"
+    return DOC_PATH.sub(link, text)
+
+
 def config_page() -> str:
     parts = [
         "# Config reference",
@@ -216,7 +233,7 @@ def config_page() -> str:
             parts += [doc[0], ""]
         parts += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for k in keys:
-            parts.append(f"| `{k.key}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(k.meaning)} |")
+            parts.append(f"| `{k.key}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_link_docs(_cell(k.meaning))} |")
         parts.append("")
     return "\n".join(parts)
 
@@ -238,7 +255,8 @@ def params_table(recipe: str) -> str:
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for f in dataclasses.fields(params):
         ann, meaning = comments.get(f.name, ("", ""))
-        rows.append(f"| `extra.{f.name}` | `{_cell(ann)}` | `{_cell(_yaml_value(_default(f)))}` | {_cell(meaning)} |")
+        rows.append(f"| `extra.{f.name}` | `{_cell(ann)}` | `{_cell(_yaml_value(_default(f)))}` | "
+                    f"{_link_docs(_cell(meaning), 'recipes')} |")
     return "\n".join(rows)
 
 
