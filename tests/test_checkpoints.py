@@ -266,3 +266,56 @@ def test_plain_state_round_trips_agentrl_dataclasses_only():
         ckpt.from_plain({"__dataclass__": "subprocess:Popen", "fields": {"args": "true"}})
     with pytest.raises(TypeError, match=r"recipe\[0\]: a object cannot be stored"):
         ckpt.to_plain([object()], "recipe")
+
+
+_DS_SCRIPT = """
+import glob, os, sys, torch
+from agentrl import checkpoint as ckpt
+from agentrl.algos.losses import ppo_objective
+from agentrl.learner.batch import Sample, collate
+from agentrl.learner.deepspeed_engine import DeepSpeedEngine
+from agentrl.learner.engine import EngineConfig, OptimConfig
+
+model, folder, pwned = sys.argv[1:4]
+cfg = EngineConfig(device="cpu", optim=OptimConfig(lr=1e-3))
+b = collate([Sample([1, 2, 3, 4], [0, 0, 1, 1], [-1.0] * 4, [1.0] * 4) for _ in range(2)], 0)
+loss = lambda mb, out: ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, {})
+e = DeepSpeedEngine(model, cfg)
+e.step(b, loss)
+e.save(folder)
+ref = e.step(b, loss)["loss"]
+e.close()
+e = DeepSpeedEngine(model, cfg)
+e.load(folder)
+print("same next loss", e.step(b, loss)["loss"] == ref, flush=True)
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {pwned}",))
+
+shard = glob.glob(os.path.join(folder, "deepspeed", "*", "*optim_states.pt"))[0]
+state = torch.load(shard, weights_only=False)  # the test's own file
+state["extra"] = Payload()
+torch.save(state, shard)
+try:
+    e.load(folder)
+    print("loaded the tampered shard", flush=True)
+except ckpt.CheckpointCorrupt as err:
+    print("refused:", err, flush=True)
+e.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_deepspeed_checkpoints_resume_exactly_and_refuse_a_tampered_shard(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", _DS_SCRIPT, str(tiny_model_dir), str(tmp_path / "ck"),
+                          str(tmp_path / "pwned")], capture_output=True, text=True, env=env, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "same next loss True" in out.stdout
+    assert "refused: zero_pp_rank_0_mp_rank_00_optim_states.pt holds Python objects other than tensors" in out.stdout
+    assert not (tmp_path / "pwned").exists()
