@@ -45,9 +45,15 @@ class CheckpointCorrupt(Exception):
 
 # ----- the run folder -------------------------------------------------------------------------------------
 def _legacy_run(out_dir: Path) -> bool:
-    """A run folder written before markers existed: agentrl's config.yaml and its metrics or checkpoints."""
-    return (out_dir / "config.yaml").is_file() and any(
-        (out_dir / n).exists() or (out_dir / n).is_symlink() for n in ("metrics.jsonl", LINK, "checkpoints"))
+    """A run folder written before markers existed: agentrl's config.yaml (its trainer and model sections)
+    next to the run's metrics, checkpoints or evaluation."""
+    try:
+        cfg = (out_dir / "config.yaml").read_text(errors="replace")
+    except OSError:
+        return False
+    ours = "\ntrainer:" in f"\n{cfg}" and "\nmodel:" in f"\n{cfg}"
+    return ours and any((out_dir / n).exists() or (out_dir / n).is_symlink()
+                        for n in ("metrics.jsonl", LINK, "checkpoints", "final.json", "eval_episodes.jsonl"))
 
 
 def claim_run_folder(out_dir: Path, about: dict[str, Any]) -> str:

@@ -78,6 +78,14 @@ def test_a_folder_that_is_not_a_run_folder_is_refused(tiny_model_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written
 
 
+def test_a_run_folder_of_an_older_version_is_adopted(tmp_path):
+    (tmp_path / "config.yaml").write_text("model:\n  name: tiny\ntrainer:\n  steps: 2\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    run_id = ckpt.claim_run_folder(tmp_path, {})
+    assert json.loads((tmp_path / ".agentrl-run").read_text())["adopted"] is True
+    assert ckpt.claim_run_folder(tmp_path, {}) == run_id  # the marker is read, not rewritten
+
+
 def test_a_save_never_removes_what_the_run_did_not_write(tiny_model_dir, tmp_path):
     """Three saves with keep_checkpoints=2: the run's step-1 goes; the user's folders in checkpoints/ stay."""
     out = tmp_path / "run"
