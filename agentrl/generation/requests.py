@@ -27,10 +27,13 @@ class ServerLimits:
     max_client_tokens: int = 1 << 20  # tokens (prompt + max_tokens, every row) queued or running per client
     max_connections: int = 1024  # open connections + requests in flight; beyond: 503
     max_prompt_tokens: int = 1 << 20  # prompt token ids of one request, all prompts together
+    max_batch_tokens: int = 1 << 18  # KV-cache tokens (prompt + max_tokens, every row) of one batched generate
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = 30.0  # to send a whole body once the headers are in
     header_timeout_s: float = 10.0  # to send a request's headers on a new or idle connection
-    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    # an idle keep-alive connection is closed after this: longer than clients' own idle expiry (httpx: 5 s), so
+    # the client drops it first and never sends a request into a connection the server is closing
+    keep_alive_s: float = 15.0
 
 
 class BadRequest(ValueError):

@@ -38,13 +38,13 @@ from typing import Any, Callable
 
 import torch
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from agentrl.generation.base import chat_ids
 from agentrl.generation.embedded import EmbeddedGenerator
@@ -95,11 +95,15 @@ class _Call:
 class BatchingWorker:
     """Owns the model: generation and weight loads run on this one thread, never concurrently."""
 
-    def __init__(self, generator: Any, max_wait_s: float = 0.005, max_batch: int = 256):
+    def __init__(self, generator: Any, max_wait_s: float = 0.005, max_batch: int = 256,
+                 max_batch_tokens: int = 1 << 18):
         import queue
 
-        self.gen, self.max_wait_s, self.max_batch = generator, max_wait_s, max_batch
+        self.gen, self.max_wait_s = generator, max_wait_s
+        # a round takes at most this many rows, and this many tokens of KV cache (prompt + max_tokens per row)
+        self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.q: queue.Queue = queue.Queue()
+        self._held: _Job | _Call | None = None  # dequeued but over the round's budget: it opens the next round
         self.stats = {"batches": 0, "cancelled_rows": 0, "isolated_failures": 0}
         self.thread = threading.Thread(target=self._loop, daemon=True, name="agentrl-generate")
         self.thread.start()
@@ -112,17 +116,33 @@ class BatchingWorker:
         """Fail what is queued, stop what runs at its next decode step, end the thread."""
         self.q.put(None)
 
+    @staticmethod
+    def _cost(job: _Job | _Call | None) -> tuple[int, int]:
+        if not isinstance(job, _Job):
+            return 0, 0
+        return len(job.prompts), sum(len(p) for p in job.prompts) + len(job.prompts) * job.sampling.max_new_tokens
+
     def _loop(self) -> None:
+        """Each time the worker is free it takes what is queued, up to the budgets: requests that arrive
+        while a batch decodes are batched together in the next round."""
         import queue
 
         while True:
-            jobs = [self.q.get()]
+            first, self._held = (self._held, None) if self._held is not None else (self.q.get(), None)
+            jobs = [first]
+            rows, tokens = self._cost(first)
             deadline = time.monotonic() + self.max_wait_s
-            while jobs[-1] is not None and sum(len(j.prompts) for j in jobs if isinstance(j, _Job)) < self.max_batch:
+            while jobs[-1] is not None:
                 try:
-                    jobs.append(self.q.get(timeout=max(0.0, deadline - time.monotonic())))
+                    job = self.q.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
+                r, t = self._cost(job)
+                if rows + r > self.max_batch or tokens + t > self.max_batch_tokens:
+                    self._held = job
+                    break
+                jobs.append(job)
+                rows, tokens = rows + r, tokens + t
             if jobs[-1] is None:  # closing: nobody will be served any more
                 while True:
                     try:
@@ -165,7 +185,8 @@ class BatchingWorker:
             key = (s.temperature, s.top_p, s.max_new_tokens, tuple(s.stop), s.seed, job.seeds is not None,
                    id(job) if s.seed is not None else 0)
             groups.setdefault(key, []).append(job)
-        for group in groups.values():
+        # the shortest first: a quick request batched in the same round does not wait for a long one
+        for group in sorted(groups.values(), key=lambda g: g[0].sampling.max_new_tokens):
             self._generate(group)
 
     def _generate(self, group: list[_Job]) -> None:
@@ -211,7 +232,7 @@ class GenerationService:
         self.gen, self.model_name = generator, model_name
         self.limits = limits or ServerLimits()
         self.allow = [Path(os.path.realpath(Path(d).expanduser())) for d in (allow_weights_dirs or [])]
-        self.worker = BatchingWorker(generator)
+        self.worker = BatchingWorker(generator, max_batch_tokens=self.limits.max_batch_tokens)
         cfg = generator.model.config
         self.vocab = int(cfg.vocab_size)
         self.context = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
@@ -351,6 +372,24 @@ async def _until_done(request: Request, job: _Job | _Call) -> Any:
     return result.result()
 
 
+INLINE_BYTES = 64 << 10  # work on a request smaller than this runs on the event loop, bigger on a pool thread
+
+
+class _ApiKey:
+    """``Authorization: Bearer KEY`` on every route but ``/health`` (plain ASGI: nothing read, nothing wrapped)."""
+
+    def __init__(self, app: Any, key: str):
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(got, self.want):
+                await _error(401, "missing or wrong API key (Authorization: Bearer KEY)")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 _KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
           503: "server_overloaded"}
 
@@ -365,13 +404,9 @@ def _error(status: int, message: str, param: str | None = None, close: bool = Fa
 
 
 def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
-    async def guard(request: Request) -> None:
-        if api_key and request.url.path != "/health" and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()):
-            raise BadRequest("missing or wrong API key (Authorization: Bearer KEY)", status=401)
-
-    app = FastAPI(title="agentrl serve", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(guard)])
+    app = FastAPI(title="agentrl serve", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key)
     limits = service.limits
 
     @app.exception_handler(BadRequest)
@@ -416,7 +451,8 @@ def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
 
     async def complete(request: Request, parse: Callable[[bytes], CompletionRequest]) -> dict[str, Any]:
         raw = await _read_body(request, limits)
-        r = await run_in_threadpool(parse, raw)
+        # a big body (a long text to tokenize, a million ids) is parsed on a pool thread, a small one right here
+        r = await run_in_threadpool(parse, raw) if len(raw) > INLINE_BYTES else parse(raw)
         client = request.client.host if request.client else "?"
         service.reserve(client, r.tokens)
         try:
@@ -425,7 +461,9 @@ def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
             outs = await _until_done(request, job)
         finally:
             service.release(client, r.tokens)
-        return await run_in_threadpool(service.answer, r, outs)
+        if r.rows * max(1, r.sampling.max_new_tokens) > INLINE_BYTES // 16:
+            return await run_in_threadpool(service.answer, r, outs)
+        return service.answer(r, outs)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
@@ -454,21 +492,22 @@ def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def _protocol(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol plus a deadline for a request's headers: a connection that opens and sends
-    nothing, or trickles bytes (slowloris), is closed after ``header_timeout_s`` instead of held forever."""
+def _protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools when installed, else h11) plus a deadline for a request's headers:
+    a connection that opens and sends nothing, or trickles bytes (slowloris), is closed after
+    ``header_timeout_s`` (after keep-alive + that when idle between requests) instead of held forever."""
 
-    class Protocol(H11Protocol):
+    class Protocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._arm()
+            self._arm(self.timeout_keep_alive)
 
-        def _arm(self) -> None:
-            self.loop.call_later(header_timeout_s, self._expire, self.cycle)
+        def _arm(self, idle_s: float = 0.0) -> None:
+            self.loop.call_later(idle_s + header_timeout_s, self._expire, self.cycle)
 
         def _expire(self, cycle: Any) -> None:
             # no new request began since the timer was armed (self.cycle is replaced when one does)
