@@ -407,6 +407,26 @@ def test_a_request_that_fails_inside_a_batch_fails_alone(tiny_generator):
     worker.close()
 
 
+def test_requests_arriving_while_a_batch_decodes_join_one_next_batch(tiny_generator):
+    """What the asynchronous agent loop sends: many one-row requests, arriving while the worker is busy. They
+    are answered by one batched generate, each row exactly what it samples alone (its own seed)."""
+    import threading
+
+    from agentrl.generation.server import BatchingWorker, _Call, _Job
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5)
+    worker = BatchingWorker(tiny_generator)
+    gate = threading.Event()
+    worker.submit(_Call(lambda call: gate.wait(30)))
+    prompts = [[1 + i % 7, 2, 3 + i] for i in range(24)]
+    futures = [worker.submit(_Job([p], sampling, [100 + i])) for i, p in enumerate(prompts)]
+    gate.set()
+    got = [f.result(60)[0].ids for f in futures]
+    assert worker.stats["batches"] == 1
+    assert got == [c.ids for c in tiny_generator.generate(prompts, sampling, seeds=[100 + i for i in range(24)])]
+    worker.close()
+
+
 def test_cancelled_rows_leave_the_batch_and_the_others_are_unchanged(tiny_generator):
     g = tiny_generator
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12)

@@ -96,10 +96,11 @@ class BatchingWorker:
     """Owns the model: generation and weight loads run on this one thread, never concurrently."""
 
     def __init__(self, generator: Any, max_wait_s: float = 0.005, max_batch: int = 256,
-                 max_batch_tokens: int = 1 << 18):
+                 max_batch_tokens: int = 1 << 18, max_gather_s: float = 0.05):
         import queue
 
-        self.gen, self.max_wait_s = generator, max_wait_s
+        # a round waits for stragglers while they keep coming (gaps under max_wait_s), at most max_gather_s
+        self.gen, self.max_wait_s, self.max_gather_s = generator, max_wait_s, max_gather_s
         # a round takes at most this many rows, and this many tokens of KV cache (prompt + max_tokens per row)
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.q: queue.Queue = queue.Queue()
@@ -131,10 +132,11 @@ class BatchingWorker:
             first, self._held = (self._held, None) if self._held is not None else (self.q.get(), None)
             jobs = [first]
             rows, tokens = self._cost(first)
-            deadline = time.monotonic() + self.max_wait_s
+            start = time.monotonic()
             while jobs[-1] is not None:
+                now = time.monotonic()
                 try:
-                    job = self.q.get(timeout=max(0.0, deadline - time.monotonic()))
+                    job = self.q.get(timeout=max(0.0, min(now + self.max_wait_s, start + self.max_gather_s) - now))
                 except queue.Empty:
                     break
                 r, t = self._cost(job)
