@@ -221,16 +221,20 @@ def _files(folder: Path) -> list[str]:
                   if p.is_file() and not p.is_symlink() and p.name != MANIFEST)
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, sync: bool) -> str:
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
-        os.fsync(f.fileno())  # the bytes the manifest vouches for are on disk before it is
+        if sync:  # the bytes the manifest vouches for are on disk before it is
+            try:
+                os.fsync(f.fileno())
+            except OSError:
+                pass
     return digest
 
 
-def _hash_all(folder: Path, names: list[str]) -> list[str]:
+def _hash_all(folder: Path, names: list[str], sync: bool = False) -> list[str]:
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:  # hashlib releases the GIL
-        return list(ex.map(lambda n: _sha256(folder / n), names))
+        return list(ex.map(lambda n: _sha256(folder / n, sync), names))
 
 
 def seal(folder: Path, run_id: str, step: int) -> None:
@@ -239,7 +243,7 @@ def seal(folder: Path, run_id: str, step: int) -> None:
     names = _files(folder)
     for n in names:  # the folders too, so the files' names are durable before the manifest names them
         fsync_dir((folder / n).parent)
-    digests = _hash_all(folder, names)
+    digests = _hash_all(folder, names, sync=True)
     files = {n: dict(bytes=(folder / n).stat().st_size, sha256=d) for n, d in zip(names, digests)}
     atomic_write_text(folder / MANIFEST, json.dumps(dict(format=FORMAT, run_id=run_id, step=step, state="complete",
                                                          created_at=_now(), files=files), indent=1))
@@ -259,12 +263,15 @@ def verify(folder: Path) -> str | None:
         return "its manifest lists no files"
     for name, info in files.items():
         p = folder / name
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            return f"its manifest names a file outside it ({name})"
+        if not isinstance(info, dict) or Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"its manifest is malformed ({name})"
         if not p.is_file():
             return f"{name} is missing"
         if p.stat().st_size != info.get("bytes"):
             return f"{name} is truncated or altered ({p.stat().st_size} bytes, {info.get('bytes')} written)"
+    extra = sorted(set(_files(folder)) - set(files))
+    if extra:
+        return f"{extra[0]} is not in its manifest (added after the save)"
     names = sorted(files)
     for name, digest in zip(names, _hash_all(folder, names)):
         if digest != files[name].get("sha256"):
