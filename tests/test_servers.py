@@ -350,6 +350,33 @@ def test_an_abandoned_request_is_cancelled_and_the_next_one_is_answered_at_once(
     assert worker.stats["cancelled_rows"] == before + 32
 
 
+def test_stopping_the_server_stops_the_work_in_flight(tiny_generator):
+    """shutdown() with a long request decoding and another queued: both answered 503, the port closed, in
+    seconds (not after the ~100 s the decode would take)."""
+    import threading
+
+    srv = start_server(tiny_generator, "tiny-test", port=0)
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    long = [[7 + i % 50 for i in range(4000)]]
+    body = {"prompt": [[1, 2, 3, 4]] * 32, "max_tokens": 4000, "choice_token_ids": [long] * 32}
+    replies = []
+    threads = [threading.Thread(target=lambda b=b: replies.append(_post(f"{url}/v1/completions", b)))
+               for b in (body, {"prompt": [1, 2], "max_tokens": 2, "seed": 1})]
+    for t in threads:
+        t.start()
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    srv.shutdown()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 10
+    assert sorted(code for code, _ in replies) == [503, 503], replies
+    assert all("the server is stopping" in out["error"]["message"] for _, out in replies)
+    with pytest.raises(GenerationServerError, match="cannot reach"):
+        RemoteGenerator(url, timeout=5)
+    _kill(srv)
+
+
 def test_queued_work_is_bounded_per_client(guarded):
     """max_client_tokens=4000: a second request while the first is queued is a 429 with Retry-After; the
     first is answered once the worker is free."""

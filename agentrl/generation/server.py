@@ -105,6 +105,7 @@ class BatchingWorker:
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.q: queue.Queue = queue.Queue()
         self._held: _Job | _Call | None = None  # dequeued but over the round's budget: it opens the next round
+        self.closing = False
         self.stats = {"batches": 0, "cancelled_rows": 0, "isolated_failures": 0}
         self.thread = threading.Thread(target=self._loop, daemon=True, name="agentrl-generate")
         self.thread.start()
@@ -115,6 +116,7 @@ class BatchingWorker:
 
     def close(self) -> None:
         """Fail what is queued, stop what runs at its next decode step, end the thread."""
+        self.closing = True
         self.q.put(None)
 
     @staticmethod
@@ -197,7 +199,9 @@ class BatchingWorker:
             spans.append((j, range(k, k + len(j.prompts))))
             k += len(j.prompts)
 
-        def cancelled() -> set[int]:
+        def cancelled() -> set[int] | range:
+            if self.closing:
+                return range(k)
             return {i for j, rows in spans if j.gone for i in rows}
 
         prompts = [p for j in group for p in j.prompts]
@@ -219,7 +223,9 @@ class BatchingWorker:
         self.stats["batches"] += 1
         for j, rows in spans:
             mine = outs[rows.start:rows.stop]
-            if j.gone:
+            if self.closing:
+                _settle(j.future, error=Cancelled("the server is stopping"))
+            elif j.gone:
                 self.stats["cancelled_rows"] += sum(c.finish_reason == "cancelled" for c in mine)
                 _settle(j.future, error=Cancelled("the client hung up"))
             else:
