@@ -53,6 +53,10 @@ class EnvWorker:
         except Exception:  # an env bug or a dead engine: the pool restarts this actor
             return "crash", traceback.format_exc()
 
+    def run_batch(self, reqs: list[tuple[int, str, Any]]) -> list[tuple[str, Any]]:
+        """Several of this actor's slots in one call: one message per actor per batched step."""
+        return [self.run(*r) for r in reqs]
+
     def close(self) -> None:
         for env in self.envs:
             env.close()
@@ -80,6 +84,7 @@ class _Pending:
     ref: Any = None
     gen: int = 0
     answer: tuple[str, Any] | None = None  # known before sending (a replay that failed)
+    idx: int | None = None  # this slot's place in a run_batch answer
 
 
 def _last_line(tb: Any) -> str:
@@ -178,23 +183,36 @@ class RayEnvPool(SlotThreads):
         return self.actors[self.slots[slot].actor].handle
 
     # ----- the request/recover cycle -----------------------------------------------------------
-    def _get(self, i: int, p: _Pending, timeout: float) -> tuple[str, Any]:
-        """The answer to a sent request: status "timeout" and "crash" are not counted here."""
-        if p.answer is not None:
-            return p.answer
+    def _fetch(self, ref: Any, timeout: float) -> tuple[bool, Any]:
+        """(True, the actor's answer) or (False, ("timeout" | "crash", why)); nothing is counted here."""
         ray = self._ray
         try:
-            status, payload = ray.get(p.ref, timeout=timeout)
+            return True, ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            return "timeout", f"no answer within {timeout:.0f}s"
+            return False, ("timeout", f"no answer within {timeout:.0f}s")
         except ray.exceptions.RayError as e:  # actor or node died
-            return "crash", f"env actor died ({type(e).__name__})"
+            return False, ("crash", f"env actor died ({type(e).__name__})")
+
+    def _get(self, i: int, p: _Pending, timeout: float, fetched: dict | None = None) -> tuple[str, Any]:
+        """Slot i's answer to a sent request (``fetched``: answers already got, by Ray object ref)."""
+        if p.answer is not None:
+            return p.answer
+        if fetched is not None and p.ref in fetched:
+            ok, value = fetched[p.ref]
+        else:
+            ok, value = self._fetch(p.ref, timeout)
+            if fetched is not None:
+                fetched[p.ref] = ok, value
+        if not ok:
+            return value
+        status, payload = value if p.idx is None else value[p.idx]
         if status in ("ok", "env_error"):
             self.slots[i].gen = p.gen
         return status, payload
 
-    def _send(self, i: int, req: tuple[str, Any]) -> _Pending:
-        """Start ``req`` on slot i's actor; first replay its journal there if the actor was restarted."""
+    def _prepare(self, i: int) -> _Pending:
+        """Slot i's actor (generation and handle), its journal replayed there first if the actor was
+        restarted since; ``answer`` is set when that failed."""
         s, a = self.slots[i], self.actors[self.slots[i].actor]
         with a.lock:  # waits out a restart in progress: generation and handle must belong together
             gen, handle = a.gen, a.handle
@@ -208,7 +226,12 @@ class RayEnvPool(SlotThreads):
                 return _Pending(None, gen, ("drop", str(payload)))  # this episode cannot be rebuilt
             if status != "ok":
                 return _Pending(None, gen, (status, payload))
-        return _Pending(handle.run.remote(s.local, *req), gen)
+        return _Pending(handle, gen)
+
+    def _send(self, i: int, req: tuple[str, Any]) -> _Pending:
+        """Start ``req`` on slot i's actor alone."""
+        p = self._prepare(i)
+        return p if p.answer is not None else _Pending(p.ref.run.remote(self.slots[i].local, *req), p.gen)
 
     def _recover(self, i: int, req: tuple[str, Any], timeout: float, failed: tuple[str, Any], gen: int
                  ) -> tuple[str, Any]:
@@ -241,10 +264,24 @@ class RayEnvPool(SlotThreads):
         self.last_error = _last_line(why)
 
     def _run(self, requests: dict[int, tuple[str, Any]], timeout: float) -> dict[int, tuple[str, Any]]:
-        """Send all requests first (actors run in parallel), then collect each answer, then recover."""
-        pending = {i: self._send(i, req) for i, req in requests.items()}
-        deadline = time.monotonic() + timeout
-        answers = {i: self._get(i, p, max(0.0, deadline - time.monotonic())) for i, p in pending.items()}
+        """Send all requests first, one call per actor (actors run in parallel), then collect each
+        answer, then recover the slots whose actor died or hung."""
+        pending: dict[int, _Pending] = {}
+        batches: dict[tuple[int, int], list[int]] = {}
+        for i in requests:
+            p = pending[i] = self._prepare(i)
+            if p.answer is None:
+                batches.setdefault((self.slots[i].actor, p.gen), []).append(i)
+        for slots in batches.values():
+            handle, gen = pending[slots[0]].ref, pending[slots[0]].gen
+            if len(slots) == 1:
+                pending[slots[0]] = _Pending(handle.run.remote(self.slots[slots[0]].local, *requests[slots[0]]), gen)
+                continue
+            ref = handle.run_batch.remote([(self.slots[i].local, *requests[i]) for i in slots])
+            for k, i in enumerate(slots):
+                pending[i] = _Pending(ref, gen, None, k)
+        deadline, fetched = time.monotonic() + timeout, {}
+        answers = {i: self._get(i, p, max(0.0, deadline - time.monotonic()), fetched) for i, p in pending.items()}
         for i, (status, payload) in list(answers.items()):
             if status in ("timeout", "crash"):
                 answers[i] = self._recover(i, requests[i], timeout, (status, payload), pending[i].gen)
