@@ -110,8 +110,10 @@ class Trainer:
     def from_config(cls, cfg: RecipeCfg) -> "Trainer":
         """The trainer of ``cfg`` (``agentrl.load_config``) with its recipe, the class ``cfg.method`` names in
         ``RECIPES``. Builds the model, generator and env slots; ``close()`` releases them."""
+        from agentrl.preflight import preflight
         from agentrl.recipe import RECIPES
 
+        preflight(cfg)  # this machine can run cfg (device, packages, env, model folder): one line, before any work
         return cls(cfg, RECIPES.get(cfg.method or cfg.recipe)(cfg))
 
     def __init__(self, cfg: RecipeCfg, recipe: "Recipe"):
@@ -453,10 +455,10 @@ class Trainer:
 
     # ----- checkpoints -------------------------------------------------------------------------
     def _check_free_space(self) -> None:
-        """Before any work: room for two checkpoints (weights, Adam's two moments, the previous one kept
-        until the new one is complete), so a full disk is an error now rather than at the first save."""
+        """Before any work: room for ``keep_checkpoints`` + 1 checkpoints (weights and Adam's two moments each;
+        the kept ones stay until the new one is sealed), so a full disk is an error now, not at a save."""
         weights = sum(f.stat().st_size for f in Path(self.model_dir).glob("*.safetensors"))
-        need = 2 * 3 * weights
+        need = (self.cfg.trainer.keep_checkpoints + 1) * 3 * weights
         free = shutil.disk_usage(self.out_dir).free
         if need and free < need:
             raise RunError(f"{self.out_dir}: {free / 2**30:.2f} GiB free, a run of this model needs about "

@@ -882,11 +882,12 @@ def test_free_space_is_checked_before_any_work(tmp_path, monkeypatch):
     from agentrl.trainer import RunError, Trainer
 
     (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
-    fake = SimpleNamespace(model_dir=tmp_path, out_dir=tmp_path)
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=5000, total=10**9, used=0))
+    fake = SimpleNamespace(model_dir=tmp_path, out_dir=tmp_path,
+                           cfg=SimpleNamespace(trainer=SimpleNamespace(keep_checkpoints=2)))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=8000, total=10**9, used=0))
     with pytest.raises(RunError, match="GiB free, a run of this model needs about"):
-        Trainer._check_free_space(fake)  # 2 checkpoints x (weights + 2 Adam moments) = 6000 bytes
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=7000, total=10**9, used=0))
+        Trainer._check_free_space(fake)  # (2 kept + 1 being written) x (weights + 2 Adam moments) = 9000 bytes
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=9500, total=10**9, used=0))
     Trainer._check_free_space(fake)
 
 
