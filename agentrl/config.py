@@ -1,12 +1,14 @@
 """Recipe configuration: typed dataclasses, YAML with inheritance and per-env overlays, dotted overrides.
 
-A recipe YAML may say ``base: grpo`` (deep-merged over the base recipe's YAML), carry ``env_overlays:
-{alfworld: {...}}`` (merged when that env is chosen, over the keys of the YAML that carries it: a child
-recipe's own keys beat its base's overlay), carry ``model_overlays: {smollm2: {...}}`` (at the top or inside an
-env overlay: merged when that model is chosen, by ``--model`` or ``model.name=...``: a pretrained model wants
-other SFT settings than one trained from scratch), and be overridden from the command line with
-``rollout.max_turns=5``-style strings (values parsed as YAML). Every key is checked against the schema
-below before any work starts; a wrong key or value fails with one line naming it and what is allowed.
+A recipe YAML may say ``base: grpo`` (deep-merged over the base recipe's YAML; every chain ends in
+``recipes/base.yaml``: the dataclass defaults, with the CPU demos' tuning in its env overlays), carry
+``env_overlays: {alfworld: {...}}`` (merged when that env is chosen, over the keys of the YAML that carries
+it: a child recipe's own keys beat its base's overlay; an outside suite's env such as ``gem:game:X`` takes
+the suite's, ``gem``), carry ``model_overlays: {smollm2: {...}}`` (at the top or inside an env overlay:
+merged when that model is chosen, by ``--model`` or ``model.name=...``: a pretrained model wants other SFT
+settings than one trained from scratch), and be overridden from the command line with
+``rollout.max_turns=5``-style strings (values parsed as YAML, aliases bounded). Every key is checked against
+the schema below before any work starts; a wrong key or value fails with one line naming it and what is allowed.
 """
 from __future__ import annotations
 
@@ -594,6 +596,9 @@ def _check_contradictions(cfg: RecipeCfg) -> None:
         if a.estimator in GROUP_RELATIVE:
             raise ConfigError(f"algo.estimator={a.estimator} is relative to the episode's group, and {why}; set "
                               "rollout.group_size >= 2, or a batch-wide estimator (gae, reinforce_pp)")
+    if a.kl == "none" and a.kl_coef > 0:
+        raise ConfigError(f"algo.kl_coef={a.kl_coef} has no effect with algo.kl=none; choose the estimator "
+                          "(algo.kl=k1, k2 or k3) or set algo.kl_coef=0")
     if a.level == "trajectory" and a.mini_batch_samples == 0 and a.mini_batches > r.groups * r.group_size:
         raise ConfigError(f"algo.mini_batches={a.mini_batches} is more than the {r.groups * r.group_size} episodes a "
                           f"step trains on at algo.level=trajectory (rollout.groups x rollout.group_size); lower "

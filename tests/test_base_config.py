@@ -76,6 +76,12 @@ def test_contradictions_with_groups_of_one_are_refused(overrides, msg):
     assert "\n" not in str(e.value)
 
 
+def test_a_kl_coefficient_without_a_kl_term_is_refused():
+    with pytest.raises(ConfigError, match="algo.kl_coef=0.04 has no effect with algo.kl=none"):
+        load_config("grpo", env="sokoban", overrides=["algo.kl_coef=0.04"])
+    assert load_config("grpo", env="sokoban", overrides=["algo.kl=k3", "algo.kl_coef=0.04"]).algo.kl_coef == 0.04
+
+
 def test_more_mini_batches_than_episodes_is_refused():
     with pytest.raises(ConfigError, match="algo.mini_batches=64 is more than the 32 episodes"):
         load_config("starpo", env="sokoban", overrides=["rollout.groups=8", "algo.mini_batches=64"])

@@ -46,7 +46,7 @@ def test_alias_bomb_yaml_is_refused_at_once(tmp_path, capsys):
 
 @pytest.mark.parametrize("override", ["rollout.temperature=nan", "rollout.temperature=inf", "rollout.temperature=.nan",
                                       "rollout.temperature=-1", "optim.lr=nan", "optim.lr=-inf", "optim.lr=0",
-                                      "eval.temperature=nan", "algo.kl_coef=nan", "sft.lr=1e400"])
+                                      "eval.temperature=nan", "algo.eps_high=nan", "sft.lr=1e400"])
 def test_non_finite_or_negative_numbers_are_refused(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=f"bad value for '{key}'") as e:
