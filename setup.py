@@ -39,6 +39,9 @@ setup(
         "suites": ["gem-llm==0.1.0", "textarena==0.7.4", "reasoning-gym==0.1.23"],
         "ray": ["ray>=2.30"],  # rollout.pool=ray: env workers as Ray actors, on this machine or a cluster
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.25"],
+        # CUDA nodes: vLLM servers, DeepSpeed ZeRO-3 and LoRA on the GPU. vLLM pins torch and caps transformers,
+        # so install with -c constraints-gpu.txt (make setup-gpu): the versions that resolve together
+        "gpu": ["vllm>=0.32", "deepspeed>=0.16", "peft>=0.15"],
     },
     entry_points={"console_scripts": ["agentrl=agentrl.cli:main"]},
 )
