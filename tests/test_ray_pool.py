@@ -142,8 +142,9 @@ def _metrics(out_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("env", ["sokoban", "alfworld"])
-def test_grpo_same_metrics_on_ray_as_on_process_pool(env, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("env,mode", [("sokoban", "lockstep"), ("sokoban", "async"), ("alfworld", "lockstep")])
+def test_grpo_same_metrics_on_ray_as_on_process_pool(env, mode, tiny_model_dir, tmp_path):
+    """async: each slot's env steps go through ``submit``, a Ray future waited on in the slot's thread."""
     from agentrl.config import load_config
     from tests.test_trainer import run, small
 
@@ -151,7 +152,7 @@ def test_grpo_same_metrics_on_ray_as_on_process_pool(env, tiny_model_dir, tmp_pa
     for pool in ("process", "ray"):
         cfg = load_config("grpo", env=env, overrides=small(
             tmp_path / pool, tiny_model_dir, f"rollout.pool={pool}", "rollout.ray_slots_per_actor=2",
-            "rollout.ray_num_cpus=0.5",
+            "rollout.ray_num_cpus=0.5", f"rollout.mode={mode}",
             "rollout.constrain_actions=true"))  # every answer an action: the envs are stepped, not only reset
         trainer, _ = run(cfg)
         got[pool] = _metrics(tmp_path / pool)
