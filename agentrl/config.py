@@ -128,6 +128,11 @@ class AlgoCfg:
     mini_batch_samples: int = 0
     value_coef: float = 0.5
     value_clip: float | None = 0.2
+    # the critic of value-based estimators (gae, gae_token): "separate", a network of its own (its own
+    # optimizer and lr, as verl and OpenRLHF); "shared", a value head on the policy (the value loss trains it too)
+    critic: Literal["separate", "shared"] = "separate"
+    # algo.critic=separate: an HF model folder whose transformer starts the critic; empty: the policy's weights
+    critic_path: str = ""
     filters: list[str] = field(default_factory=lambda: ["dropped"])
     variance_keep: float = 1.0  # fraction of groups kept by the variance filter (when listed)
     # what the variance filters and dynamic sampling test for variance: the reward as trained on, or the
@@ -146,6 +151,8 @@ class OptimCfg:
     # resumed run picks it up where it was)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     token_budget: int = 16384
+    # algo.critic=separate: the critic's learning rate, constant (0: optim.lr); RAGEN's critic runs at 10x the actor's
+    critic_lr: float = 0.0
 
 
 @dataclass
@@ -286,19 +293,20 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# A recipe resolves to a few hundred nodes; anchors and aliases may not expand a document past this many, so a
-# few hundred bytes of nested aliases ("billion laughs") cannot make every later walk over the config exponential
+# A recipe resolves to a few hundred nodes; aliases may not add more than this many to a document, so a few hundred
+# bytes of nested aliases ("billion laughs") cannot make every later walk over the config exponential
 MAX_YAML_NODES = 20_000
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a document whose aliases expand beyond MAX_YAML_NODES nodes (or refer to themselves)."""
+    """SafeLoader that refuses a document whose aliases expand it by more than MAX_YAML_NODES nodes (or refer to
+    the node holding them). A long list written out is fine: only what aliases repeat counts."""
 
     def compose_document(self) -> yaml.Node:
         node = super().compose_document()
         sizes: dict[int, int | None] = {}
 
-        def size(n: yaml.Node) -> int:  # nodes in the expansion, each shared node counted once per reference
+        def size(n: yaml.Node) -> int:  # nodes in the expansion; memoized, so linear in the document's nodes
             if id(n) in sizes:
                 if sizes[id(n)] is None:
                     raise ConfigError("an alias refers to the node that holds it (a recursive anchor)")
@@ -306,15 +314,12 @@ class _BoundedLoader(yaml.SafeLoader):
             sizes[id(n)] = None
             kids = [x for kv in n.value for x in kv] if isinstance(n, yaml.MappingNode) else \
                 n.value if isinstance(n, yaml.SequenceNode) else []
-            total = 1 + sum(size(k) for k in kids)
-            if total > MAX_YAML_NODES:
-                raise ConfigError(f"anchors and aliases expand it to more than {MAX_YAML_NODES} nodes; write "
-                                  "the values out or use fewer nested aliases")
-            sizes[id(n)] = total
+            sizes[id(n)] = total = 1 + sum(size(k) for k in kids)
             return total
 
-        if node is not None:
-            size(node)
+        if node is not None and size(node) - len(sizes) > MAX_YAML_NODES:
+            raise ConfigError(f"anchors and aliases expand it by more than {MAX_YAML_NODES} nodes; write the "
+                              "values out or use fewer nested aliases")
         return node
 
 
@@ -547,6 +552,7 @@ def _check_ranges(cfg: RecipeCfg) -> None:
         ("eval.temperature", e.temperature, e.temperature >= 0, ">= 0 (0: greedy)"),
         ("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "above 0, at most 1"),
         ("optim.lr", o.lr, o.lr > 0, "> 0"),
+        ("optim.critic_lr", o.critic_lr, o.critic_lr >= 0, ">= 0 (0: optim.lr)"),
         ("sft.lr", s.lr, s.lr > 0, "> 0"),
         ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
         ("optim.grad_clip", o.grad_clip, o.grad_clip is None or o.grad_clip > 0, "> 0, or null for no clipping"),

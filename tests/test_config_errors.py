@@ -27,7 +27,7 @@ def test_alias_bomb_yaml_is_refused_at_once(tmp_path, capsys):
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text("base: grpo\n" + BOMB + "env_kwargs: {x: *i}\n")
     assert len(bomb.read_bytes()) < 600
-    with pytest.raises(ConfigError, match="anchors and aliases expand it to more than"):
+    with pytest.raises(ConfigError, match="anchors and aliases expand it by more than"):
         load_config(str(bomb))
     one_error_line(capsys, ["train", str(bomb), "--print-config"], "bomb.yaml", "aliases")
     # the same through an override, whose value is parsed as YAML (env_kwargs={...})
@@ -42,6 +42,8 @@ def test_alias_bomb_yaml_is_refused_at_once(tmp_path, capsys):
     fine = tmp_path / "fine.yaml"
     fine.write_text("base: grpo\nenv_kwargs: {a: &v [1, 2], b: *v, c: *v}\n")
     assert load_config(str(fine)).env_kwargs == {"a": [1, 2], "b": [1, 2], "c": [1, 2]}
+    ids = "[" + ", ".join(map(str, range(30_000))) + "]"  # a long list written out: no alias, no limit
+    assert len(load_config("grpo", overrides=[f"env_kwargs={{ids: {ids}}}"]).env_kwargs["ids"]) == 30_000
 
 
 @pytest.mark.parametrize("override", ["rollout.temperature=nan", "rollout.temperature=inf", "rollout.temperature=.nan",
