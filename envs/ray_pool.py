@@ -210,28 +210,30 @@ class RayEnvPool(SlotThreads):
             self.slots[i].gen = p.gen
         return status, payload
 
-    def _prepare(self, i: int) -> _Pending:
-        """Slot i's actor (generation and handle), its journal replayed there first if the actor was
-        restarted since; ``answer`` is set when that failed."""
+    def _prepare(self, i: int) -> tuple[int, Any, tuple[str, Any] | None]:
+        """(generation, handle, None) of slot i's actor, its journal replayed there first if the actor
+        was restarted since; (generation, None, answer) when that failed."""
         s, a = self.slots[i], self.actors[self.slots[i].actor]
         with a.lock:  # waits out a restart in progress: generation and handle must belong together
             gen, handle = a.gen, a.handle
         if handle is None:
-            return _Pending(None, gen, ("crash", "env actor not running"))
+            return gen, None, ("crash", "env actor not running")
         if s.journal and s.gen != gen:
             self._count("replayed")
             status, payload = self._get(i, _Pending(handle.run.remote(s.local, "journal", s.journal), gen),
                                         self.start_timeout)
             if status == "env_error" and isinstance(payload, DivergenceError):
-                return _Pending(None, gen, ("drop", str(payload)))  # this episode cannot be rebuilt
+                return gen, None, ("drop", str(payload))  # this episode cannot be rebuilt
             if status != "ok":
-                return _Pending(None, gen, (status, payload))
-        return _Pending(handle, gen)
+                return gen, None, (status, payload)
+        return gen, handle, None
 
     def _send(self, i: int, req: tuple[str, Any]) -> _Pending:
         """Start ``req`` on slot i's actor alone."""
-        p = self._prepare(i)
-        return p if p.answer is not None else _Pending(p.ref.run.remote(self.slots[i].local, *req), p.gen)
+        gen, handle, answer = self._prepare(i)
+        if handle is None:
+            return _Pending(None, gen, answer)
+        return _Pending(handle.run.remote(self.slots[i].local, *req), gen)
 
     def _recover(self, i: int, req: tuple[str, Any], timeout: float, failed: tuple[str, Any], gen: int
                  ) -> tuple[str, Any]:
@@ -267,13 +269,14 @@ class RayEnvPool(SlotThreads):
         """Send all requests first, one call per actor (actors run in parallel), then collect each
         answer, then recover the slots whose actor died or hung."""
         pending: dict[int, _Pending] = {}
-        batches: dict[tuple[int, int], list[int]] = {}
+        batches: dict[tuple[int, int], tuple[Any, list[int]]] = {}  # (actor, generation) -> handle, slots
         for i in requests:
-            p = pending[i] = self._prepare(i)
-            if p.answer is None:
-                batches.setdefault((self.slots[i].actor, p.gen), []).append(i)
-        for slots in batches.values():
-            handle, gen = pending[slots[0]].ref, pending[slots[0]].gen
+            gen, handle, answer = self._prepare(i)
+            if handle is None:
+                pending[i] = _Pending(None, gen, answer)
+            else:
+                batches.setdefault((self.slots[i].actor, gen), (handle, []))[1].append(i)
+        for (_, gen), (handle, slots) in batches.items():
             if len(slots) == 1:
                 pending[slots[0]] = _Pending(handle.run.remote(self.slots[slots[0]].local, *requests[slots[0]]), gen)
                 continue

@@ -115,11 +115,16 @@ def test_hung_step_times_out_and_is_counted():
         got = _play(pool, tasks, seeds, freeze)
         assert pool.stats["timeouts"] == 1 and pool.stats["restarts"] == 1 and pool.stats["dropped"] == 0
     assert got == _reference("frozenlake", tasks, seeds)
-    with RayEnvPool(CRASHY, 2, step_timeout=2, max_restarts=1) as pool:  # a step that hangs every time
-        pool.reset({0: ("train/00001", 0), 1: ("train/00002", 0)})
+    # a step that hangs every time, in an actor shared with a healthy slot: the hung one is dropped, the
+    # other replays its episode in the restarted actor and takes its step
+    with RayEnvPool(CRASHY, 2, slots_per_actor=2, step_timeout=2, max_restarts=1) as pool:
+        first = pool.reset({0: ("train/00001", 0), 1: ("train/00002", 0)})
         out = pool.step({0: "hang", 1: "Up"})
         assert out[0].dropped and not out[1].dropped and pool.stats["dropped"] == 1
         assert pool.stats["timeouts"] == 2 and "no answer within 2s" in pool.last_error
+        env = make(CRASHY)
+        assert env.reset("train/00002", 0)[0] == first[1].obs and env.step("Up")[0] == out[1].obs
+        assert pool.stats["replayed"] >= 1
         assert not pool.reset({0: ("train/00001", 0)})[0].dropped and not pool.step({0: "Up"})[0].dropped
         with pytest.raises(EnvError, match="unknown task id"):  # the caller's error: raised, not retried
             pool.reset({1: ("train/99999999", 0)})
