@@ -42,12 +42,14 @@ cd "$ROOT" || exit 2
 T_PREP=60 T_GRPO=140 T_DS=110 T_EAGER=40 T_COMPILE=90
 
 # What each part runs. Small enough for the time limits; the GRPO run keeps zero-variance groups
-# (algo.filters=[dropped]) so the learner trains every step even while SmolLM2 solves no level.
+# (algo.filters=[dropped]) and has an entropy bonus (RAGEN's 0.001), so the learner trains every step even
+# while SmolLM2, without a warm start, solves no level (all-zero advantages alone skip the update).
 RUN_ARGS=(--env sokoban --model smollm2 trainer.device=cuda model.autocast=bf16 sft.enabled=false
-  "algo.filters=[dropped]" rollout.fill_groups=0 rollout.groups=8 rollout.group_size=4 eval.tasks=16
-  eval.at_start=false trainer.checkpoint_every=100 trainer.tensorboard=false trainer.progress=false)
+  "algo.filters=[dropped]" algo.entropy_coef=0.001 rollout.fill_groups=0 rollout.groups=8 rollout.group_size=4
+  eval.tasks=16 eval.at_start=false trainer.checkpoint_every=100 trainer.tensorboard=false trainer.progress=false)
 GRPO_CMD=("$PY" -m agentrl.cli train grpo "${RUN_ARGS[@]}" trainer.steps=3 eval.every=3 --out "$OUT/grpo")
-DS_CMD=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1 -m agentrl.cli train grpo "${RUN_ARGS[@]}"
+DS_CMD=(env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT "$PY" -m torch.distributed.run --standalone --nproc_per_node=1
+  -m agentrl.cli train grpo "${RUN_ARGS[@]}"
   trainer.steps=2 eval.every=2 trainer.engine=deepspeed trainer.deepspeed_config=configs/deepspeed/zero3.json
   --out "$OUT/deepspeed")
 BENCH=("$PY" -m agentrl.cli bench learner --model smollm2 --device cuda --autocast bf16 --rows 32
@@ -71,7 +73,9 @@ check() {  # check NAME CMD...: run a CPU-side check, report it on one line
 echo "== agentrl GPU node check ($([ $DRY = 1 ] && echo dry run || echo "results in $OUT"))"
 if [ $DRY = 0 ]; then  # first, so that a node without a usable GPU is one line before any work
   if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo "error: torch sees no CUDA device ($("$PY" -c 'import torch; print("torch", torch.__version__, "built for CUDA", torch.version.cuda)' 2>&1 | tail -n1)); check the driver and CUDA_VISIBLE_DEVICES, or run --dry-run to check the rest without a GPU" >&2
+    build="$("$PY" -c 'import torch; print("torch", torch.__version__, "built for CUDA", torch.version.cuda)' 2>&1 | tail -n1)"
+    echo "error: torch sees no CUDA device ($build); check the driver and CUDA_VISIBLE_DEVICES, or run --dry-run" \
+      "to check the rest without a GPU" >&2
     exit 2
   fi
   if [ -e "$OUT" ]; then
@@ -213,7 +217,12 @@ part() {  # part NAME LIMIT CMD...: run one part under a time limit, sampling GP
   local rc=$?
   [ -n "$sampler" ] && { kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null; }
   echo "$rc $((SECONDS - t0))" >"$OUT/$name.status"
-  if [ $rc = 0 ]; then echo "   ran in $((SECONDS - t0)) s"; else echo "   exit $rc after $((SECONDS - t0)) s (124: time limit); last lines of $OUT/$name.log:"; tail -n 5 "$OUT/$name.log" | sed 's/^/   | /'; fi
+  if [ $rc = 0 ]; then
+    echo "   ran in $((SECONDS - t0)) s"
+  else
+    echo "   exit $rc after $((SECONDS - t0)) s (124: time limit); last lines of $OUT/$name.log:"
+    tail -n 5 "$OUT/$name.log" | sed 's/^/   | /'
+  fi
 }
 
 part prepare $T_PREP "$PY" -c "from agentrl.model_zoo import resolve_model; print(resolve_model('smollm2'))"
@@ -252,7 +261,7 @@ def run_rates(folder):
         rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
     steps = [r for r in rows if r.get("step", 0) >= 1]
     gen_t = sum(r.get("time_generate_s", 0.0) for r in steps)
-    learn = [r for r in steps if r.get("samples")]
+    learn = [r for r in steps if r.get("samples") and not r.get("skipped_update")]
     learn_t = sum(r.get("time_learn_s", 0.0) for r in learn)
     tok = f"{sum(r.get('generated_tokens', 0.0) for r in steps) / gen_t:.0f}" if gen_t else "n/a"
     rps = f"{sum(r['samples'] for r in learn) / learn_t:.1f}" if learn_t else "n/a"
@@ -273,9 +282,9 @@ table.append(("torch engine + embedded generator, bf16: GRPO, SmolLM2-135M, Soko
 ran, secs = status("deepspeed")
 tok, rps, n = run_rates("deepspeed")
 log = (out / "deepspeed.log").read_text(errors="replace") if (out / "deepspeed.log").exists() else ""
-backend = re.search(r"backend (nccl|gloo)", log)
+nccl = "NCCL INFO" in log or re.search(r"backend nccl", log)  # NCCL_DEBUG=INFO: its communicator's init lines
 table.append(("DeepSpeed ZeRO-3, 1 rank", ran, tok, rps, peak("deepspeed"), f"{secs} s",
-              f"{n} of 2 steps, backend {backend.group(1) if backend else 'not seen in the log'}"))
+              f"{n} of 2 steps, {'NCCL communicator seen in the log' if nccl else 'no NCCL line in the log'}"))
 for name, label in (("eager", "learner, eager (bench learner, 32 rows of 200-600 tokens)"),
                     ("compile", "learner, model.compile (the same batches)")):
     ran, secs = status(name)
