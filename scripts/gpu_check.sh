@@ -39,7 +39,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 cd "$ROOT" || exit 2
 
 # Per-part time limits (s): their sum keeps the whole check under 8 minutes.
-T_PREP=60 T_GRPO=140 T_DS=110 T_EAGER=40 T_COMPILE=90
+T_PREP=60 T_GRPO=130 T_DS=110 T_EAGER=40 T_COMPILE=110
 
 # What each part runs. Small enough for the time limits; the GRPO run keeps zero-variance groups
 # (algo.filters=[dropped]) and has an entropy bonus (RAGEN's 0.001), so the learner trains every step even
