@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 # public name -> (module, attribute in it)
 _EXPORTS: dict[str, tuple[str, str]] = {
-    "load_config": ("agentrl.config", "load_config"),
+    "load_config": ("agentrl.config_loader", "load_config"),
     "RecipeCfg": ("agentrl.config", "RecipeCfg"),
     "ConfigError": ("agentrl.schema", "ConfigError"),
     "Trainer": ("agentrl.trainer", "Trainer"),
@@ -49,7 +49,8 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr
     from agentrl.algos.advantages import ESTIMATORS
     from agentrl.algos.filters import FILTERS
     from agentrl.algos.losses import LOSSES
-    from agentrl.config import RecipeCfg, load_config
+    from agentrl.config import RecipeCfg
+    from agentrl.config_loader import load_config
     from agentrl.curriculum.task_sampler import TASK_SAMPLERS
     from agentrl.envs.base import TextEnv
     from agentrl.envs.registry import make as make_env, names as env_names, register as register_env

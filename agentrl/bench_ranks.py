@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _rank_main(argv: list[str]) -> None:
     """One rank of a timed run (launched by ``run``)."""
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
     from agentrl.metrics import read_metrics
     from agentrl.trainer import Trainer
 

@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _config(args: argparse.Namespace, recipe: str) -> Any:
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
 
     overrides = list(args.overrides or [])
     if args.seed is not None:

@@ -47,7 +47,7 @@ def sokoban_sft_model_dir(tiny_model_dir, tmp_path_factory):
     time, so rollouts have reward variance and RL steps have gradients (an untrained model's groups are
     all alike and every update is skipped)."""
     from agentrl import Trainer
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
 
     out = tmp_path_factory.mktemp("sft-run")
     cfg = load_config("grpo", env="sokoban", overrides=[

@@ -12,7 +12,7 @@ import traceback
 import torch
 
 from agentrl import Trainer, dist
-from agentrl.config import load_config
+from agentrl.config_loader import load_config
 from tests.test_trainer import small
 
 EXTRA = {"leafe": ["extra.tasks=2", "extra.budget=3", "extra.period=1", "extra.reflect_tokens=8", "eval.samples=2",

@@ -255,7 +255,7 @@ def _shaped_episode(won):
 
 @pytest.mark.parametrize("kind,expected", [("env_return", 0.4), ("success", 0.9)])
 def test_penalties_in_the_turn_rewards_are_counted_once(kind, expected):
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
     from agentrl.recipe import Recipe
 
     cfg = load_config("grpo", env="sokoban", overrides=[f"algo.reward={kind}", "rollout.format_penalty=-0.1",
@@ -277,7 +277,8 @@ def test_penalties_in_the_turn_rewards_are_counted_once(kind, expected):
 
 
 def test_progress_coef_ranks_failed_episodes_by_progress():
-    from agentrl.config import ConfigError, load_config
+    from agentrl.config import ConfigError
+    from agentrl.config_loader import load_config
     from agentrl.recipe import Recipe
 
     recipe = Recipe(load_config("grpo", env="sokoban", overrides=["algo.progress_coef=0.5"]))
@@ -370,7 +371,7 @@ def test_adaptive_kl_controller_by_hand():
 
 
 def test_kl_reward_penalty_lowers_each_episode_reward_by_coef_times_its_kl():
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
     from agentrl.recipe import Recipe
 
     cfg = load_config("grpo", env="sokoban", overrides=["algo.kl_reward_coef=0.5", "algo.filters=[]",

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.config import ConfigError, RecipeCfg, load_config
+from agentrl.config import ConfigError, RecipeCfg
+
+from agentrl.config_loader import load_config
 
 PINNED = Path(__file__).with_name("pinned_configs.json")
 # (recipe, env, model) of the runs the README and Makefile show with measured figures

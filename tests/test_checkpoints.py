@@ -10,7 +10,7 @@ import torch
 
 from agentrl import checkpoint as ckpt
 from agentrl.checkpoint import RunError
-from agentrl.config import load_config
+from agentrl.config_loader import load_config
 
 
 def make(out: Path, model_dir: Path, *extra: str):

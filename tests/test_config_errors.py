@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from agentrl import cli
-from agentrl.config import ConfigError, load_config
+from agentrl.config import ConfigError
+from agentrl.config_loader import load_config
 
 BOMB = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
 BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + BOMB  # 9**9 leaves in ~400 bytes

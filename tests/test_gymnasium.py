@@ -81,7 +81,7 @@ def test_a_gymnasium_text_env_is_an_agentrl_env_with_replay_restore():
 def test_a_recipe_trains_on_a_gymnasium_env_named_in_its_config(tiny_model_dir, tmp_path):
     import json
 
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
     from tests.test_trainer import run, small
 
     # "module:id" makes gymnasium import the module that registers the id (how a user brings their own env)

@@ -208,7 +208,7 @@ def test_dpo_on_two_ranks_matches_the_torch_engine(recipe_reports, sokoban_sft_m
 
 # ----- a bad launch: one clear error before any work --------------------------------------------------
 def _cfg(tmp_path, model_dir, *extra):
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
 
     return load_config("grpo", env="sokoban", overrides=[f"model.name={model_dir}", f"trainer.out_dir={tmp_path}",
                                                           "trainer.steps=1", "sft.enabled=false", "eval.tasks=0",

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from agentrl.config import ConfigError, load_config
+from agentrl.config import ConfigError
+
+from agentrl.config_loader import load_config
 from tests.test_trainer import run, small
 
 RECIPES = ["crps", "exp_replay", "dr_bot", "spear", "spear_dr_bot", "spear_gigpo"]

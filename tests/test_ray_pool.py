@@ -150,7 +150,7 @@ def _metrics(out_dir):
 @pytest.mark.parametrize("env,mode", [("sokoban", "lockstep"), ("sokoban", "async"), ("alfworld", "lockstep")])
 def test_grpo_same_metrics_on_ray_as_on_process_pool(env, mode, tiny_model_dir, tmp_path):
     """async: each slot's env steps go through ``submit``, a Ray future waited on in the slot's thread."""
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
     from tests.test_trainer import run, small
 
     got = {}

@@ -185,7 +185,7 @@ def test_spear_covariance_bounds_come_from_the_first_steps_rollouts():
 def test_crps_step_metrics_cover_every_dynamic_sampling_round():
     from types import SimpleNamespace
 
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
     from agentrl.recipes.crps import CRPS
     from agentrl.types import Episode, Turn
 
@@ -213,7 +213,7 @@ def test_spear_self_imitation_rows_weigh_like_on_policy_rows_per_turn():
     import torch
 
     from agentrl.buffers.sil import SILEntry
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
     from agentrl.learner.batch import turn_sample
     from agentrl.recipes.spear import SPEAR
 
@@ -245,7 +245,7 @@ def test_crps_expert_entries_for_unsolved_instances_hand_over_before_the_goal():
     an instance already buffered is not replayed by the expert again, and solved groups get none."""
     from types import SimpleNamespace
 
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
     from agentrl.envs import registry
     from agentrl.recipes.crps import CRPS
     from agentrl.types import Episode, Turn

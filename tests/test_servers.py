@@ -100,7 +100,7 @@ def test_shared_memory_weights_round_trip_into_the_worker_extension(tiny_model_d
 
 def _trainer(tmp_path, model_dir, *extra):
     from agentrl import Trainer
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
 
     cfg = load_config("grpo", env="sokoban", overrides=[f"model.name={model_dir}", f"trainer.out_dir={tmp_path}",
                                                          "sft.enabled=false", "trainer.tensorboard=false",

@@ -137,7 +137,7 @@ def test_envs_list_shows_the_suites_with_their_restore_mode(capsys):
 @pytest.mark.timeout(300)
 def test_grpo_trains_on_a_gem_game_warm_started_from_its_sampler(tiny_model_dir, tmp_path):
     pytest.importorskip("gem")
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
     from tests.test_trainer import run, small
 
     cfg = load_config("grpo", env="gem:game:GuessTheNumber-v0-easy",

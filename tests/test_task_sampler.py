@@ -4,7 +4,9 @@ import random
 
 import pytest
 
-from agentrl.config import ConfigError, RolloutCfg, load_config
+from agentrl.config import ConfigError, RolloutCfg
+
+from agentrl.config_loader import load_config
 from agentrl.curriculum.task_sampler import LearnabilityTasks
 from agentrl.types import Episode
 

@@ -7,7 +7,9 @@ import sys
 import pytest
 import torch
 
-from agentrl.config import ConfigError, load_config
+from agentrl.config import ConfigError
+
+from agentrl.config_loader import load_config
 
 BASELINES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "gigpo", "starpo", "starpo_s", "starpo_ppo", "sft",
              "rft", "eval"]

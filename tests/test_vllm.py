@@ -47,7 +47,7 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
     import json
 
     from agentrl import Trainer
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
 
     over = [f"model.name={sokoban_sft_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=1",
             "trainer.generator=vllm", "trainer.vllm_servers=2", "trainer.vllm_port=18641", "sft.enabled=false",
@@ -82,7 +82,7 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
 def test_attaching_to_a_vllm_server_of_another_model_fails_before_training(tiny_model_dir, sokoban_sft_model_dir,
                                                                              tmp_path):
     from agentrl import Trainer
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
     from agentrl.generation.client import GenerationServerError
 
     server = VLLMServer(tiny_model_dir, port=18651, log_file=str(tmp_path / "vllm.log"), sync="shm")
@@ -104,7 +104,7 @@ def test_lora_policy_syncs_as_adapters(sokoban_sft_model_dir, tmp_path):
     import json
 
     from agentrl import Trainer
-    from agentrl.config import load_config
+    from agentrl.config_loader import load_config
 
     cfg = load_config("grpo", env="sokoban", overrides=[
         f"model.name={sokoban_sft_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=2", "model.lora_r=8",

@@ -7,7 +7,7 @@ import sys
 import time
 
 from agentrl import Trainer, dist
-from agentrl.config import load_config
+from agentrl.config_loader import load_config
 from tests.ds_recipes_worker import report_and_leave
 from tests.test_trainer import small
 

@@ -1,0 +1,351 @@
+"""Loading a recipe: YAML with inheritance and per-env overlays, dotted overrides.
+
+A recipe YAML may say ``base: grpo`` (deep-merged over the base recipe's YAML; every chain ends in
+``recipes/base.yaml``: the dataclass defaults, with the CPU demos' tuning in its env overlays), carry
+``env_overlays: {alfworld: {...}}`` (merged when that env is chosen, over the keys of the YAML that carries
+it: a child recipe's own keys beat its base's overlay; an outside suite's env such as ``gem:game:X`` takes
+the suite's, ``gem``), carry ``model_overlays: {smollm2: {...}}`` (at the top or inside an env overlay:
+merged when that model is chosen, by ``--model`` or ``model.name=...``: a pretrained model wants other SFT
+settings than one trained from scratch), and be overridden from the command line with
+``rollout.max_turns=5``-style strings (values parsed as YAML, aliases bounded). Every key is checked against
+the schema (``agentrl.config``) before any work starts; a wrong key or value fails with one line naming it
+and what is allowed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agentrl.config import ModelCfg, RecipeCfg, warm_start_folder
+from agentrl.schema import ConfigError, build
+
+RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # the repo's recipes/ (installed as agentrl/recipes)
+
+
+# ------------------------------------------------------------------------------------------------------
+# loading
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# A recipe resolves to a few hundred nodes; aliases may not add more than this many to a document, so a few hundred
+# bytes of nested aliases ("billion laughs") cannot make every later walk over the config exponential
+MAX_YAML_NODES = 20_000
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a document whose aliases expand it by more than MAX_YAML_NODES nodes (or refer to
+    the node holding them). A long list written out is fine: only what aliases repeat counts."""
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        sizes: dict[int, int | None] = {}
+
+        def size(n: yaml.Node) -> int:  # nodes in the expansion; memoized, so linear in the document's nodes
+            if id(n) in sizes:
+                if sizes[id(n)] is None:
+                    raise ConfigError("an alias refers to the node that holds it (a recursive anchor)")
+                return sizes[id(n)]  # type: ignore[return-value]
+            sizes[id(n)] = None
+            kids = [x for kv in n.value for x in kv] if isinstance(n, yaml.MappingNode) else \
+                n.value if isinstance(n, yaml.SequenceNode) else []
+            sizes[id(n)] = total = 1 + sum(size(k) for k in kids)
+            return total
+
+        if node is not None and size(node) - len(sizes) > MAX_YAML_NODES:
+            raise ConfigError(f"anchors and aliases expand it by more than {MAX_YAML_NODES} nodes; write the "
+                              "values out or use fewer nested aliases")
+        return node
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """``text`` parsed as YAML (safe types only, aliases bounded); one ConfigError line naming ``what`` otherwise."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506  (a SafeLoader subclass)
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what}: malformed YAML: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{what}: YAML nested too deeply") from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the recipe YAML: {e}") from None
+    data = load_yaml(text, str(path)) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe YAML must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def recipe_yaml(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    cand = RECIPE_DIR / f"{name_or_path}.yaml"
+    if not cand.exists():
+        known = sorted(x.stem for x in RECIPE_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown recipe '{name_or_path}'; allowed: {', '.join(known)} (or a path to a .yaml)")
+    return cand
+
+
+def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None = None) -> dict[str, Any]:
+    """The recipe's YAML with its ``base`` chain merged in (base first). With ``env``, each level's overlay
+    for that env is applied right after that level's own keys, so a recipe's own setting beats an overlay
+    it inherits (``leafe`` says ``trainer.steps: 1``; its base's alfworld overlay must not make that 10)."""
+    path = recipe_yaml(name_or_path)
+    if str(path) in seen:
+        raise ConfigError(f"recipe inheritance loop: {' -> '.join(seen + (str(path),))}")
+    from agentrl.recipe import RECIPES
+
+    data = _read_yaml(path)
+    own_method = data.get("method") or (path.stem if path.stem in RECIPES else None)
+    base = data.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"{path}: bad value for 'base': {base!r}; allowed: a recipe name (e.g. base: grpo) or a "
+                          "path to a .yaml")
+    overlay = None
+    if env is not None:
+        overlays = data.pop("env_overlays", None) or {}
+        if not isinstance(overlays, dict):
+            raise ConfigError(f"{path}: env_overlays must map env names to sections, got {type(overlays).__name__}")
+        # an outside suite's envs ("gem:game:GuessTheNumber-v0") also take the suite's overlay ("gem")
+        overlay = overlays.get(env, overlays.get(env.split(":")[0]) if ":" in env else None)
+        if overlay is not None and not isinstance(overlay, dict):
+            raise ConfigError(f"{path}: env_overlays.{env} must be a mapping of sections, got {type(overlay).__name__}")
+    if base:
+        data = deep_merge(resolve_yaml(base, seen + (str(path),), env), data)
+    if overlay:
+        data = deep_merge(data, overlay)
+    # A recipe's YAML names its own class; a user's YAML derived from it inherits the base's class.
+    data["method"] = own_method or data.get("method") or path.stem
+    data["recipe"] = path.stem
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.load(raw, Loader=_BoundedLoader)  # noqa: S506  (a SafeLoader subclass)
+    except yaml.YAMLError:
+        value = raw  # not YAML: the text itself (a path with a colon, say)
+    except ConfigError as e:
+        raise ConfigError(f"override '{key.strip()}': {e}") from None
+    except RecursionError:
+        raise ConfigError(f"override '{key.strip()}': YAML nested too deeply") from None
+    return key.strip().split("."), value
+
+
+def load_config(recipe: str, env: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+                model: str | None = None) -> RecipeCfg:
+    chosen_env = env or resolve_yaml(recipe).get("env", RecipeCfg.env)
+    data = resolve_yaml(recipe, env=chosen_env)
+    name = data["recipe"]
+    data["env"] = chosen_env
+    if model:
+        data.setdefault("model", {})["name"] = model
+    parsed = [(text, *parse_override(text)) for text in overrides]
+    data = _apply_model_overlay(data, parsed)
+    for text, keys, value in parsed:
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{text}': '{k}' is not a section")
+        node[keys[-1]] = value
+    data["recipe"] = name
+    cfg = build(RecipeCfg, data, "")
+    _check_names(cfg)
+    return cfg
+
+
+def _apply_model_overlay(data: dict[str, Any], parsed: list[tuple[str, list[str], Any]]) -> dict[str, Any]:
+    """Merge ``model_overlays[<chosen model>]`` under the command line's overrides (which still win)."""
+    overlays = data.pop("model_overlays", None) or {}
+    if not isinstance(overlays, dict):
+        raise ConfigError(f"model_overlays must map model names to sections, got {type(overlays).__name__}")
+    name = (data.get("model") or {}).get("name", ModelCfg.name)
+    for _, keys, value in parsed:
+        if keys == ["model", "name"]:
+            name = value
+    overlay = overlays.get(name) if isinstance(name, str) else None  # a model folder's path gets none
+    if overlay is None:
+        return data
+    if not isinstance(overlay, dict):
+        raise ConfigError(f"model_overlays.{name} must be a mapping of sections, got {type(overlay).__name__}")
+    if "name" in (overlay.get("model") or {}):
+        raise ConfigError(f"model_overlays.{name} must not set model.name: it is chosen by that name")
+    return deep_merge(data, overlay)
+
+
+# ------------------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_names(cfg: RecipeCfg) -> None:
+    from agentrl.algos.advantages import ESTIMATORS
+    from agentrl.algos.filters import FILTERS
+    from agentrl.algos.losses import LOSSES
+    from agentrl.curriculum.task_sampler import TASK_SAMPLERS
+    from agentrl.recipe import RECIPES
+    from agentrl.envs import registry
+
+    if cfg.method not in RECIPES:
+        raise ConfigError(f"bad value for 'method': {cfg.method!r}; allowed: {', '.join(RECIPES.names())}")
+    cls = RECIPES.get(cfg.method)
+    params = getattr(cls, "Params", None)
+    if params is None and cfg.extra:
+        raise ConfigError(f"unknown key 'extra.{next(iter(cfg.extra))}': recipe method '{cfg.method}' "
+                          "takes no extra keys")
+    if params is not None:
+        build(params, cfg.extra, "extra.")
+    if cfg.algo.estimator not in ESTIMATORS:
+        raise ConfigError(f"bad value for 'algo.estimator': {cfg.algo.estimator!r}; allowed: "
+                          f"{', '.join(ESTIMATORS.names())}")
+    if cfg.algo.loss not in LOSSES:
+        raise ConfigError(f"bad value for 'algo.loss': {cfg.algo.loss!r}; allowed: {', '.join(LOSSES.names())}")
+    est = ESTIMATORS.get(cfg.algo.estimator)
+    if est.needs_values and not est.token_level and cfg.algo.level == "trajectory":
+        raise ConfigError(f"'algo.estimator: {cfg.algo.estimator}' trains a critic on turns: it needs "
+                          "'algo.level: turn' (for a critic over whole full-chat episodes use gae_token)")
+    if est.token_level and (cfg.algo.level != "trajectory" or cfg.rollout.chat_mode != "full"):
+        raise ConfigError(f"'algo.estimator: {cfg.algo.estimator}' is token-level GAE over whole multi-turn "
+                          "episodes: it needs 'algo.level: trajectory' and 'rollout.chat_mode: full'")
+    for f in cfg.algo.filters:
+        if f not in FILTERS:
+            raise ConfigError(f"bad value in 'algo.filters': {f!r}; allowed: {', '.join(FILTERS.names())}")
+    if cfg.env not in registry.names() and ":" not in cfg.env:
+        raise ConfigError(f"bad value for 'env': {cfg.env!r}; allowed: {', '.join(registry.names())}")
+    if cfg.rollout.group_size < 1 or cfg.rollout.groups < 1:
+        raise ConfigError("rollout.groups and rollout.group_size must be >= 1")
+    if cfg.sft.workers < 0:
+        raise ConfigError(f"bad value for 'sft.workers': {cfg.sft.workers}; allowed: 0 (one per core) or more")
+    if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):
+        raise ConfigError(f"bad value for 'trainer.device': {cfg.trainer.device!r}; allowed: auto, cpu, cuda, cuda:N")
+    if cfg.rollout.constrain_actions and cfg.rollout.require_think:
+        raise ConfigError("rollout.constrain_actions decodes the answer alone; set rollout.require_think=false")
+    if cfg.eval.samples > 1 and cfg.eval.temperature <= 0:
+        raise ConfigError(f"eval.samples={cfg.eval.samples} at eval.temperature={cfg.eval.temperature}: greedy "
+                          "samples are all the same, so pass@k would equal pass@1; set eval.temperature "
+                          "(e.g. eval.temperature=1.0, independent samples from the policy) or eval.samples=1")
+    s = cfg.sft
+    if s.warm_start and warm_start_folder(cfg) is None:
+        raise ConfigError(f"bad value for 'sft.warm_start': {s.warm_start!r} is not a model folder (no "
+                          "config.json); give a run's warm_start folder (RUN/warm_start), or drop the key "
+                          "to make a warm start")
+    if s.cooldown < 0:
+        raise ConfigError(f"bad value for 'sft.cooldown': {s.cooldown}; allowed: 0 (off) or more passes")
+    for key in ("demo_seed", "order_seed"):
+        if (v := getattr(s, key)) < -1:
+            raise ConfigError(f"bad value for 'sft.{key}': {v}; allowed: -1 (the run's seed) or a seed >= 0")
+    if s.constrain_actions and not cfg.rollout.constrain_actions:
+        raise ConfigError("sft.constrain_actions fits the policy that constrained decoding samples from; set "
+                          "rollout.constrain_actions=true too, or sft.constrain_actions=false for free decoding")
+    if not s.prompt_weight >= 0.0:
+        raise ConfigError(f"bad value for 'sft.prompt_weight': {s.prompt_weight}; allowed: 0 (off) or a weight > 0")
+    if not s.select_every > 0:
+        raise ConfigError(f"bad value for 'sft.select_every': {s.select_every}; allowed: > 0 (passes between readings)")
+    if not 0.0 <= s.target_success <= 1.0:
+        raise ConfigError(f"bad value for 'sft.target_success': {s.target_success}; allowed: 0 (off) to 1")
+    if s.max_epochs > s.epochs:
+        if s.select_split == cfg.eval.split:
+            raise ConfigError(f"sft.select_split={s.select_split} is also eval.split: choosing the warm start's "
+                              "passes on the evaluation tasks would leak them; pick another split")
+        if s.schedule != "constant":
+            raise ConfigError(f"sft.max_epochs={s.max_epochs} with sft.schedule={s.schedule}: a decaying lr "
+                              "needs a known number of passes; use sft.schedule=constant or drop sft.max_epochs")
+    a = cfg.algo
+    if a.progress_coef < 0 or (a.progress_coef and a.reward == "env_return"):
+        raise ConfigError(f"bad value for 'algo.progress_coef': {a.progress_coef}; allowed: >= 0, added to "
+                          "algo.reward=success or score (env_return takes the env's own step rewards)")
+    r = cfg.rollout
+    if r.task_sampler not in TASK_SAMPLERS:
+        raise ConfigError(f"bad value for 'rollout.task_sampler': {r.task_sampler!r}; allowed: "
+                          f"{', '.join(TASK_SAMPLERS.names())}")
+    if not 0.0 <= r.frontier_share <= 1.0 or r.frontier_size < 1:
+        raise ConfigError(f"bad value for 'rollout.frontier_share' ({r.frontier_share}) or 'rollout.frontier_size' "
+                          f"({r.frontier_size}); allowed: a share from 0 to 1, a size >= 1")
+    if cfg.rollout.max_rounds < 1 or cfg.rollout.fill_groups < 0:
+        raise ConfigError(f"bad value for 'rollout.max_rounds' ({cfg.rollout.max_rounds}) or 'rollout.fill_groups' "
+                          f"({cfg.rollout.fill_groups}); allowed: max_rounds >= 1, fill_groups >= 0")
+    _check_ranges(cfg)
+    _check_contradictions(cfg)
+
+
+def _check_ranges(cfg: RecipeCfg) -> None:
+    """Values their types admit but no run can use (a negative temperature, a zero lr): one line naming the key."""
+    r, a, o, s, e, t = cfg.rollout, cfg.algo, cfg.optim, cfg.sft, cfg.eval, cfg.trainer
+    rules: list[tuple[str, Any, bool, str]] = [
+        ("rollout.temperature", r.temperature, r.temperature >= 0, ">= 0 (0: greedy)"),
+        ("eval.temperature", e.temperature, e.temperature >= 0, ">= 0 (0: greedy)"),
+        ("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "above 0, at most 1"),
+        ("optim.lr", o.lr, o.lr > 0, "> 0"),
+        ("optim.critic_lr", o.critic_lr, o.critic_lr >= 0, ">= 0 (0: optim.lr)"),
+        ("sft.lr", s.lr, s.lr > 0, "> 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.grad_clip", o.grad_clip, o.grad_clip is None or o.grad_clip > 0, "> 0, or null for no clipping"),
+        ("optim.token_budget", o.token_budget, o.token_budget >= 1, ">= 1"),
+        ("algo.eps_low", a.eps_low, a.eps_low >= 0, ">= 0"),
+        ("algo.eps_high", a.eps_high, a.eps_high >= 0, ">= 0"),
+        ("algo.gamma", a.gamma, 0 <= a.gamma <= 1, "0 to 1"),
+        ("algo.lam", a.lam, 0 <= a.lam <= 1, "0 to 1"),
+        ("algo.kl_coef", a.kl_coef, a.kl_coef >= 0, ">= 0"),
+        ("algo.kl_reward_coef", a.kl_reward_coef, a.kl_reward_coef >= 0, ">= 0"),
+        ("algo.variance_keep", a.variance_keep, 0 < a.variance_keep <= 1, "above 0, at most 1"),
+        ("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1"),
+        ("algo.mini_batches", a.mini_batches, a.mini_batches >= 1, ">= 1"),
+        ("algo.mini_batch_samples", a.mini_batch_samples, a.mini_batch_samples >= 0, ">= 0 (0: algo.mini_batches)"),
+        ("rollout.max_turns", r.max_turns, r.max_turns >= 1, ">= 1"),
+        ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
+        ("rollout.slots", r.slots, r.slots >= 1, ">= 1"),
+        ("sft.batch_size", s.batch_size, s.batch_size >= 1, ">= 1"),
+        ("eval.tasks", e.tasks, e.tasks >= 0, ">= 0 (0: no evaluation)"),
+        ("eval.samples", e.samples, e.samples >= 1, ">= 1 (pass@k reads k <= samples)"),
+        ("eval.every", e.every, e.every >= 0, ">= 0 (0: only at the end)"),
+        ("trainer.steps", t.steps, t.steps >= 0, ">= 0"),
+        ("trainer.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 1, ">= 1"),
+        ("trainer.time_limit_s", t.time_limit_s, t.time_limit_s >= 0, ">= 0 (0: no limit)"),
+    ]
+    for key, value, ok, allowed in rules:
+        if not ok:
+            raise ConfigError(f"bad value for '{key}': {value!r}; allowed: {allowed}")
+
+
+# estimators whose advantage is relative to the rest of the episode's group: zero (or undefined) in a group of one
+GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo", "gigpo", "gigpo_dr", "reinforce_pp_baseline")
+
+
+def _check_contradictions(cfg: RecipeCfg) -> None:
+    """Settings that each make sense but not together: one line naming both keys."""
+    r, a = cfg.rollout, cfg.algo
+    if r.group_size == 1:
+        why = "rollout.group_size=1: a group of one never has reward variance"
+        if r.fill_groups > 0:
+            raise ConfigError(f"rollout.fill_groups={r.fill_groups} (dynamic sampling) waits for groups with reward "
+                              f"variance, and {why}; set rollout.fill_groups=0 or rollout.group_size >= 2")
+        for f in a.filters:
+            if f in ("variance", "zero_variance"):
+                raise ConfigError(f"algo.filters has '{f}', which drops groups without reward variance, and {why}; "
+                                  f"drop '{f}' from algo.filters or set rollout.group_size >= 2")
+        if a.estimator in GROUP_RELATIVE:
+            raise ConfigError(f"algo.estimator={a.estimator} is relative to the episode's group, and {why}; set "
+                              "rollout.group_size >= 2, or a batch-wide estimator (gae, reinforce_pp)")
+    if a.kl == "none" and a.kl_coef > 0:
+        raise ConfigError(f"algo.kl_coef={a.kl_coef} has no effect with algo.kl=none; choose the estimator "
+                          "(algo.kl=k1, k2 or k3) or set algo.kl_coef=0")
+    if a.level == "trajectory" and a.mini_batch_samples == 0 and a.mini_batches > r.groups * r.group_size:
+        raise ConfigError(f"algo.mini_batches={a.mini_batches} is more than the {r.groups * r.group_size} episodes a "
+                          f"step trains on at algo.level=trajectory (rollout.groups x rollout.group_size); lower "
+                          "algo.mini_batches or raise rollout.groups")
