@@ -14,6 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl", description="Multi-turn agent RL: train, evaluate and "
                                      "inspect LLM agents on text environments.")
     parser.add_argument("--version", action="version", version=f"agentrl {__version__}")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None,
+                        help="diagnostics on stderr (default: $AGENTRL_LOG_LEVEL, else info)")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
     train_cmd.add_parser(sub)
     envs_cmd.add_parser(sub)
@@ -67,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        from agentrl.learner.models import cap_kernel_caches
+        from agentrl.logs import setup_logging
+
+        setup_logging(args.log_level)
+        cap_kernel_caches()  # before the first matmul of any command (agentrl/learner/models.py says why)
         return int(args.func(args) or 0)
     except (EnvError, ConfigError, RegistryError, GenerationServerError, ModelError, RunError,
             LearnerOutOfMemory) as e:

@@ -54,19 +54,12 @@ def _config(args: argparse.Namespace, recipe: str) -> Any:
     return load_config(recipe, env=args.env, overrides=overrides, model=args.model)
 
 
-def preflight(cfg: Any) -> None:
-    from agentrl.preflight import preflight as check
-
-    check(cfg)
-
-
 def _trainer(cfg: Any) -> Any:
-    import agentrl.recipes  # noqa: F401
-    from agentrl.recipe import RECIPES
+    """The run's trainer; ``Trainer.from_config`` runs the preflight checks (device, packages, env, model
+    folder) before anything is built, so a machine that cannot run ``cfg`` fails in one line."""
     from agentrl.trainer import Trainer
 
-    recipe = RECIPES.get(cfg.method or cfg.recipe)(cfg)
-    return Trainer(cfg, recipe)
+    return Trainer.from_config(cfg)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -76,7 +69,6 @@ def run_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
-    preflight(cfg)  # this machine can run it: device, packages, env, model folder; before anything is built
     trainer = _trainer(cfg)
     try:
         final = trainer.train()
@@ -97,7 +89,6 @@ def run_eval(args: argparse.Namespace) -> int:
                                               f"eval.samples={args.samples}"]
     args.overrides = overrides
     cfg = _config(args, "eval")
-    preflight(cfg)
     trainer = _trainer(cfg)
     try:
         res = trainer.evaluate()  # pass@1, 2, 4, ... up to eval.samples (the ladder lives in Trainer.evaluate)
