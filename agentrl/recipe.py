@@ -117,6 +117,8 @@ class Recipe:
         # The SFT-only policy, kept next to the checkpoints: RL's before/after can then be measured with
         # any evaluation (`agentrl eval --model RUN/warm_start`), not only the run's own.
         trainer.engine.export_weights(trainer.out_dir / "warm_start")
+        if not self.cfg.algo.critic_path and hasattr(trainer.engine, "critic_from_policy"):
+            trainer.engine.critic_from_policy()  # a separate critic starts from the policy RL starts from
         return stats
 
     def starts(self, trainer: "Run") -> list[Start]:

@@ -214,7 +214,9 @@ class Trainer:
         ecfg = EngineConfig(optim=OptimConfig(lr=c.optim.lr, weight_decay=c.optim.weight_decay,
                                               grad_clip=c.optim.grad_clip, warmup_steps=c.optim.warmup_steps),
                             lora=LoraSettings(r=c.model.lora_r, alpha=c.model.lora_alpha) if c.model.lora_r else None,
-                            value_head=self.recipe.estimator().needs_values, token_budget=c.optim.token_budget,
+                            value_head=self.recipe.estimator().needs_values, critic=c.algo.critic,
+                            critic_path=c.algo.critic_path, critic_lr=c.optim.critic_lr,
+                            token_budget=c.optim.token_budget,
                             dtype=c.model.dtype, seed=c.trainer.seed, device=self.device, autocast=c.model.autocast,
                             compile=c.model.compile)
         if c.trainer.engine == "deepspeed":

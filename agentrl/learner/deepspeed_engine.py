@@ -5,7 +5,9 @@ Launch with ``deepspeed`` or ``torchrun`` on GPU nodes (NCCL); on CPU it runs fo
 batch and trains on its share (row blocks rank, rank + world, ...); losses are weighted so the averaged
 gradient equals that of the whole batch. A torch AdamW is handed to DeepSpeed (no cpu_adam build
 needed); ``export_weights`` gathers the sharded parameters and rank 0 writes an HF folder;
-``copy_weights_to`` gathers one parameter at a time into each rank's generator copy.
+``copy_weights_to`` gathers one parameter at a time into each rank's generator copy. A separate critic
+(``EngineConfig.critic="separate"``) is a DeepSpeed engine of its own: its weights and optimizer sharded
+over the ranks like the policy's, its own lr, saved beside the policy's in the checkpoint.
 """
 from __future__ import annotations
 
@@ -18,8 +20,11 @@ import torch
 
 from agentrl.checkpoint import load_plain
 from agentrl.learner.batch import TokenBatch, micro_batches, row_blocks
-from agentrl.learner.engine import (EngineConfig, FrozenReference, ValueHead, batch_prefix_len, batched_forward,
-                                    forward_batch, memory_hint, rng_state, set_rng_state)
+from agentrl.learner.critic import load_critic
+from agentrl.learner.engine import (EngineConfig, FrozenReference, ValueHead, _OptimizerOf, batch_prefix_len,
+                                    batched_forward, critic_optimizer, forward_batch, memory_hint, rng_state,
+                                    set_rng_state)
+from agentrl.learner.finite import StepGuard
 from agentrl.learner.protocol import LossFn
 
 ZERO3 = {
@@ -136,7 +141,8 @@ class DeepSpeedEngine:
             ds.pop("gradient_clipping", None)
         self.tokenizer = load_tokenizer(model_dir)
         model = load_model(model_dir, self.cfg.dtype, "cpu")  # DeepSpeed moves it to this rank's device
-        self.value_head = ValueHead(model.config.hidden_size) if self.cfg.value_head else None
+        separate = self.cfg.value_head and self.cfg.critic == "separate"
+        self.value_head = ValueHead(model.config.hidden_size) if self.cfg.value_head and not separate else None
         module = _WithValueHead(model, self.value_head)
         params = [p for p in module.parameters() if p.requires_grad]
         opt = self.cfg.optim
@@ -148,6 +154,15 @@ class DeepSpeedEngine:
             o, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, optimizer=optimizer, config=ds, model_parameters=params, lr_scheduler=schedule)
+        self.critic_ds: Any = None
+        self.critic_optimizer: Any = None
+        if separate:  # its own engine: sharded, clipped and stepped apart from the policy
+            critic = load_critic(self.cfg.critic_path or model_dir, self.cfg.dtype, "cpu")
+            copt = critic_optimizer(critic, opt, self.cfg.critic_lr)
+            self.critic_ds, self.critic_optimizer, _, _ = deepspeed.initialize(
+                model=critic, optimizer=copt, config=json.loads(json.dumps(ds)),
+                model_parameters=list(critic.parameters()))
+            self._critic_guard = StepGuard(_OptimizerOf(self.critic_optimizer))  # a NaN gradient is not applied
         self.global_step = 0
         self.reference: Any = None
 
@@ -170,17 +185,26 @@ class DeepSpeedEngine:
                 need_values: bool = False, shared_prefix: bool = True) -> dict[str, torch.Tensor]:
         """Collective under ZeRO-3. ``shared_prefix`` must be the same on every rank (in ``logprobs`` every
         rank runs the same micro-batches, so it is; ``step`` agrees on it first)."""
-        return self.ds(mb, temperature=temperature, need_entropy=need_entropy, need_values=need_values,
-                       shared_prefix=shared_prefix)
+        out = self.ds(mb, temperature=temperature, need_entropy=need_entropy,
+                      need_values=need_values and self.critic_ds is None, shared_prefix=shared_prefix)
+        if need_values and self.critic_ds is not None:
+            out["values"] = self.critic_ds(mb, shared_prefix=shared_prefix)
+        return out
+
+    def _train_mode(self, on: bool) -> None:
+        self.ds.train(on)
+        if self.critic_ds is not None:
+            self.critic_ds.train(on)
 
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0, values: bool = False
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Every rank computes the whole batch (a ZeRO-3 forward is collective: all ranks take part, and
         all get the same numbers)."""
-        self.ds.eval()
+        self._train_mode(False)
         logp, vals = batched_forward(self.forward, batch, self.cfg.token_budget, temperature,
-                                     values and self.value_head is not None, self.device)
+                                     values and (self.value_head is not None or self.critic_ds is not None),
+                                     self.device)
         return (logp, vals) if values else logp
 
     def set_reference(self, folder: str | Path | None) -> None:
@@ -201,7 +225,7 @@ class DeepSpeedEngine:
              need_values: bool = False, weight_by: str = "tokens", row_block: int = 1) -> dict[str, float]:
         import torch.distributed as dist
 
-        self.ds.train()
+        self._train_mode(True)
         rows = self.local_rows(batch, row_block)
         local = batch.select(rows) if rows else None
         total = float(batch.num_targets if weight_by == "tokens" else len(batch)) or 1.0
@@ -227,14 +251,26 @@ class DeepSpeedEngine:
             w = share * self.world / total
             with memory_hint(mbs[k], self.cfg.token_budget, self.device):
                 out = self.forward(mb, temperature, need_entropy, need_values, bool(has_prefix[k]))
-                loss, s = loss_fn(mb, out)
-                self.ds.set_gradient_accumulation_boundary(k == int(n_parts) - 1)
+                last = k == int(n_parts) - 1
+                if self.critic_ds is not None and "values" in out:
+                    # two engines, two backward passes: the loss again with the other network's outputs
+                    # detached, so each pass reaches one network (the gradients are the combined loss's)
+                    loss, s = loss_fn(mb, dict(out, values=out["values"].detach()))
+                    critic_loss, _ = loss_fn(mb, {key: v if key == "values" else v.detach() for key, v in out.items()})
+                    self.critic_ds.set_gradient_accumulation_boundary(last)
+                    self.critic_ds.backward(critic_loss * w, scale_wrt_gas=False)
+                else:
+                    loss, s = loss_fn(mb, out)
+                self.ds.set_gradient_accumulation_boundary(last)
                 self.ds.backward(loss * w, scale_wrt_gas=False)
             loss_sum += float(loss.detach()) * share / total
             for key, v in s.items():
                 stats[key] = stats.get(key, 0.0) + float(v) * share / total
         lr = float(self.optimizer.param_groups[0]["lr"])  # the step's own; the scheduler then sets the next
         self.ds.step()
+        critic = self.critic_ds is not None and need_values  # SFT's and DPO's steps leave the critic as it is
+        if critic:
+            self.critic_ds.step()
         # The whole batch's loss and stats: every rank holds its shares; the sum over ranks is the total.
         keys = sorted(stats)
         packed = torch.tensor([loss_sum] + [stats[k] for k in keys], dtype=torch.float64, device=self.device)
@@ -244,7 +280,35 @@ class DeepSpeedEngine:
         out_stats.update(loss=float(packed[0]), micro_batches=int(n_parts),
                          grad_norm=float(self.ds.get_global_grad_norm() or 0.0),
                          lr=lr)
+        if critic:
+            out_stats["critic_grad_norm"] = float(self.critic_ds.get_global_grad_norm() or 0.0)
         return out_stats
+
+    @torch.no_grad()
+    def critic_from_policy(self) -> None:
+        """Every rank: the separate critic's transformer takes the policy's weights now (after SFT), each
+        parameter gathered from its shards and written back to them; its value head and optimizer start over."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        if self.critic_ds is None:
+            return
+        critic = self.critic_ds.module
+        dst = dict(critic.backbone.named_parameters())
+        prefix = f"{self.ds.module.policy.base_model_prefix}."
+
+        def put(p: Any, t: torch.Tensor) -> None:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):  # the weights the forward uses
+                if self.rank == 0:
+                    p.data.copy_(t.to(p.dtype))
+            safe_set_full_fp32_param(p, t.float().clone())  # and the optimizer's fp32 master copy of them
+
+        for name, t in self._gathered():  # one parameter at a time, never the whole model in one buffer
+            if (p := dst.get(name.removeprefix(prefix))) is not None:
+                put(p, t)
+        for p in critic.head.parameters():
+            put(p, torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape))
+        _reset_adam(self.critic_optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather the sharded parameters; rank 0 gets a full state dict, other ranks None."""
@@ -294,16 +358,24 @@ class DeepSpeedEngine:
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)
         self.ds.save_checkpoint(str(folder / "deepspeed"), client_state={"global_step": self.global_step})
+        if self.critic_ds is not None:  # inside the step folder: the checkpoint's manifest covers it
+            self.critic_ds.save_checkpoint(str(folder / "critic"), client_state={"global_step": self.global_step})
         self.export_weights(folder / "model")
         torch.save(rng_state(), folder / f"rng-rank{self.rank}.pt")
         return folder
 
     def load(self, folder: str | Path) -> None:
         folder = Path(folder)
+        if self.critic_ds is not None and not (folder / "critic").is_dir():
+            raise ValueError(f"{folder} holds no critic/: it was saved without a separate critic "
+                             "(algo.critic=shared); resume with algo.critic=shared")
         # DeepSpeed's own reader unpickles anything; its files hold tensors, containers and two plain classes
         self.ds.checkpoint_engine.load = _load_ds_file
         _, client = self.ds.load_checkpoint(str(folder / "deepspeed"))
         self.global_step = (client or {}).get("global_step", 0)
+        if self.critic_ds is not None:
+            self.critic_ds.checkpoint_engine.load = _load_ds_file
+            self.critic_ds.load_checkpoint(str(folder / "critic"))
         rng = folder / f"rng-rank{self.rank}.pt"
         if rng.exists():
             set_rng_state(load_plain(rng))
@@ -348,3 +420,12 @@ class _WithValueHead(torch.nn.Module):
                 need_values: bool = False, shared_prefix: bool = True) -> dict[str, torch.Tensor]:
         return forward_batch(self.policy, self.value_head, mb, temperature, need_entropy, need_values,
                              targets_only=True, shared_prefix=shared_prefix)
+
+
+def _reset_adam(optimizer: Any) -> None:
+    """Drop Adam's moments and step counts (the ZeRO optimizer's torch AdamW within): a fresh optimizer."""
+    base = getattr(optimizer, "optimizer", optimizer)
+    for state in base.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                v.zero_()

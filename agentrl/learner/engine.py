@@ -4,7 +4,8 @@ It implements ``agentrl.learner.protocol.LearnerEngine`` (as ``DeepSpeedEngine``
 ``step`` (gradient accumulation over micro-batches bounded by a token budget, grad clipping, one
 optimizer step), ``export_weights`` (an HF folder the generator and vLLM load), ``copy_weights_to``,
 ``save``/``load`` (model, optimizer, scheduler, step and RNG states, so a resumed run continues
-identically). Optional LoRA (peft) and an optional value head on the policy's last hidden state (PPO).
+identically). Optional LoRA (peft); for PPO either a separate critic network with its own optimizer
+(``agentrl.learner.critic``) or a value head on the policy's last hidden state.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import torch
 
 from agentrl.checkpoint import load_plain
 from agentrl.learner.batch import TokenBatch, micro_batches
+from agentrl.learner.critic import Critic, ValueHead, load_critic  # noqa: F401  (ValueHead: the DeepSpeed engine's)
+from agentrl.learner.finite import StepGuard
 from agentrl.learner.logprobs import mask_logits
 from agentrl.learner.protocol import LossFn
 from agentrl.prefix import shared_prefix_len
@@ -47,7 +50,12 @@ class LoraSettings:
 class EngineConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraSettings | None = None
-    value_head: bool = False
+    value_head: bool = False  # the estimator needs values: a critic of the kind ``critic`` says
+    # "separate": a critic network of its own (its optimizer, lr, checkpoint files); "shared": a value head on
+    # the policy's last hidden state (the value loss trains the policy's decoder too)
+    critic: str = "shared"
+    critic_path: str = ""  # the critic's starting transformer; empty: the policy's own folder
+    critic_lr: float = 0.0  # the critic's learning rate; 0: optim.lr
     token_budget: int = 8192
     dtype: str = "float32"
     device: str = "cpu"
@@ -71,17 +79,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
     np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
     random.setstate(state["python"])
-
-
-class ValueHead(torch.nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.v = torch.nn.Linear(hidden, 1)
-        torch.nn.init.zeros_(self.v.weight)
-        torch.nn.init.zeros_(self.v.bias)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.v(h.float())[..., 0]
 
 
 def _decoder_and_head(model: Any) -> tuple[Any, Any] | None:
@@ -240,8 +237,16 @@ class TorchEngine:
             self.model = self._wrap_lora(self.model, self.cfg.lora)
         if self.cfg.compile:
             self._compile_decoder()
-        self.value_head = ValueHead(self.model.config.hidden_size).to(self.cfg.device) if self.cfg.value_head else None
-        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=self.cfg.optim.lr,
+        separate = self.cfg.value_head and self.cfg.critic == "separate"
+        self.value_head = ValueHead(self.model.config.hidden_size).to(self.cfg.device) \
+            if self.cfg.value_head and not separate else None
+        self.critic: Critic | None = None
+        self.critic_optimizer: Any = None
+        if separate:
+            self.critic = load_critic(self.cfg.critic_path or model_dir, self.cfg.dtype, self.cfg.device)
+            self.critic_optimizer = critic_optimizer(self.critic, self.cfg.optim, self.cfg.critic_lr)
+            self._critic_guard = StepGuard(_OptimizerOf(self.critic_optimizer))  # a NaN gradient is not applied
+        self.optimizer = torch.optim.AdamW(self.policy_parameters(), lr=self.cfg.optim.lr,
                                            betas=self.cfg.optim.betas, eps=self.cfg.optim.eps,
                                            weight_decay=self.cfg.optim.weight_decay)
         warm = max(0, self.cfg.optim.warmup_steps)
@@ -264,11 +269,16 @@ class TorchEngine:
         parts = _decoder_and_head(self.model)
         (parts[0] if parts is not None else self.model).compile(dynamic=True)
 
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+    def policy_parameters(self) -> list[torch.nn.Parameter]:
+        """What the policy's optimizer steps: the policy (LoRA: its adapters) and a shared value head."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.value_head is not None:
             params += list(self.value_head.parameters())
         return params
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Every weight the engine trains: the policy's and a separate critic's."""
+        return self.policy_parameters() + (list(self.critic.parameters()) if self.critic is not None else [])
 
     @property
     def pad_id(self) -> int:
@@ -277,16 +287,28 @@ class TorchEngine:
     # ----- compute -----------------------------------------------------------------------------
     def forward(self, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
                 need_values: bool = False) -> dict[str, torch.Tensor]:
-        return forward_batch(self.model, self.value_head, mb, temperature, need_entropy, need_values,
-                             targets_only=True)
+        out = forward_batch(self.model, self.value_head, mb, temperature, need_entropy,
+                            need_values and self.critic is None, targets_only=True)
+        if need_values and self.critic is not None:
+            out["values"] = self.critic(mb)
+        return out
+
+    @property
+    def has_values(self) -> bool:
+        return self.value_head is not None or self.critic is not None
+
+    def _train_mode(self, on: bool) -> None:
+        self.model.train(on)
+        if self.critic is not None:
+            self.critic.train(on)
 
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0, values: bool = False
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs (and values) for the whole batch, computed micro-batch by micro-batch."""
-        self.model.eval()
+        self._train_mode(False)
         logp, vals = batched_forward(self.forward, batch, self.cfg.token_budget, temperature,
-                                     values and self.value_head is not None, self.device)
+                                     values and self.has_values, self.device)
         return (logp, vals) if values else logp
 
     def set_reference(self, folder: str | Path | None) -> None:
@@ -314,12 +336,37 @@ class TorchEngine:
     def step(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
              need_values: bool = False, weight_by: str = "tokens", row_block: int = 1) -> dict[str, float]:
         """One optimizer step on ``batch`` (see ``backward``), then clipping and the update."""
-        self.model.train()
+        self._train_mode(True)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
         stats = self.backward(batch, loss_fn, temperature, need_entropy, need_values, weight_by, row_block)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the step's own; the scheduler then sets the next
         stats.update(grad_norm=self._clip_and_step(), lr=lr)
+        if self.critic_optimizer is not None:
+            stats["critic_grad_norm"] = self._critic_step()
         return stats
+
+    @torch.no_grad()
+    def critic_from_policy(self) -> None:
+        """The separate critic's transformer takes the policy's weights now (after SFT: the critic starts from
+        the policy RL starts from); its value head and optimizer start over."""
+        if self.critic is None:
+            return
+        decoder = self.merged_model().get_decoder()
+        self.critic.backbone.load_state_dict(decoder.state_dict())
+        for p in self.critic.head.parameters():
+            p.zero_()
+        self.critic_optimizer = critic_optimizer(self.critic, self.cfg.optim, self.cfg.critic_lr)
+        self._critic_guard = StepGuard(_OptimizerOf(self.critic_optimizer))
+
+    def _critic_step(self) -> float:
+        """The separate critic's own clipping and update. One backward filled both networks' gradients:
+        the value loss reaches only the critic, the policy loss only the policy."""
+        clip = self.cfg.optim.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(list(self.critic.parameters()), clip if clip else float("inf"))
+        self.critic_optimizer.step()
+        return float(norm)
 
     def backward(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
                  need_values: bool = False, weight_by: str = "tokens", row_block: int = 1) -> dict[str, float]:
@@ -351,7 +398,7 @@ class TorchEngine:
         loss.backward()
 
     def _clip_and_step(self) -> float:
-        params = self.trainable_parameters()
+        params = self.policy_parameters()
         clip = self.cfg.optim.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
         self.optimizer.step()
@@ -412,12 +459,18 @@ class TorchEngine:
                      scheduler=self.scheduler.state_dict(), rng=rng_state(),
                      value_head=self.value_head.state_dict() if self.value_head is not None else None)
         torch.save(state, folder / "engine.pt")
+        if self.critic is not None:  # inside the step folder: the checkpoint's manifest covers it
+            torch.save(dict(model=self.critic.state_dict(), optimizer=self.critic_optimizer.state_dict()),
+                       folder / "critic.pt")
         (folder / "engine.json").write_text(json.dumps(dict(global_step=self.global_step,
                                                             config=asdict(self.cfg)), default=str))
         return folder
 
     def load(self, folder: str | Path) -> None:
         folder = Path(folder)
+        if self.critic is not None and not (folder / "critic.pt").is_file():
+            raise ValueError(f"{folder} holds no critic.pt: it was saved without a separate critic "
+                             "(algo.critic=shared); resume with algo.critic=shared")
         state = load_plain(folder / "engine.pt")  # tensors and containers only: a tampered file runs no code
         if self.cfg.lora is None:
             self.model.load_state_dict(state["model"])
@@ -431,5 +484,26 @@ class TorchEngine:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.value_head is not None and state.get("value_head") is not None:
             self.value_head.load_state_dict(state["value_head"])
+        if self.critic is not None:
+            self._load_critic(folder / "critic.pt")
         set_rng_state(state["rng"])
         self.global_step = json.loads((folder / "engine.json").read_text())["global_step"]
+
+    def _load_critic(self, path: Path) -> None:
+        state = load_plain(path)
+        self.critic.load_state_dict(state["model"])
+        self.critic_optimizer.load_state_dict(state["optimizer"])
+
+
+class _OptimizerOf:
+    """What ``StepGuard`` reads an engine's optimizer from, for the critic's own optimizer."""
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+
+def critic_optimizer(critic: Critic, optim: OptimConfig, critic_lr: float) -> torch.optim.Optimizer:
+    """AdamW over the critic's weights at its own learning rate (0: the policy's); the policy's settings
+    otherwise. Its lr stays constant: the RL lr schedule steers the policy."""
+    return torch.optim.AdamW(list(critic.parameters()), lr=critic_lr or optim.lr, betas=optim.betas, eps=optim.eps,
+                             weight_decay=optim.weight_decay)
