@@ -217,6 +217,33 @@ def test_scheduler_batches_whatever_is_waiting():
     assert sched.calls == 2 and sched.pending == 0
 
 
+def test_scheduler_lingers_for_rows_still_on_their_way_but_not_past_a_fraction_of_a_call():
+    """In-process lane: with fewer rows waiting than live episodes, it waits (up to linger x its last
+    call's time) for more, so rows whose env steps finish a moment apart share one call."""
+    class Timed:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, sampling, seeds=None):
+            self.calls.append([p[0] for p in prompts])
+            time.sleep(1.0 if len(self.calls) <= 2 else 0.0)
+            return [Completion([1], [-1.0], "x", "stop") for _ in prompts]
+
+    gen = Timed()
+    with BatchingScheduler(gen, SAMPLING, linger=0.5) as sched:
+        sched.live = 3
+        sched.submit([1]).result(5)  # a 1 s call: the lane may now wait up to 0.5 s for company
+        second = sched.submit([2])
+        time.sleep(0.1)
+        third = sched.submit([3])
+        second.result(5), third.result(5)
+        sched.live = 1  # one episode left: nothing to wait for
+        t = time.perf_counter()
+        sched.submit([4]).result(5)
+        assert time.perf_counter() - t < 0.4
+    assert gen.calls == [[1], [2, 3], [4]]
+
+
 def test_scheduler_lanes_send_requests_concurrently_and_errors_reach_their_rows():
     class Slow:
         def __init__(self):

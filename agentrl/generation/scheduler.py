@@ -7,6 +7,11 @@ how many calls may be in flight at once: 1 for the in-process generator (one mod
 many single-row lanes for servers that batch concurrent requests themselves (vLLM's continuous batching,
 ``agentrl serve``'s queue). A row's tokens depend on its own seed only (per-row streams), so how rows are
 grouped into calls does not change what they sample.
+
+A call costs about the same for a few rows as for many (decoding is bound by reading the weights), so the
+in-process lane may ``linger``: when fewer rows wait than there are live episodes, it waits for more, at
+most ``linger`` times its last call's duration. The wait is short next to a call, and the rows that land
+meanwhile (env steps finishing) save a call of their own.
 """
 from __future__ import annotations
 
@@ -35,10 +40,12 @@ class BatchingScheduler:
     Counters: ``calls`` (generate calls made), ``busy_s`` (wall time with at least one call in flight)."""
 
     def __init__(self, generator: Any, sampling: SamplingParams, max_batch: int = 0, lanes: int = 1,
-                 constrained: bool = False):
+                 constrained: bool = False, linger: float = 0.0):
         if lanes < 1:
             raise ValueError(f"scheduler lanes must be >= 1, got {lanes}")
         self.gen, self.sampling, self.max_batch, self.constrained = generator, sampling, max_batch, constrained
+        self.linger, self._last_call_s = linger, 0.0
+        self.live = 0  # episodes that may still submit (the caller keeps it current; 0: never linger)
         self.calls, self.busy_s, self.rows = 0, 0.0, 0
         self._q: queue.Queue[_Request | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -66,9 +73,11 @@ class BatchingScheduler:
         if first is None:
             return None
         batch = [first]
+        deadline = time.perf_counter() + self.linger * self._last_call_s
         while not self.max_batch or len(batch) < self.max_batch:
+            wait = deadline - time.perf_counter() if len(batch) < self.live else 0.0
             try:
-                nxt = self._q.get_nowait()
+                nxt = self._q.get(timeout=wait) if wait > 0 else self._q.get_nowait()
             except queue.Empty:
                 break
             if nxt is None:  # closing: let a sibling lane see it too
@@ -83,11 +92,13 @@ class BatchingScheduler:
                 if self._active == 0:
                     self._since = time.perf_counter()
                 self._active += 1
+            t = time.perf_counter()
             try:
                 outs = self._generate(batch)
                 err = None
             except BaseException as e:  # every row of the call gets the error; the lane goes on
                 outs, err = [], e
+            self._last_call_s = time.perf_counter() - t
             with self._lock:
                 self._active -= 1
                 if self._active == 0:
@@ -125,7 +136,7 @@ class BatchingScheduler:
 
 
 def scheduler_for(generator: Any, sampling: SamplingParams, constrained: bool = False,
-                  in_flight: int = 64) -> BatchingScheduler:
+                  in_flight: int = 64, linger: float = 0.5) -> BatchingScheduler:
     """The scheduling a generator wants: servers (``RemoteGenerator``, ``VLLMFleet``) get ``in_flight``
     concurrent single-row requests and batch them themselves; anything else (the in-process generator)
     gets one lane that batches whatever is waiting."""
@@ -135,4 +146,4 @@ def scheduler_for(generator: Any, sampling: SamplingParams, constrained: bool = 
     served = isinstance(generator, (RemoteGenerator, VLLMFleet))
     if served:
         return BatchingScheduler(generator, sampling, max_batch=1, lanes=in_flight, constrained=constrained)
-    return BatchingScheduler(generator, sampling, lanes=1, constrained=constrained)
+    return BatchingScheduler(generator, sampling, lanes=1, constrained=constrained, linger=linger)

@@ -47,6 +47,7 @@ class _Loop:
     def _open_next(self, slot: int) -> None:
         """Slot takes the next start (reset or restore in its thread), if any is left."""
         if self.next_start >= len(self.starts):
+            self.sched.live -= 1  # the slot's episode ended and no start is left for it
             return
         k = self.next_start
         self.next_start += 1
@@ -109,7 +110,8 @@ class _Loop:
     def run(self) -> list[Episode]:
         stats = self.eng.stats
         try:
-            for slot in range(min(len(self.envs), len(self.starts))):
+            self.sched.live = min(len(self.envs), len(self.starts))
+            for slot in range(self.sched.live):
                 self._open_next(slot)
             while self.in_flight:
                 kind, slot, fut = self._wait()
