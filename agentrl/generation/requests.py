@@ -28,6 +28,7 @@ class ServerLimits:
     max_connections: int = 1024  # open connections + requests in flight; beyond: 503
     max_prompt_tokens: int = 1 << 20  # prompt token ids of one request, all prompts together
     max_batch_tokens: int = 1 << 18  # KV-cache tokens (prompt + max_tokens, every row) of one batched generate
+    long_request_tokens: int = 1 << 14  # prompts x n x max_tokens beyond this decode on the second worker
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = 30.0  # to send a whole body once the headers are in
     header_timeout_s: float = 10.0  # to send a request's headers on a new or idle connection

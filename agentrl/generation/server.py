@@ -92,6 +92,15 @@ class _Call:
         return self.cancelled or self.future.cancelled()
 
 
+@dataclass(eq=False)
+class _Sync(_Call):
+    """A call both workers must run (a weight swap's rendezvous): never skipped, whoever stopped waiting."""
+
+    @property
+    def gone(self) -> bool:
+        return False
+
+
 class BatchingWorker:
     """Owns the model: generation and weight loads run on this one thread, never concurrently."""
 
@@ -240,11 +249,15 @@ class GenerationService:
         self.gen, self.model_name = generator, model_name
         self.limits = limits or ServerLimits()
         self.allow = [Path(os.path.realpath(Path(d).expanduser())) for d in (allow_weights_dirs or [])]
+        # two workers on the one model: a long request (more than long_request_tokens new tokens) decodes on
+        # the second, so the short ones queued behind it are not held up for its whole run
         self.worker = BatchingWorker(generator, max_batch_tokens=self.limits.max_batch_tokens)
+        self.long_worker = BatchingWorker(generator, max_batch_tokens=self.limits.max_batch_tokens)
         cfg = generator.model.config
         self.vocab = int(cfg.vocab_size)
         self.context = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         self._queued: dict[str, int] = {}  # client -> tokens it has queued or running
+        self._meets: set[threading.Barrier] = set()  # weight swaps under way
         self._lock = threading.Lock()
 
     # ----- parsing (runs on a thread of the pool: tokenizing may take a while) ---------------------
@@ -326,11 +339,38 @@ class GenerationService:
         folder = allowed_folder(path, self.allow)
         return folder, read_checked(folder, self.gen.model, self.allow)
 
-    def swap(self, tensors: dict[str, torch.Tensor]) -> _Call:
-        return _Call(lambda call: load_into(self.gen.model, tensors))
+    def submit(self, job: _Job | _Call) -> Future:
+        long = isinstance(job, _Job) and len(job.prompts) * job.sampling.max_new_tokens > \
+            self.limits.long_request_tokens
+        return (self.long_worker if long else self.worker).submit(job)
+
+    def swap(self, tensors: dict[str, torch.Tensor]) -> Future:
+        """Queue a weight swap on both workers: it runs once both reach it (neither is generating), in
+        queue order on each, so every request is served by the old or the new weights, never a mix."""
+        meet = threading.Barrier(2)
+        self._meets.add(meet)
+
+        def at_long_worker(call: _Call) -> None:
+            meet.wait()  # both idle: the other worker swaps
+            meet.wait()  # swapped
+
+        def at_worker(call: _Call) -> None:
+            meet.wait()
+            try:
+                load_into(self.gen.model, tensors)
+            finally:
+                meet.wait()
+
+        self.long_worker.submit(_Sync(at_long_worker))
+        done = self.worker.submit(_Sync(at_worker))
+        done.add_done_callback(lambda _: self._meets.discard(meet))
+        return done
 
     def close(self) -> None:
         self.worker.close()
+        self.long_worker.close()
+        for meet in list(self._meets):  # a swap waiting for a worker that stops: it fails, nobody hangs
+            meet.abort()
 
 
 async def _read_body(request: Request, limits: ServerLimits) -> bytes:
@@ -465,7 +505,7 @@ def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
         service.reserve(client, r.tokens)
         try:
             job = service.job(r)
-            service.worker.submit(job)
+            service.submit(job)
             outs = await _until_done(request, job)
         finally:
             service.release(client, r.tokens)
@@ -492,9 +532,8 @@ def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
             folder, tensors = await run_in_threadpool(service.check_weights, body.path)
         except ValueError as e:
             raise BadRequest(str(e), "path") from None
-        call = service.swap(tensors)
-        service.worker.submit(call)
-        await asyncio.wrap_future(call.future)  # a swap is not abandoned half-way when the client leaves
+        # a swap is not abandoned half-way when the client leaves
+        await asyncio.wrap_future(service.swap(tensors))
         return {"status": "ok", "loaded": str(folder)}
 
     return app
