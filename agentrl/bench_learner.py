@@ -1,10 +1,10 @@
 """`agentrl bench learner`: the learner's time and resident memory over optimizer steps whose batches each
 have new shapes, as SFT and RL batches do (32 rows of random lengths, cut into micro-batches by the token
 budget). Memory must level off after the first steps: under bf16 autocast on CPU, kernel caches keyed by
-shape grew by ~80 MB a step until ``import agentrl`` capped them (docs/memory.md).
+shape grew by ~80 MB a step until ``import agentrl`` capped them (docs/guides/memory.md).
 
 It also counts the ATen operators one step dispatches (device-independent): on a GPU a small model's
-step is bound by launching them, not by arithmetic (docs/gpu.md).
+step is bound by launching them, not by arithmetic (docs/studies/gpu.md).
 """
 from __future__ import annotations
 

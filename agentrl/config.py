@@ -18,14 +18,14 @@ from agentrl.schema import ConfigError  # noqa: F401  (re-exported for callers)
 @dataclass
 class ModelCfg:
     name: str = "tiny"  # tiny | tiny:KEY=N,... (sized) | smollm2 | path to an HF folder
-    dtype: str = "float32"
+    dtype: str = "float32"  # the learner's parameter dtype (float32, bfloat16)
     lora_r: int = 0  # > 0 turns LoRA on
-    lora_alpha: int = 16
+    lora_alpha: int = 16  # LoRA's scaling alpha (with model.lora_r > 0)
     # "bf16": the torch engine trains under bf16 autocast (fp32 weights and rollouts; ~2x faster updates
     # on CPUs with AVX512-BF16). "": plain dtype
     autocast: Literal["", "bf16"] = ""
     # torch.compile the learner's decoder (dynamic shapes): a small model's step on a GPU is bound by the
-    # operators it dispatches, which compiling fuses (docs/gpu.md); the first step pays the compile
+    # operators it dispatches, which compiling fuses (docs/studies/gpu.md); the first step pays the compile
     compile: bool = False
 
 
@@ -37,25 +37,29 @@ class RolloutCfg:
     refill: bool = False  # a slot takes the next start when its episode ends (no waves; same episodes, fewer calls)
     # "async": each episode advances on its own, no per-turn barrier (same episodes; docs/guides/async.md)
     mode: Literal["lockstep", "async"] = "lockstep"
+    # where env slots run: in the trainer's process, one worker process per env (restarted and replayed when it dies),
+    # or Ray actors (trainer.ray_address)
     pool: Literal["inprocess", "process", "ray"] = "inprocess"
     ray_slots_per_actor: int = 1  # pool=ray: env slots per Ray actor (one worker process; docs/guides/ray.md)
     ray_num_cpus: float = 1.0  # pool=ray: CPUs each actor reserves on its node (Ray's scheduler places it)
     ray_memory_mb: int = 0  # pool=ray: memory each actor reserves, MiB (0: none declared)
     # pool=ray: custom resources each actor needs, e.g. {env_node: 1} pins env workers to nodes offering them
     ray_resources: dict[str, float] = field(default_factory=dict)
-    max_turns: int = 8
-    history_len: int = 2
+    max_turns: int = 8  # turns an episode may take before it is truncated
+    history_len: int = 2  # window mode: past turns shown in each prompt
+    # window: a fresh prompt per turn with the last history_len turns; full: the whole episode as one growing chat
+    # (RAGEN/StarPO)
     chat_mode: Literal["window", "full"] = "window"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 48
-    require_think: bool = False
-    format_penalty: float = -0.1
+    temperature: float = 1.0  # sampling temperature of training rollouts
+    top_p: float = 1.0  # nucleus sampling threshold of training rollouts
+    max_new_tokens: int = 48  # tokens one response may generate
+    require_think: bool = False  # a response needs <think>...</think> before its answer, else it gets format_penalty
+    format_penalty: float = -0.1  # reward added to a turn without a valid answer
     max_actions_per_turn: int = 0  # actions one response may take (0: the env's own, e.g. Sokoban 1)
     max_episode_actions: int = 0  # actions an episode may take in all, then it is truncated (0: no cap)
     # per turn whose actions changed nothing (same env fingerprint before and after); a shaping term
     ineffective_penalty: float = 0.0
-    show_admissible: bool = True
+    show_admissible: bool = True  # list the env's admissible actions in the prompt
     # decode only answers among the env's admissible actions (a trie over their tokens masks every other
     # token); the learner renormalizes over the same tokens. Every generator: ours in-process or served,
     # vLLM through our logits processor
@@ -65,12 +69,12 @@ class RolloutCfg:
     # "compact_tried": compact, with the actions tried so far on their own line and left out of "Actions:";
     # "numbered": every admissible action numbered (untried first), the policy answers with a number
     prompt: Literal["paper", "compact", "compact_tried", "numbered"] = "paper"
-    split: Literal["train", "valid", "test"] = "train"
+    split: Literal["train", "valid", "test"] = "train"  # the task split training rollouts draw from
     # DAPO's dynamic sampling: after a round of ``groups`` starts, roll out more rounds until this many
     # groups have reward variance (the ones with a group-relative gradient), at most ``max_rounds`` rounds
     # in all. 0: one round.
     fill_groups: int = 0
-    max_rounds: int = 3
+    max_rounds: int = 3  # dynamic sampling: the most rollout rounds in one step
     # which tasks fresh groups start from: "uniform" (at random from the split) or "learnability" (a share
     # of each round replays levels whose last group had reward variance; agentrl/curriculum/task_sampler.py)
     task_sampler: str = "uniform"
@@ -80,50 +84,58 @@ class RolloutCfg:
 
 @dataclass
 class AlgoCfg:
+    # the advantage estimator, from agentrl.algos.advantages.ESTIMATORS: grpo | dr_grpo | rloo | reinforce_pp |
+    # reinforce_pp_baseline | gae | gae_token | gigpo | gigpo_dr
     estimator: str = "grpo"
     level: Literal["turn", "trajectory"] = "turn"  # window-mode turns, or whole full-chat episodes
     # turn level: "episode" divides each turn's advantage by its episode's number of turns, so every
     # trajectory weighs the same; "uniform" lets long (often failed) episodes outweigh short ones
     turn_weight: Literal["uniform", "episode"] = "uniform"
+    # what an episode is rewarded with: success (1 when won), score (the env's 0-1 score) or env_return (the env's own
+    # step rewards)
     reward: Literal["score", "success", "env_return"] = "success"
     # success/score plus coef x the env's progress at the episode's end (Sokoban: the share of the
     # box-to-target distance closed), so that a group whose every episode fails still ranks them
     progress_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # discount over turns (GAE)
+    lam: float = 1.0  # GAE's lambda
     whiten: bool = False  # advantages normalized to mean 0, std 1 over the batch (verl's PPO does this to GAE)
-    gigpo_step_weight: float = 1.0
+    gigpo_step_weight: float = 1.0  # GiGPO: the weight of the step-level advantage added to the episode-level one
     # the policy surrogate, from agentrl.algos.losses.LOSSES: ppo | gspo (set eps_low/high to ~3e-4/4e-4) |
     # cispo | kl_cov
     loss: str = "ppo"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
+    eps_low: float = 0.2  # PPO clip range below 1 (the ratio's lower bound is 1 - eps_low)
+    eps_high: float = 0.2  # PPO clip range above 1; above eps_low it is clip-higher (DAPO)
+    dual_clip: float | None = None  # dual-clip bound C on negative advantages (null: off)
+    # how token losses are aggregated into the loss
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     kl: Literal["k1", "k2", "k3", "none"] = "none"  # a KL term in the loss (kl_coef x the estimator)
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # weight of the KL loss term (algo.kl)
     # KL as a reward penalty: an episode's reward minus coef x its k1 KL to the reference policy
     kl_reward_coef: float = 0.0
     kl_reward_target: float | None = None  # adaptive coefficient steering the KL per episode toward this
     kl_reward_horizon: int = 10_000  # the adaptive controller's horizon, in episodes
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    # Clip-Cov: the fraction of tokens of highest covariance left out of the gradient (0: off)
     clip_cov_ratio: float = 0.0
     kl_cov_ratio: float = 2e-3  # loss kl_cov: the fraction of tokens penalized
     kl_cov_coef: float = 1.0  # loss kl_cov: the weight of |log r| on them
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over each step's batch
     # optimizer steps per epoch: the batch is shuffled and split into this many mini-batches (verl's
     # ppo_mini_batch_size). One full-batch step per RL step left the tiny model all but unmoved in 15 steps.
     mini_batches: int = 1
     # > 0: mini-batches of about this many samples instead (ceil(samples / this) of them), so a step left
     # with few informative samples after the filters takes fewer optimizer steps, not as many on less data
     mini_batch_samples: int = 0
-    value_coef: float = 0.5
-    value_clip: float | None = 0.2
+    value_coef: float = 0.5  # weight of the value loss (estimators with a critic)
+    value_clip: float | None = 0.2  # clip range of the value loss (null: unclipped)
     # the critic of value-based estimators (gae, gae_token): "separate", a network of its own (its own
     # optimizer and lr, as verl and OpenRLHF); "shared", a value head on the policy (the value loss trains it too)
     critic: Literal["separate", "shared"] = "separate"
     # algo.critic=separate: an HF model folder whose transformer starts the critic; empty: the policy's weights
     critic_path: str = ""
+    # group and episode filters applied before the estimator, from agentrl.algos.filters.FILTERS: dropped |
+    # zero_variance | variance | overlong | void_turn | invalid_format
     filters: list[str] = field(default_factory=lambda: ["dropped"])
     variance_keep: float = 1.0  # fraction of groups kept by the variance filter (when listed)
     # what the variance filters and dynamic sampling test for variance: the reward as trained on, or the
@@ -134,14 +146,14 @@ class AlgoCfg:
 
 @dataclass
 class OptimCfg:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    grad_clip: float | None = 1.0
-    warmup_steps: int = 0
+    lr: float = 1e-4  # the RL learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW's weight decay
+    grad_clip: float | None = 1.0  # gradient norm clip (null: none)
+    warmup_steps: int = 0  # optimizer steps of linear lr warm-up
     # lr over the RL steps: "linear"/"cosine" decay it to 0 by trainer.steps (set once per RL step, so a
     # resumed run picks it up where it was)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
-    token_budget: int = 16384
+    token_budget: int = 16384  # padded tokens per micro-batch on each rank
     # algo.critic=separate: the critic's learning rate, constant (0: optim.lr); RAGEN's critic runs at 10x the actor's
     critic_lr: float = 0.0
 
@@ -150,9 +162,9 @@ class OptimCfg:
 class SFTCfg:
     enabled: bool = False  # warm start on expert demonstrations before RL
     demos: int = 64  # expert episodes (train split)
-    epochs: int = 2
-    batch_size: int = 16
-    lr: float = 1e-3
+    epochs: int = 2  # SFT passes over the demonstrations
+    batch_size: int = 16  # rows per SFT batch
+    lr: float = 1e-3  # the SFT learning rate
     # lr over the SFT steps: "linear"/"cosine" decay it to 0 by the last step, so the warm start ends on
     # small updates rather than wherever the last full-lr batches left it
     schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -165,21 +177,21 @@ class SFTCfg:
     # > epochs: after pass `epochs`, keep making passes (up to this many) while greedy success on
     # `select_tasks` tasks of `select_split` rises; never the evaluation split, so RL's held-out stays unseen
     max_epochs: int = 0
-    select_split: Literal["train", "valid", "test"] = "test"
-    select_tasks: int = 200
+    select_split: Literal["train", "valid", "test"] = "test"  # the split SFT's pass selection reads (never eval.split)
+    select_tasks: int = 200  # tasks read after each pass by the pass selection
     select_patience: int = 2  # readings in a row without a new best before stopping (200 tasks read +-3 points)
     # passes between selection readings after pass `epochs` (0.25: every quarter pass, so SFT can stop
-    # mid-pass; on Sokoban a quarter pass still moved success by up to 13 points: docs/make_train_seeds.md)
+    # mid-pass; on Sokoban a quarter pass still moved success by up to 13 points: docs/studies/make_train_seeds.md)
     select_every: float = 1.0
     # the warm start: the pass with the best selection reading (kept when reached), or the last pass made
     select_keep: Literal["best", "last"] = "best"
     # > 0: stop by competence instead of plateau: passes after `epochs` go on (up to max_epochs; none when
     # max_epochs <= epochs) only while the selection reading is below this, and the warm start is the last
     # pass made. On a steep SFT curve a fixed pass count leaves a lagging seed far below the others
-    # (docs/make_train_seeds.md)
+    # (docs/studies/make_train_seeds.md)
     target_success: float = 0.0
     # RL starts with a fresh optimizer state: Adam's second moments carried over from SFT, whose gradients
-    # are several times RL's, shrink RL's updates ~4x for hundreds of steps (docs/make_train_seeds.md)
+    # are several times RL's, shrink RL's updates ~4x for hundreds of steps (docs/studies/make_train_seeds.md)
     reset_optimizer: bool = False
     # passes made after SFT has stopped (after the selection rule and its best pass), the lr decaying
     # linearly from sft.lr to 0: the warm start ends annealed instead of wherever full-lr batches left it
@@ -204,17 +216,17 @@ class SFTCfg:
 @dataclass
 class EvalCfg:
     every: int = 10  # RL steps between evaluations (0: only at the end)
-    tasks: int = 32
-    split: Literal["train", "valid", "test"] = "valid"
+    tasks: int = 32  # tasks per evaluation
+    split: Literal["train", "valid", "test"] = "valid"  # the split evaluations read
     samples: int = 1  # samples per task (pass@k needs k <= samples)
-    temperature: float = 0.5
+    temperature: float = 0.5  # sampling temperature of evaluations (0: greedy)
     # False: no evaluation before the first RL step (runs sharing one warm start need it read only once)
     at_start: bool = True
 
 
 @dataclass
 class TrainerCfg:
-    steps: int = 20
+    steps: int = 20  # RL steps of the run
     # >0: also stop once the training rollouts have taken this many env steps (the policy's actions, summed
     # over ranks), so recipes whose groups cost different numbers of steps compare at equal interaction
     env_steps: int = 0
@@ -222,9 +234,9 @@ class TrainerCfg:
     # the longest step so far); the last step is still evaluated and checkpointed, so a job with a hard
     # wall-clock limit ends with a reading if this leaves time for one
     time_limit_s: float = 0.0
-    seed: int = 0
-    out_dir: str = "runs/{recipe}-{env}-s{seed}"
-    checkpoint_every: int = 5
+    seed: int = 0  # the run's seed (`--seed`)
+    out_dir: str = "runs/{recipe}-{env}-s{seed}"  # the run folder; {recipe}, {env} and {seed} are filled in
+    checkpoint_every: int = 5  # RL steps between checkpoints
     keep_checkpoints: int = 2  # complete checkpoints kept; a resume falls back to the newest intact one
     # a non-finite loss or parameter: "stop" ends the run with one line naming the step; "skip" drops that
     # update (weights restored from before it) and counts it in the metrics
@@ -239,22 +251,26 @@ class TrainerCfg:
     # embedded: in the learner's process; remote: `agentrl serve`; vllm: `vllm serve` processes, started
     # here (vllm_servers of them) or attached to (generator_url: one URL or a list), synced in place
     generator: Literal["embedded", "remote", "vllm"] = "embedded"
+    # trainer.generator remote or vllm: the server URL, or a list of URLs, to attach to
     generator_url: str | list[str] = ""
-    vllm_servers: int = 1
+    vllm_servers: int = 1  # trainer.generator=vllm: the vllm serve processes rank 0 starts
     vllm_port: int = 8100  # first port of the servers started here
     vllm_sync: Literal["auto", "shm", "nccl"] = "auto"  # auto: nccl on CUDA, shared memory on CPU
     check_sync: bool = True  # after each sync: server log-probs equal learner log-probs on a fixed sequence
     sync_atol: float = 0.1  # that check's tolerance on the mean |log-prob difference| (bf16 servers: ~0.01)
-    tensorboard: bool = True
-    wandb: bool = False
-    progress: bool = True
+    tensorboard: bool = True  # write TensorBoard event files under RUN/tb
+    wandb: bool = False  # log to wandb (offline unless WANDB_MODE says otherwise)
+    progress: bool = True  # print a progress line per step
 
 
 @dataclass
 class RecipeCfg:
-    recipe: str = "grpo"
+    recipe: str = "grpo"  # the recipe's name: a YAML in recipes/ (set from the file the run loads; not set by hand)
     method: str = ""  # the registered recipe class implementing it (default: the recipe's own name)
+    # the env: a registered name (`agentrl envs list`), `module:Class`, `gymnasium:<id>`, `gem:<id>`, `textarena:<id>`
+    # or `rg:<dataset>`
     env: str = "sokoban"
+    # keyword arguments for the env's constructor (e.g. `data_dir`, `gym_kwargs`, `expert`)
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     model: ModelCfg = field(default_factory=ModelCfg)
     rollout: RolloutCfg = field(default_factory=RolloutCfg)

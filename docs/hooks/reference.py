@@ -24,73 +24,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG_PAGE = "reference/config.md"
 CLI_PAGE = "reference/cli.md"
 
-# Meanings of the keys whose field carries no comment in the source yet. A comment on the field wins over
-# an entry here; tests/test_docs.py fails on a key with neither, and on an entry naming no key.
-FALLBACK = {
-    "recipe": "the recipe's name: a YAML in recipes/ (set from the file the run loads; not set by hand)",
-    "env": "the env: a registered name (`agentrl envs list`), `module:Class`, `gymnasium:<id>`, `gem:<id>`, "
-           "`textarena:<id>` or `rg:<dataset>`",
-    "env_kwargs": "keyword arguments for the env's constructor (e.g. `data_dir`, `gym_kwargs`, `expert`)",
-    "model.dtype": "the learner's parameter dtype (float32, bfloat16)",
-    "model.lora_alpha": "LoRA's scaling alpha (with model.lora_r > 0)",
-    "rollout.pool": "where env slots run: in the trainer's process, one worker process per env (restarted "
-                    "and replayed when it dies), or Ray actors (trainer.ray_address)",
-    "rollout.max_turns": "turns an episode may take before it is truncated",
-    "rollout.history_len": "window mode: past turns shown in each prompt",
-    "rollout.chat_mode": "window: a fresh prompt per turn with the last history_len turns; full: the whole "
-                         "episode as one growing chat (RAGEN/StarPO)",
-    "rollout.temperature": "sampling temperature of training rollouts",
-    "rollout.top_p": "nucleus sampling threshold of training rollouts",
-    "rollout.max_new_tokens": "tokens one response may generate",
-    "rollout.require_think": "a response needs <think>...</think> before its answer, else it gets format_penalty",
-    "rollout.format_penalty": "reward added to a turn without a valid answer",
-    "rollout.show_admissible": "list the env's admissible actions in the prompt",
-    "rollout.split": "the task split training rollouts draw from",
-    "rollout.max_rounds": "dynamic sampling: the most rollout rounds in one step",
-    "algo.estimator": "the advantage estimator, from agentrl.algos.advantages.ESTIMATORS: grpo | dr_grpo | "
-                      "rloo | reinforce_pp | reinforce_pp_baseline | gae | gae_token | gigpo | gigpo_dr",
-    "algo.reward": "what an episode is rewarded with: success (1 when won), score (the env's 0-1 score) or "
-                   "env_return (the env's own step rewards)",
-    "algo.gamma": "discount over turns (GAE)",
-    "algo.lam": "GAE's lambda",
-    "algo.gigpo_step_weight": "GiGPO: the weight of the step-level advantage added to the episode-level one",
-    "algo.eps_low": "PPO clip range below 1 (the ratio's lower bound is 1 - eps_low)",
-    "algo.eps_high": "PPO clip range above 1; above eps_low it is clip-higher (DAPO)",
-    "algo.dual_clip": "dual-clip bound C on negative advantages (null: off)",
-    "algo.agg": "how token losses are aggregated into the loss",
-    "algo.kl_coef": "weight of the KL loss term (algo.kl)",
-    "algo.entropy_coef": "weight of the entropy bonus",
-    "algo.clip_cov_ratio": "Clip-Cov: the fraction of tokens of highest covariance left out of the gradient (0: off)",
-    "algo.ppo_epochs": "passes over each step's batch",
-    "algo.value_coef": "weight of the value loss (estimators with a critic)",
-    "algo.value_clip": "clip range of the value loss (null: unclipped)",
-    "algo.filters": "group and episode filters applied before the estimator, from agentrl.algos.filters.FILTERS: "
-                    "dropped | zero_variance | variance | overlong | void_turn | invalid_format",
-    "optim.lr": "the RL learning rate (AdamW)",
-    "optim.weight_decay": "AdamW's weight decay",
-    "optim.grad_clip": "gradient norm clip (null: none)",
-    "optim.warmup_steps": "optimizer steps of linear lr warm-up",
-    "optim.token_budget": "padded tokens per micro-batch on each rank",
-    "sft.epochs": "SFT passes over the demonstrations",
-    "sft.batch_size": "rows per SFT batch",
-    "sft.lr": "the SFT learning rate",
-    "sft.select_split": "the split SFT's pass selection reads (never eval.split)",
-    "sft.select_tasks": "tasks read after each pass by the pass selection",
-    "eval.tasks": "tasks per evaluation",
-    "eval.split": "the split evaluations read",
-    "eval.temperature": "sampling temperature of evaluations (0: greedy)",
-    "trainer.steps": "RL steps of the run",
-    "trainer.seed": "the run's seed (`--seed`)",
-    "trainer.out_dir": "the run folder; {recipe}, {env} and {seed} are filled in",
-    "trainer.checkpoint_every": "RL steps between checkpoints",
-    "trainer.generator_url": "trainer.generator remote or vllm: the server URL, or a list of URLs, to attach to",
-    "trainer.vllm_servers": "trainer.generator=vllm: the vllm serve processes rank 0 starts",
-    "trainer.tensorboard": "write TensorBoard event files under RUN/tb",
-    "trainer.wandb": "log to wandb (offline unless WANDB_MODE says otherwise)",
-    "trainer.progress": "print a progress line per step",
-}
-
-
 @dataclass
 class KeyDoc:
     key: str  # dotted, e.g. rollout.group_size
@@ -170,7 +103,7 @@ def sections() -> list[tuple[str, type, list[KeyDoc]]]:
             nested.append((f.name, type(d)))
             continue
         ann, meaning = comments.get(f.name, ("", ""))
-        top.append(KeyDoc(f.name, ann, _yaml_value(d), meaning or FALLBACK.get(f.name, "")))
+        top.append(KeyDoc(f.name, ann, _yaml_value(d), meaning))
     out.append(("", root, top))
     for name, cls in nested:
         comments = _field_comments(cls)
@@ -178,7 +111,7 @@ def sections() -> list[tuple[str, type, list[KeyDoc]]]:
         for f in dataclasses.fields(cls):
             ann, meaning = comments.get(f.name, ("", ""))
             key = f"{name}.{f.name}"
-            keys.append(KeyDoc(key, ann, _yaml_value(_default(f)), meaning or FALLBACK.get(key, "")))
+            keys.append(KeyDoc(key, ann, _yaml_value(_default(f)), meaning))
         out.append((name, cls, keys))
     return out
 
