@@ -23,6 +23,7 @@ help:
 	@echo "make test         set up and run the test suite (what CI runs: lint first)"
 	@echo "make test-fast    the tests not marked slow (no multi-rank, DeepSpeed or end-to-end runs)"
 	@echo "make lint         ruff check (ruff.toml)"
+	@echo "make docs         build the docs site into site/ (mkdocs --strict; make test runs it)"
 	@echo "make check-envs   full self-check of every env (50 expert tasks, 20 restore checks each)"
 	@echo "make play ENV=sokoban [TASK=train/00003]   play a task by hand"
 	@echo "make bench        rollout engine vs raw batched generate vs a sequential loop (tiny model);"
@@ -83,7 +84,7 @@ test: lint docs
 
 # the docs site (mkdocs.yml, docs/); --strict turns broken links and pages missing from the nav into errors
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict -q -d site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d site
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
