@@ -163,9 +163,13 @@ class Recipe:
     def filter(self, episodes: list[Episode]) -> tuple[list[Episode], dict[str, int]]:
         dropped: dict[str, int] = {}
         ctx = FilterContext(self.variance_signal, self.cfg.algo.variance_keep)
-        for name in self.cfg.algo.filters:
+        for name in self.episode_filters():
             episodes, dropped[f"filtered_{name}"] = FILTERS.get(name)(episodes, ctx)
         return episodes, dropped
+
+    def episode_filters(self) -> list[str]:
+        """The ``algo.filters`` that drop episodes here (a recipe may apply one otherwise: SPEAR masks)."""
+        return list(self.cfg.algo.filters)
 
     def estimator(self) -> Estimator:
         return ESTIMATORS.get(self.cfg.algo.estimator)

@@ -10,6 +10,10 @@ J_GRPO + gamma * J_SIL (eq. 5, gamma warms up by eq. 13) with covariance-based t
 self-imitation rows only (eq. 18-21: covariance centred on the trajectory's group, a budget of lambda x
 its tokens per trajectory, chosen once per update); then D is emptied.
 
+Over-long samples (``overlong`` in ``algo.filters``, appendix A.8): a response cut at the token limit
+leaves the loss, its episode does not: the episode keeps its reward in its group's baseline and its other
+turns train (at ``algo.level: trajectory`` the sample is the whole episode, which then leaves the loss).
+
 One batch carries both terms: replay rows are tagged, their advantages are gamma * A~ and their
 old log-probs are recomputed under the current policy just before the update (as verl recomputes
 old log-probs), so the clipped ratio starts at 1 for them too.
@@ -116,6 +120,13 @@ def first_step_bounds(episodes: list[Episode], reward: Any) -> tuple[float, floa
     return covariance_bounds(covs) if covs else None
 
 
+def cut_at_token_limit(ep: Episode, turn: int | None) -> bool:
+    """Whether a sample's response was cut at the token limit: its turn's, or (a whole-episode sample,
+    ``turn`` None) any of the episode's."""
+    turns = ep.turns if turn is None else [ep.turns[turn]]
+    return any(t.finish_reason == "length" for t in turns)
+
+
 class SPEAR(Recipe):
     Params = SPEARParams
 
@@ -129,6 +140,7 @@ class SPEAR(Recipe):
         self.t = 0  # training iteration, for the schedules
         self.bounds: tuple[float, float] | None = tuple(self.p.cov_bounds) if self.p.cov_bounds else None
         self.cov_masked = 0  # tokens the last update's covariance clipping took out
+        self._kept: list[Episode] = []  # the last filter's episodes (make_batch's samples index them)
 
     def mu(self) -> float:
         return cosine_decay(self.t, self.p.decay_steps)
@@ -181,6 +193,22 @@ class SPEAR(Recipe):
                 s.loss_mask = list(s.loss_mask)
                 s.loss_mask[i], s.advantages[i], s.old_logprobs[i] = 0, 0.0, 0.0
             self.cov_masked += len(chosen)
+
+    def episode_filters(self) -> list[str]:
+        return [f for f in super().episode_filters() if f != "overlong"]  # masked in make_batch instead
+
+    def filter(self, episodes: list[Episode]) -> tuple[list[Episode], dict[str, int]]:
+        kept, dropped = super().filter(episodes)
+        self._kept = kept  # make_batch's samples name their episode by its index here
+        return kept, dropped
+
+    def make_batch(self, trainer: "Run", episodes: list[Episode]) -> tuple[list[Sample], dict[str, float]]:
+        samples, stats = super().make_batch(trainer, episodes)
+        if "overlong" not in self.cfg.algo.filters or not samples:
+            return samples, stats
+        kept = [s for s in samples if not cut_at_token_limit(self._kept[s.meta["episode"]], s.meta.get("turn"))]
+        stats.update(masked_overlong=float(len(samples) - len(kept)), samples=len(kept))
+        return kept, stats
 
     def step(self, trainer: "Run") -> dict[str, float]:
         self.t = trainer.step + 1  # t_iter of eq. 13-14 counts from 1 (the logged step)
