@@ -576,3 +576,17 @@ def test_the_load_test_answers_every_normal_request(tmp_path):
     assert report["normal_sent"] > 0 and report["normal_answered"] == report["normal_sent"], report
     assert set(report["errors_by_code"]) <= {"400", "404", "413", "429"}, report  # no 5xx, no dropped connection
     assert report["answers_after"] == 200 and report["server_tracebacks"] == 0
+
+
+def test_serve_cli_refuses_a_taken_port_and_bad_budgets_in_one_line(tiny_model_dir, capsys):
+    import socket
+
+    from agentrl.cli import main
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tiny_model_dir), "--port", str(port)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: cannot listen on 127.0.0.1:{port} (Address already in use): "
+                                               "pick another --port or --host")
+    assert main(["serve", "--model", str(tiny_model_dir), "--max-client-tokens", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --max-client-tokens must be at least 1, got 0"

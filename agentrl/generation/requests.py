@@ -22,12 +22,12 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what a torch generator takes
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """The budgets of one server (``agentrl serve`` flags set the first three)."""
+    """The budgets of one server (``agentrl serve`` flags set the first four)."""
     max_request_tokens: int = 1 << 17  # prompts x n x max_tokens of one request
     max_client_tokens: int = 1 << 20  # tokens (prompt + max_tokens, every row) queued or running per client
     max_connections: int = 1024  # open connections + requests in flight; beyond: 503
+    max_batch_kv_mb: int = 1024  # KV cache of one batched generate (each of the 2 workers), in MiB
     max_prompt_tokens: int = 1 << 20  # prompt token ids of one request, all prompts together
-    max_batch_tokens: int = 1 << 18  # KV-cache tokens (prompt + max_tokens, every row) of one batched generate
     long_request_tokens: int = 1 << 14  # prompts x n x max_tokens beyond this decode on the second worker
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = 30.0  # to send a whole body once the headers are in

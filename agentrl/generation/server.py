@@ -241,6 +241,16 @@ class BatchingWorker:
                 _settle(j.future, mine)
 
 
+def _kv_bytes_per_token(model: Any) -> int:
+    """Bytes of KV cache one token takes in ``model`` (keys and values, every layer)."""
+    cfg = model.config
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    head_dim = int(getattr(cfg, "head_dim", 0) or cfg.hidden_size // heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", 0) or heads)
+    size = next(model.parameters()).element_size()
+    return max(1, 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * size)
+
+
 class GenerationService:
     """The routes' work, apart from HTTP: parse and check a request, queue it, shape the answer."""
 
@@ -249,13 +259,14 @@ class GenerationService:
         self.gen, self.model_name = generator, model_name
         self.limits = limits or ServerLimits()
         self.allow = [Path(os.path.realpath(Path(d).expanduser())) for d in (allow_weights_dirs or [])]
-        # two workers on the one model: a long request (more than long_request_tokens new tokens) decodes on
-        # the second, so the short ones queued behind it are not held up for its whole run
-        self.worker = BatchingWorker(generator, max_batch_tokens=self.limits.max_batch_tokens)
-        self.long_worker = BatchingWorker(generator, max_batch_tokens=self.limits.max_batch_tokens)
         cfg = generator.model.config
         self.vocab = int(cfg.vocab_size)
         self.context = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
+        # two workers on the one model: a long request (more than long_request_tokens new tokens) decodes on
+        # the second, so the short ones queued behind it are not held up for its whole run
+        batch_tokens = max(self.context, (self.limits.max_batch_kv_mb << 20) // _kv_bytes_per_token(generator.model))
+        self.worker = BatchingWorker(generator, max_batch_tokens=batch_tokens)
+        self.long_worker = BatchingWorker(generator, max_batch_tokens=batch_tokens)
         self._queued: dict[str, int] = {}  # client -> tokens it has queued or running
         self._meets: set[threading.Barrier] = set()  # weight swaps under way
         self._lock = threading.Lock()
