@@ -322,6 +322,30 @@ def test_malformed_bodies_framing_and_slow_clients(guarded):
     assert _post(f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 1})[0] == 200
 
 
+def test_connections_past_the_cap_get_a_503(tiny_generator):
+    """max_connections=3 and three idle connections open: the next request is a 503, then served again."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from agentrl.generation.requests import ServerLimits
+
+    srv = start_server(tiny_generator, "tiny-test", port=0, limits=ServerLimits(max_connections=3))
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        idle = [socket.create_connection(("127.0.0.1", srv.server_address[1])) for _ in range(3)]
+        time.sleep(0.2)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/health", timeout=10)
+        assert e.value.code == 503
+        for s in idle:
+            s.close()
+        time.sleep(0.2)
+        assert urllib.request.urlopen(url + "/health", timeout=10).status == 200
+    finally:
+        _kill(srv)
+
+
 def test_keep_alive_requests_do_not_wait_on_nagle(guarded):
     """Requests on one kept-alive connection: ~0.3 ms each. The old server sent headers and body in two
     writes without TCP_NODELAY, and each response waited ~40 ms for the client's delayed ACK."""
