@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from typing import Any
 
@@ -35,6 +36,7 @@ def connect(address: str = "", num_cpus: float = 0.0, resources: dict[str, float
         return False
     address = address or os.environ.get("RAY_ADDRESS", "")
     if address:
+        check_address(address)
         try:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         except (ConnectionError, ValueError, RuntimeError) as e:
@@ -45,6 +47,21 @@ def connect(address: str = "", num_cpus: float = 0.0, resources: dict[str, float
         return False
     _start_local(ray, max(float(os.cpu_count() or 1), num_cpus), dict(resources or {}))
     return True
+
+
+def check_address(address: str, timeout: float = 10.0) -> None:
+    """Fail in one line when nothing listens at a ``host:port`` address (Ray itself retries for minutes);
+    ``auto`` and ``ray://`` client addresses are left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise EnvError(f"trainer.ray_address: no Ray cluster answers at {address!r} ({why}); "
+                       "start one with `ray start --head`, or leave trainer.ray_address and RAY_ADDRESS empty "
+                       "for a local instance") from None
 
 
 def _start_local(ray: Any, num_cpus: float, resources: dict[str, float]) -> None:

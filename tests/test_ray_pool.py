@@ -139,6 +139,14 @@ def test_missing_ray_is_one_error_line(monkeypatch):
     assert "\n" not in str(e.value)
 
 
+def test_an_address_where_no_cluster_answers_is_one_error_line():
+    from agentrl.envs.ray_connect import check_address
+
+    with pytest.raises(EnvError, match=r"trainer.ray_address: no Ray cluster answers at '127.0.0.1:1'") as e:
+        check_address("127.0.0.1:1")
+    assert "\n" not in str(e.value)
+
+
 def _metrics(out_dir):
     rows = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not (k.startswith("time") or k.endswith(("_s", "per_s", "_gib")))}
