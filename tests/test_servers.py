@@ -458,10 +458,20 @@ def test_queued_work_is_bounded_per_client(guarded):
             urllib.request.urlopen(req, timeout=30)
         assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
         assert "too much work queued for 127.0.0.1" in json.loads(e.value.read())["error"]["message"]
+        # our client waits out a 429 (Retry-After) instead of failing the rollout
+        later = {}
+        client = RemoteGenerator(url)
+        waiting = threading.Thread(target=lambda: later.update(out=client.generate(
+            [[1, 2, 3]] * 2, SamplingParams(temperature=1.0, max_new_tokens=400, seed=1))))
+        waiting.start()
+        time.sleep(1.5)
+        assert "out" not in later
     finally:
         gate.set()
         t.join(60)
+    waiting.join(60)
     assert first["r"][0] == 200 and len(first["r"][1]["choices"]) == 8
+    assert len(later["out"]) == 2
     assert not srv.service._queued  # released once answered
 
 
