@@ -245,6 +245,9 @@ def _check_names(cfg: RecipeCfg) -> None:
         raise ConfigError(f"bad value for 'sft.warm_start': {s.warm_start!r} is not a model folder (no "
                           "config.json); give a run's warm_start folder (RUN/warm_start), or drop the key "
                           "to make a warm start")
+    if cfg.algo.critic_path and not (Path(cfg.algo.critic_path).expanduser() / "config.json").is_file():
+        raise ConfigError(f"bad value for 'algo.critic_path': {cfg.algo.critic_path!r} is not a model folder (no "
+                          "config.json); give an HF model folder, or drop the key to start the critic from the policy")
     if s.cooldown < 0:
         raise ConfigError(f"bad value for 'sft.cooldown': {s.cooldown}; allowed: 0 (off) or more passes")
     for key in ("demo_seed", "order_seed"):

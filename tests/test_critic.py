@@ -128,3 +128,12 @@ def test_ppo_with_a_separate_critic_on_two_deepspeed_ranks_resumes_exactly(sokob
     for k in ("loss", "value_loss", "critic_grad_norm", "grad_norm", "reward_mean", "success"):
         assert b[3][k] == pytest.approx(a[3][k], rel=1e-4, abs=1e-6), k
     assert (part / "final.json").is_file()
+
+
+def test_a_critic_path_that_is_no_model_folder_is_refused_before_any_work(tmp_path):
+    from agentrl import load_config
+    from agentrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="'algo.critic_path'.*not a model folder") as e:
+        load_config("ppo", env="sokoban", overrides=[f"algo.critic_path={tmp_path / 'none'}"])
+    assert "\n" not in str(e.value)
