@@ -14,13 +14,14 @@ tensor checked first), ``GET /v1/models``, ``GET /health``. Every field is valid
 (``agentrl.generation.requests``): a bad request is a 400 naming the field, never a dead worker.
 ``--api-key`` / ``AGENTRL_API_KEY`` guards every route but ``/health``.
 
-Concurrent requests are batched: one worker thread owns the model and, each time it is free, takes
-everything queued (waiting a few ms for stragglers) and runs one batched ``generate`` per distinct
-sampling setting, so requests that keep arriving while it decodes join the next batch. A client that
+Concurrent requests are batched: a worker thread, each time it is free, takes everything queued (waiting
+a few ms for stragglers) and runs one batched ``generate`` per distinct sampling setting, so requests that
+keep arriving while it decodes join the next batch. Long requests go to a second worker on the same
+model, so short ones are not held up behind them; a weight swap waits until both are idle. A client that
 hangs up has its rows dropped at the next decode step; a request that fails inside a batch is retried
 alone, so it fails by itself. Budgets (``ServerLimits``): tokens per request (400), tokens queued per
 client address (429), body size (413), time to send headers and body (connection closed / 408), open
-connections (503). Binds 127.0.0.1 unless told otherwise.
+connections (503), KV cache per batch. Binds 127.0.0.1 unless told otherwise.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ class _Sync(_Call):
 
 
 class BatchingWorker:
-    """Owns the model: generation and weight loads run on this one thread, never concurrently."""
+    """One thread running queued jobs in order: generation jobs batched per round, calls alone."""
 
     def __init__(self, generator: Any, max_wait_s: float = 0.005, max_batch: int = 256,
                  max_batch_tokens: int = 1 << 18, max_gather_s: float = 0.05):
