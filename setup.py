@@ -26,6 +26,7 @@ setup(
         "wandb",  # trainer.wandb=true; offline unless WANDB_MODE says otherwise
         # agentrl serve: an ASGI server with validated request models
         "fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2.6", "httpx>=0.27",
+        "psutil>=5.9",  # process memory in the learner bench, the env-worker bench and the server load test
     ],
     extras_require={
         # Real text-game engines: textworld (Inform7 ships in its wheel; [pddl] builds Fast Downward for
