@@ -199,6 +199,10 @@ class Trainer:
             raise ConfigError("trainer.generator=remote needs trainer.generator_url")
         if c.trainer.generator == "vllm" and not c.trainer.generator_url and c.trainer.vllm_servers < 1:
             raise ConfigError("trainer.generator=vllm needs trainer.generator_url or trainer.vllm_servers >= 1")
+        if c.trainer.max_staleness:  # reserved: the design is in docs/guides/async.md
+            raise ConfigError(f"trainer.max_staleness={c.trainer.max_staleness}: overlapping rollouts with learning is "
+                              "not implemented yet; set trainer.max_staleness=0 (rollout.mode=async removes the "
+                              "per-turn barrier)")
         if n <= 1:
             return
         if c.trainer.engine != "deepspeed":
