@@ -153,9 +153,9 @@ def _metrics(out_dir):
             for r in rows]  # wall-clock and memory readings differ between any two runs
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("env,mode", [("sokoban", "lockstep"), ("sokoban", "async"), ("alfworld", "lockstep")])
+@pytest.mark.parametrize("env,mode", [("sokoban", "lockstep"), pytest.param("sokoban", "async", marks=pytest.mark.slow),
+                                      pytest.param("alfworld", "lockstep", marks=pytest.mark.slow)])
 def test_grpo_same_metrics_on_ray_as_on_process_pool(env, mode, tiny_model_dir, tmp_path):
     """async: each slot's env steps go through ``submit``, a Ray future waited on in the slot's thread."""
     from agentrl.config_loader import load_config
