@@ -130,6 +130,47 @@ def test_hung_step_times_out_and_is_counted():
             pool.reset({1: ("train/99999999", 0)})
 
 
+def node_loss_main():
+    """In a process of its own (the module's Ray instance is single-node): a two-node Ray cluster on
+    loopback, env actors pinned to the env node by a custom resource, the env node lost mid-episode."""
+    from ray.cluster_utils import Cluster
+
+    from agentrl.envs.ray_pool import RayEnvPool
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    env_node = cluster.add_node(num_cpus=2, resources={"env_node": 2})
+    ray.init(address=cluster.address, log_to_driver=False)
+    tasks = ["train/00011", "train/00014"]
+
+    def lose_node(k, pool, live):
+        if k == 2:
+            cluster.add_node(num_cpus=2, resources={"env_node": 2})  # where the actors start again
+            cluster.remove_node(env_node)
+
+    try:
+        with RayEnvPool("sokoban-large", 2, resources={"env_node": 1}, step_timeout=30) as pool:
+            got = _play(pool, tasks, [0, 0], lose_node)
+            stats = dict(pool.stats)
+        print(json.dumps({"same": got == _reference("sokoban-large", tasks, [0, 0]), **stats}))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lost_env_node_its_actors_start_on_another_and_replay():
+    import subprocess
+
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}  # loopback
+    out = subprocess.run([sys.executable, "-c", "import tests.test_ray_pool as t; t.node_loss_main()"],
+                         env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["same"] and res["restarts"] == 2 and res["replayed"] == 2 and res["dropped"] == 0
+
+
 def test_missing_ray_is_one_error_line(monkeypatch):
     from agentrl.envs.ray_connect import import_ray
 
