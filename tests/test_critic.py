@@ -137,3 +137,24 @@ def test_a_critic_path_that_is_no_model_folder_is_refused_before_any_work(tmp_pa
     with pytest.raises(ConfigError, match="'algo.critic_path'.*not a model folder") as e:
         load_config("ppo", env="sokoban", overrides=[f"algo.critic_path={tmp_path / 'none'}"])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_deepspeed_critic_starts_from_the_policy_and_a_value_step_leaves_the_policy(tiny_model_dir):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, str(root / "tests" / "critic_ds_worker.py"), str(tiny_model_dir)],
+                         capture_output=True, text=True, env=env, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])
+    # after the policy moved, critic_from_policy copies it: the weights and ZeRO-3's fp32 master copy of them
+    assert r["differs_before"] and r["weights_equal"] and r["master_equal"]
+    assert r["critic_grad_norm"] > 0 and r["critic_moved"] and r["policy_unchanged"]

@@ -243,6 +243,7 @@ class DeepSpeedEngine:
         dist.all_reduce(has_prefix, op=dist.ReduceOp.MIN)
         stats: dict[str, float] = {}
         loss_sum = 0.0
+        policy_grad, critic_grad = True, False  # which engines this step's loss reaches
         for k in range(int(n_parts)):
             idx = parts[k] if k < len(parts) else []
             mb = mbs[k].to(self.device)
@@ -257,18 +258,24 @@ class DeepSpeedEngine:
                     # detached, so each pass reaches one network (the gradients are the combined loss's)
                     loss, s = loss_fn(mb, dict(out, values=out["values"].detach()))
                     critic_loss, _ = loss_fn(mb, {key: v if key == "values" else v.detach() for key, v in out.items()})
-                    self.critic_ds.set_gradient_accumulation_boundary(last)
-                    self.critic_ds.backward(critic_loss * w, scale_wrt_gas=False)
+                    # a network the loss does not reach takes no pass and no step (a value-only loss leaves the
+                    # policy as it is); the loss's form, hence this, is the same on every rank
+                    policy_grad, critic_grad = loss.requires_grad, critic_loss.requires_grad
+                    if critic_grad:
+                        self.critic_ds.set_gradient_accumulation_boundary(last)
+                        self.critic_ds.backward(critic_loss * w, scale_wrt_gas=False)
                 else:
                     loss, s = loss_fn(mb, out)
-                self.ds.set_gradient_accumulation_boundary(last)
-                self.ds.backward(loss * w, scale_wrt_gas=False)
+                if policy_grad:
+                    self.ds.set_gradient_accumulation_boundary(last)
+                    self.ds.backward(loss * w, scale_wrt_gas=False)
             loss_sum += float(loss.detach()) * share / total
             for key, v in s.items():
                 stats[key] = stats.get(key, 0.0) + float(v) * share / total
         lr = float(self.optimizer.param_groups[0]["lr"])  # the step's own; the scheduler then sets the next
-        self.ds.step()
-        critic = self.critic_ds is not None and need_values  # SFT's and DPO's steps leave the critic as it is
+        if policy_grad:
+            self.ds.step()
+        critic = self.critic_ds is not None and critic_grad  # SFT's and DPO's steps leave the critic as it is
         if critic:
             self.critic_ds.step()
         # The whole batch's loss and stats: every rank holds its shares; the sum over ranks is the total.
@@ -278,7 +285,7 @@ class DeepSpeedEngine:
         self.global_step += 1
         out_stats = dict(zip(keys, packed[1:].tolist()))
         out_stats.update(loss=float(packed[0]), micro_batches=int(n_parts),
-                         grad_norm=float(self.ds.get_global_grad_norm() or 0.0),
+                         grad_norm=float(self.ds.get_global_grad_norm() or 0.0) if policy_grad else 0.0,
                          lr=lr)
         if critic:
             out_stats["critic_grad_norm"] = float(self.critic_ds.get_global_grad_norm() or 0.0)
