@@ -119,8 +119,10 @@ def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None 
         overlays = data.pop("env_overlays", None) or {}
         if not isinstance(overlays, dict):
             raise ConfigError(f"{path}: env_overlays must map env names to sections, got {type(overlays).__name__}")
-        # an outside suite's envs ("gem:game:GuessTheNumber-v0") also take the suite's overlay ("gem")
-        overlay = overlays.get(env, overlays.get(env.split(":")[0]) if ":" in env else None)
+        # an outside suite's envs ("gem:game:GuessTheNumber-v0") also take the suite's overlay ("gem"); a wrapped
+        # env ("latency:sokoban") takes its inner env's, so a benchmark runs the same settings with delays added
+        inner = env.split(":", 1)[1] if env.startswith("latency:") else env
+        overlay = overlays.get(inner, overlays.get(inner.split(":")[0]) if ":" in inner else None)
         if overlay is not None and not isinstance(overlay, dict):
             raise ConfigError(f"{path}: env_overlays.{env} must be a mapping of sections, got {type(overlay).__name__}")
     if base:

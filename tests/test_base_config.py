@@ -87,3 +87,11 @@ def test_a_kl_coefficient_without_a_kl_term_is_refused():
 def test_more_mini_batches_than_episodes_is_refused():
     with pytest.raises(ConfigError, match="algo.mini_batches=64 is more than the 32 episodes"):
         load_config("starpo", env="sokoban", overrides=["rollout.groups=8", "algo.mini_batches=64"])
+
+
+def test_a_wrapped_env_takes_its_inner_envs_overlay():
+    """``latency:sokoban`` benchmarks Sokoban's settings with delays added, not the bare defaults."""
+    plain = load_config("grpo", env="sokoban").to_dict()
+    wrapped = load_config("grpo", env="latency:sokoban").to_dict()
+    plain.pop("env"), wrapped.pop("env")
+    assert wrapped == plain
