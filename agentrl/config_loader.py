@@ -322,6 +322,7 @@ def _check_ranges(cfg: RecipeCfg) -> None:
         ("trainer.steps", t.steps, t.steps >= 0, ">= 0"),
         ("trainer.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 1, ">= 1"),
         ("trainer.time_limit_s", t.time_limit_s, t.time_limit_s >= 0, ">= 0 (0: no limit)"),
+        ("trainer.max_staleness", t.max_staleness, t.max_staleness >= 0, ">= 0 (0: the on-policy loop)"),
     ]
     for key, value, ok, allowed in rules:
         if not ok:
@@ -354,3 +355,13 @@ def _check_contradictions(cfg: RecipeCfg) -> None:
         raise ConfigError(f"algo.mini_batches={a.mini_batches} is more than the {r.groups * r.group_size} episodes a "
                           f"step trains on at algo.level=trajectory (rollout.groups x rollout.group_size); lower "
                           "algo.mini_batches or raise rollout.groups")
+    if cfg.trainer.max_staleness > 0 and not _recipe_can_overlap(cfg.method):
+        raise ConfigError(f"trainer.max_staleness={cfg.trainer.max_staleness} collects the next step while this one "
+                          f"learns, and method={cfg.method} decides its next rollouts from this step's (buffers, "
+                          "controllers, branches, replay) or has its own step; set trainer.max_staleness=0")
+
+
+def _recipe_can_overlap(method: str) -> bool:
+    from agentrl.recipe import RECIPES
+
+    return method not in RECIPES or RECIPES.get(method).can_overlap()

@@ -312,6 +312,11 @@ class Recipe:
 
     def step(self, trainer: "Run") -> dict[str, float]:
         episodes, collected = self.collect(trainer)
+        return self.learn(trainer, episodes, collected)
+
+    def learn(self, trainer: "Run", episodes: list[Episode], collected: dict[str, float]) -> dict[str, float]:
+        """The step after ``collect``: batch, update, ``after_update``. With ``trainer.max_staleness`` > 0 the
+        trainer calls ``collect`` for the next step (in a producer thread) while this runs."""
         samples, stats = self.make_batch(trainer, episodes)
         metrics = dict(stats, **collected)
         metrics.update(trainer.diagnostics(episodes, self))
@@ -327,6 +332,16 @@ class Recipe:
         """Rows trained alongside this step's batch with their own advantages (SPEAR's self-imitation
         replay); recipes may also add to ``metrics`` here."""
         return []
+
+    @classmethod
+    def can_overlap(cls) -> bool:
+        """Whether ``trainer.max_staleness`` > 0 may run this recipe: its step is the base ``collect`` then
+        ``learn`` and its starts and rollout hooks keep no state that needs this step's policy (CRPS's
+        buffer and controller, LEAFE's branches, SPEAR's replay, the staged recipes' own steps do)."""
+        base = Recipe
+        return (cls.online and cls.step is base.step and cls.collect is base.collect and cls.learn is base.learn
+                and cls.starts is base.starts and cls.after_rollout is base.after_rollout
+                and cls.extra_samples is base.extra_samples)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs; recipes with buffers or controllers extend it (and call super)."""

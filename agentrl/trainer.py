@@ -37,6 +37,7 @@ from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, peak_rss_gib, read_metrics,
                              truncate_metrics)
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+from agentrl.rollout.overlap import Producer
 from agentrl.seeds import mix_seed
 from agentrl.types import Completion, Episode, SamplingParams
 
@@ -149,6 +150,9 @@ class Trainer:
         self.engine: LearnerEngine = self._make_engine()
         self._step_guard = StepGuard(self.engine)  # an optimizer step with a NaN or infinite gradient is not applied
         self.tokenizer = self.engine.tokenizer
+        # trainer.max_staleness > 0: the next step's collect runs in a producer thread while this step learns
+        self._producer = Producer() if cfg.trainer.max_staleness > 0 else None
+        self._sync_due, self._stale = False, False
         self.generator: Generator = self._make_generator()
         self.envs: EnvSlots = self._make_envs()
         self._pool_seen: dict[str, int] = dict(self.envs.stats)
@@ -199,10 +203,9 @@ class Trainer:
             raise ConfigError("trainer.generator=remote needs trainer.generator_url")
         if c.trainer.generator == "vllm" and not c.trainer.generator_url and c.trainer.vllm_servers < 1:
             raise ConfigError("trainer.generator=vllm needs trainer.generator_url or trainer.vllm_servers >= 1")
-        if c.trainer.max_staleness:  # reserved: the design is in docs/guides/async.md
-            raise ConfigError(f"trainer.max_staleness={c.trainer.max_staleness}: overlapping rollouts with learning is "
-                              "not implemented yet; set trainer.max_staleness=0 (rollout.mode=async removes the "
-                              "per-turn barrier)")
+        if c.trainer.max_staleness and n > 1:  # the producer's gathers would interleave with the learner's collectives
+            raise ConfigError(f"trainer.max_staleness={c.trainer.max_staleness} overlaps rollouts with learning in one "
+                              f"process; {n} ranks were launched: set trainer.max_staleness=0 or launch one process")
         if n <= 1:
             return
         if c.trainer.engine != "deepspeed":
@@ -256,7 +259,9 @@ class Trainer:
         from agentrl.learner.models import stop_token_ids
 
         model = getattr(self.engine, "model", None)
-        if model is None:  # DeepSpeed: each rank's own copy, refreshed in memory after each update
+        if model is None or self._producer is not None:
+            # DeepSpeed, or the overlap (the producer samples while the learner trains): a copy of the policy,
+            # refreshed in memory after each update
             return EmbeddedGenerator.from_folder(self.model_dir, self.cfg.model.dtype, self.device)
         # The torch engine's own module: rollouts always see the latest weights, no copy to sync.
         return EmbeddedGenerator(model, self.tokenizer, stop_token_ids(self.tokenizer, model.config), self.device)
@@ -310,12 +315,20 @@ class Trainer:
         engine = RolloutEngine(self.generator, self.tokenizer, self.envs, self.cfg.env, cfg)
         local = engine.run([starts[i] for i in mine], [streams[i] for i in mine])
         eps, stats = dist.all_gather_ordered(len(starts), mine, local, engine.stats)
+        for e in eps:  # the weights they were drawn with: the overlap's producer samples a step behind
+            for turn in e.turns:
+                turn.policy_version = self.policy_version
         # summed over the step's rollout calls (reset in ``train``); counts summed over ranks, times (``*_s``)
         # the slowest rank's, since the ranks wait for each other at the gather
         for k in engine.stats:
             vals = [st[k] for st in stats]
             self._rollout_stats[k] = self._rollout_stats.get(k, 0.0) + (max(vals) if k.endswith("_s") else sum(vals))
         return eps
+
+    @property
+    def policy_version(self) -> int:
+        """The updates the generator's weights have seen: the step (the producer's view says its own)."""
+        return self.step
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         """Plain completions (LEAFE's reflections), sharded over the ranks like ``rollout``; row i samples
@@ -353,6 +366,7 @@ class Trainer:
             # Every advantage is zero (all groups all-fail or all-succeed): the gradient is exactly zero,
             # but Adam's momentum would still move the weights. No signal, no step.
             return dict(skipped_update=1.0, loss=0.0, grad_norm=0.0, time_learn_s=time.perf_counter() - t)
+        decoupled = self._decouple(batch) if self._stale else {}
         order = list(range(len(batch)))
         n_mb = -(-len(order) // a.mini_batch_samples) if a.mini_batch_samples > 0 else a.mini_batches
         n_mb = max(1, min(n_mb, len(order)))
@@ -374,6 +388,7 @@ class Trainer:
                 n_steps += 1
         stats = {k: v / max(1, n_steps) for k, v in sums.items()}  # means over the optimizer steps
         stats["optim_steps"] = float(n_steps)
+        stats.update(decoupled)
         if self.cfg.trainer.nan_policy == "skip":
             stats["nonfinite_skipped"] = float(skipped)
         if not params_finite(self.engine):  # one max-abs reduction: finite gradients can still overflow a weight
@@ -383,6 +398,43 @@ class Trainer:
         self.sync_weights()
         stats["time_learn_s"] = time.perf_counter() - t
         return stats
+
+    def _decouple(self, batch: Any) -> dict[str, float]:
+        """Samples drawn by older weights (the overlap): AReaL's decoupled PPO objective. The surrogate's ratio
+        is taken against the proximal policy (these weights before the update, one extra forward pass) and
+        each token's advantage is weighted by the truncated behaviour ratio pi_prox / pi_behav
+        (``behaviour_weights``); both are fixed over the update's epochs and mini-batches."""
+        from agentrl.algos.losses import behaviour_weights
+
+        prox = self.engine.logprobs(batch, self.cfg.rollout.temperature)
+        w, stats = behaviour_weights(prox, batch.old_logprobs, batch.loss_mask)
+        batch.old_logprobs, batch.advantages = prox, batch.advantages * w
+        return stats
+
+    def _overlapped_step(self) -> dict[str, float]:
+        """One step with trainer.max_staleness > 0: this step's episodes were collected during the last step
+        (by the generator's weights of then); the next step's are collected now, in a producer thread, while
+        this one learns. The new weights reach the generator once that collect is done, so a sample is one
+        update old when trained on (the first step's, collected now, none)."""
+        p = self._producer
+        got = p.take(self, self.recipe, self.step)
+        # also on the last step: its checkpoint carries the collect, so a run trained on later goes on exactly
+        p.start(self, self.recipe, self.step + 1, self.policy_version)
+        gaps = [self.step - t.policy_version for e in got.episodes for t in e.turns if t.gen_ids]
+        self._rollout_stats, self._stale = got.rollout_stats, any(gaps)
+        try:
+            metrics = self.recipe.learn(self, got.episodes, got.stats)
+        except BaseException:
+            p.join(raise_error=False)
+            raise
+        finally:
+            self._stale = False
+        p.join()
+        if self._sync_due:
+            self._sync_due = False
+            self.sync_weights()
+        metrics.update(staleness_mean=sum(gaps) / max(1, len(gaps)), staleness_max=float(max(gaps, default=0)))
+        return metrics
 
     def _nonfinite_step(self, s: dict[str, float]) -> bool:
         """Whether an optimizer step's loss or gradient norm is NaN or infinite (both are global under
@@ -414,7 +466,11 @@ class Trainer:
     def sync_weights(self) -> None:
         """After an update the generator must sample from the new policy (see ``Generator.receive``:
         nothing to do for the learner's own module, an in-memory copy per rank under DeepSpeed, an
-        exported folder for our server, an in-place push and check for vLLM servers)."""
+        exported folder for our server, an in-place push and check for vLLM servers). While the overlap's
+        producer samples with the generator, the push waits for its collect to end."""
+        if self._producer is not None and self._producer.busy:
+            self._sync_due = True
+            return
         self._sync_stats = self.generator.receive(self.engine, self.out_dir)
 
     def diagnostics(self, episodes: list[Episode], recipe: "Recipe") -> dict[str, float]:
@@ -500,7 +556,7 @@ class Trainer:
             if self.is_main:
                 torch.save(dict(step=self.step, env_steps=self.env_steps, rng=self.rng.getstate(),
                                 recipe=ckpt.to_plain(self.recipe.state_dict(), "recipe state"), world=self.world,
-                                engine=self.cfg.trainer.engine, config=self.cfg.to_dict()),
+                                engine=self.cfg.trainer.engine, config=self.cfg.to_dict(), **self._in_flight()),
                            folder / "trainer.pt")
             dist.barrier()
             if self.is_main:
@@ -516,6 +572,12 @@ class Trainer:
             ckpt.rotate(root, self.cfg.trainer.keep_checkpoints, self.run_id, folder)
         dist.barrier()
         return folder
+
+    def _in_flight(self) -> dict[str, Any]:
+        """The overlap's collected step not yet trained on (its episodes with their versions), as plain
+        containers: a resumed run trains on the very episodes the uninterrupted one would."""
+        got = self._producer.pending if self._producer is not None else None
+        return dict(collected=ckpt.to_plain(got, "collected step")) if got is not None else {}
 
     def load_checkpoint(self) -> bool:
         """Resume from the newest intact checkpoint: rank 0 verifies each complete one (newest first) against
@@ -567,6 +629,8 @@ class Trainer:
             r.get("env_steps", 0) for r in read_metrics(self.out_dir) if 0 < r.get("step", 0) <= self.step))
         self.rng.setstate(state["rng"])
         self.recipe.load_state_dict(recipe_state)
+        if self._producer is not None:
+            self._producer.pending = ckpt.from_plain(state["collected"]) if "collected" in state else None
         self.sync_weights()
         return None
 
@@ -635,7 +699,7 @@ class Trainer:
                 o = self.cfg.optim
                 if o.schedule != "constant":
                     set_lr(self.engine, o.lr * lr_factor(self.step, self.cfg.trainer.steps, o.schedule))
-                metrics = self.recipe.step(self)
+                metrics = self._overlapped_step() if self._producer is not None else self.recipe.step(self)
                 metrics.update(self._sync_stats)
                 self.step += 1
                 self.env_steps += int(metrics.get("env_steps", 0))

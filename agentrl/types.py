@@ -52,6 +52,9 @@ class Turn:
     # ``Completion.allowed``: the ids each generated token was drawn among (empty: unconstrained); the
     # learner renormalizes over them, so its log-probs are the constrained policy's
     gen_allowed: list[list[int]] = field(default_factory=list)
+    # the updates the sampling weights had seen (the trainer's step when they were synced); the learner's
+    # step minus this is the sample's staleness (0 in the on-policy loop, up to trainer.max_staleness)
+    policy_version: int = 0
 
     @property
     def action_text(self) -> str:

@@ -5,7 +5,8 @@ Policy surrogates are registered in ``LOSSES`` (``algo.loss``), one signature ea
 range eps_low/eps_high, DAPO's clip-higher, and dual clip), ``gspo`` (sequence-level ratio), ``cispo``
 (clipped, detached importance weight on a REINFORCE term), ``kl_cov`` (KL penalty on the tokens of
 highest covariance). ``ppo_objective`` adds to the chosen surrogate the Clip-Cov mask, a KL penalty
-(k1/k2/k3) and the entropy bonus, over four aggregation modes. Also the clipped value loss, SFT (NLL on
+(k1/k2/k3) and the entropy bonus, over four aggregation modes. ``behaviour_weights`` decouples the
+behaviour policy from the proximal one for stale samples. Also the clipped value loss, SFT (NLL on
 action tokens) and DPO.
 """
 from __future__ import annotations
@@ -219,6 +220,24 @@ def dpo_loss(pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, ref_chosen: tor
     loss = -F.logsigmoid(margin).mean()
     margin = margin.detach()
     return loss, dict(reward_margin=float(margin.mean()), accuracy=float((margin > 0).float().mean()))
+
+
+BEHAVIOUR_IS_CAP = 2.0  # the behaviour importance weight's truncation (trainer.max_staleness > 0)
+
+
+def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
+                      cap: float = BEHAVIOUR_IS_CAP) -> tuple[torch.Tensor, dict[str, float]]:
+    """The decoupled PPO objective's importance weight (AReaL, Fu et al. 2025) for samples drawn by an older
+    policy: w = min(pi_prox / pi_behav, cap) per token, detached, where pi_behav sampled the token (its
+    recorded log-prob) and pi_prox is the learner's policy before this update. The objective is then any
+    surrogate against pi_prox with advantages w A: for PPO -w min(r A, clip(r) A), r = pi / pi_prox, so the
+    trust region is around the current policy, not the stale one. Equal log-probs give w = 1 exactly."""
+    m = mask.to(prox_logp.dtype)
+    w = torch.exp(_log_ratio(prox_logp.detach(), behav_logp.detach()))
+    truncated = (w > cap) & (m > 0)
+    w = torch.where(m > 0, w.clamp(max=cap), torch.ones_like(w))
+    return w, dict(behav_is_mean=float(aggregate(w, m)), behav_is_truncated_frac=float(aggregate(truncated.to(m.dtype),
+                                                                                                  m)))
 
 
 def ppo_objective(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,

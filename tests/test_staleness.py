@@ -1,0 +1,140 @@
+"""trainer.max_staleness: the next step's rollouts collected while the learner trains, the decoupled PPO
+correction, and exact resume (docs/guides/async.md)."""
+import json
+import math
+
+import pytest
+import torch
+
+from agentrl.algos.losses import behaviour_weights, policy_loss
+from agentrl.config import ConfigError
+from agentrl.config_loader import load_config
+
+
+def small(tmp_path, model_dir, *extra):
+    return [f"model.name={model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=3", "trainer.tensorboard=false",
+            "trainer.progress=false", "rollout.groups=2", "rollout.group_size=4", "rollout.slots=8",
+            "rollout.max_new_tokens=8", "rollout.constrain_actions=true", "eval.tasks=2", "eval.every=0",
+            "sft.enabled=false", "trainer.checkpoint_every=1", "optim.lr=1e-3",
+            # every step updates: no group is filtered out, and the entropy term gives a gradient without reward
+            "algo.filters=[dropped]", "algo.entropy_coef=0.01", *extra]
+
+
+def run(cfg):
+    from agentrl import Trainer
+
+    t = Trainer.from_config(cfg)
+    try:
+        return t, t.train()
+    finally:
+        t.close()
+
+
+def rows(folder):
+    """metrics.jsonl without what depends on the clock or the process (times, memory)."""
+    out = []
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out.append({k: v for k, v in r.items() if "time" not in k and not k.endswith("_s") and k != "peak_rss_gib"})
+    return out
+
+
+def test_decoupled_objective_by_hand():
+    """Two tokens drawn by an older policy: w = min(pi_prox / pi_behav, 2), ratio against pi_prox, PPO clip."""
+    behav = torch.tensor([[math.log(0.2), math.log(0.5)]])
+    prox = torch.tensor([[math.log(0.3), math.log(0.5 * 2.5)]])  # weights 1.5 and 2.5 (truncated to 2)
+    logp = torch.tensor([[math.log(0.3 * 1.1), math.log(1.25 * 1.5)]])  # ratios 1.1 and 1.5 against pi_prox
+    adv, mask = torch.tensor([[1.0, 1.0]]), torch.ones(1, 2)
+    w, stats = behaviour_weights(prox, behav, mask)
+    assert torch.allclose(w, torch.tensor([[1.5, 2.0]]))
+    assert stats["behav_is_truncated_frac"] == 0.5 and math.isclose(stats["behav_is_mean"], 1.75, rel_tol=1e-6)
+    loss, st = policy_loss(logp, prox, adv * w, mask, eps_low=0.2, eps_high=0.2)
+    # token 1: -1.5 * min(1.1, 1.1) = -1.65; token 2: -2 * min(1.5, 1.2) = -2.4; token mean -2.025
+    assert math.isclose(float(loss), -2.025, rel_tol=1e-5)
+    assert st["clip_frac"] == 0.5  # the second token's ratio to pi_prox is past 1 + eps
+
+
+def test_no_gap_is_the_standard_loss_exactly():
+    g = torch.Generator().manual_seed(0)
+    behav = -torch.rand(3, 5, generator=g) * 3
+    logp = behav + torch.randn(3, 5, generator=g) * 0.3
+    adv, mask = torch.randn(3, 5, generator=g), (torch.rand(3, 5, generator=g) > 0.3).float()
+    w, stats = behaviour_weights(behav, behav, mask)
+    assert torch.equal(w, torch.ones_like(w)) and stats["behav_is_truncated_frac"] == 0.0
+    assert torch.equal(policy_loss(logp, behav, adv * w, mask)[0], policy_loss(logp, behav, adv, mask)[0])
+
+
+def test_recipes_that_need_this_steps_decisions_are_refused(tmp_path, monkeypatch):
+    from agentrl.recipe import RECIPES
+
+    ok = load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=1"])
+    assert ok.trainer.max_staleness == 1 and RECIPES.get("grpo").can_overlap()
+    for method in ("crps", "leafe", "spear", "sft"):
+        with pytest.raises(ConfigError, match=rf"trainer.max_staleness=1 .*method={method}"):
+            load_config(method, env="alfworld" if method == "crps" else "sokoban",
+                        overrides=["trainer.max_staleness=1"])
+    with pytest.raises(ConfigError, match="trainer.max_staleness"):
+        load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=-1"])
+    # several ranks: the producer's gathers would interleave with the learner's collectives
+    from agentrl.trainer import Trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config("grpo", env="sokoban", overrides=[f"trainer.out_dir={tmp_path / 'run'}",
+                                                        "trainer.max_staleness=1"])
+    with pytest.raises(ConfigError, match=r"trainer.max_staleness=1 .*2 ranks"):
+        Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(600)
+def test_staleness_zero_is_the_synchronous_loop(tiny_model_dir, tmp_path, monkeypatch):
+    """max_staleness 0 never reaches the overlap's code: the recipe's own step, the same metrics."""
+    from agentrl.trainer import Trainer
+
+    first, _ = run(load_config("grpo", env="bandit", overrides=small(tmp_path / "a", tiny_model_dir,
+                                                                          "trainer.steps=2")))
+
+    def refuse(self):
+        raise AssertionError("the overlap ran with max_staleness 0")
+
+    monkeypatch.setattr(Trainer, "_overlapped_step", refuse)
+    second, _ = run(load_config("grpo", env="bandit", overrides=small(tmp_path / "b", tiny_model_dir,
+                                                                           "trainer.steps=2",
+                                                                           "trainer.max_staleness=0")))
+    assert first._producer is None and second._producer is None
+    assert rows(tmp_path / "a") == rows(tmp_path / "b")
+    assert not any("staleness" in k for r in rows(tmp_path / "a") for k in r)
+
+
+@pytest.mark.timeout(900)
+def test_staleness_one_records_versions_corrects_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    """Steps after the first train on episodes drawn one update back, with the correction's metrics; a run
+    killed after a checkpoint resumes to the very metrics of an uninterrupted one."""
+    from agentrl.trainer import Trainer
+
+    whole, _ = run(load_config("grpo", env="bandit", overrides=small(tmp_path / "whole", tiny_model_dir,
+                                                                          "trainer.max_staleness=1")))
+    got = rows(tmp_path / "whole")
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    assert got[1]["staleness_max"] == 0.0 and "behav_is_mean" not in got[1]  # the first collect is on-policy
+    for r in got[2:]:
+        assert r["staleness_mean"] == 1.0 and r["staleness_max"] == 1.0
+        assert 0 <= r["behav_is_truncated_frac"] <= 1 and r["behav_is_mean"] != 1.0 and "clip_frac" in r
+    assert whole._producer.pending is not None and whole._producer.pending.step == 3  # kept in the checkpoint
+
+    save = Trainer.save_checkpoint
+
+    def killed_after_step_2(self):
+        folder = save(self)
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return folder
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", killed_after_step_2)
+    cfg = load_config("grpo", env="bandit", overrides=small(tmp_path / "killed", tiny_model_dir,
+                                                             "trainer.max_staleness=1"))
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg)
+    monkeypatch.setattr(Trainer, "save_checkpoint", save)
+    run(cfg)
+    assert rows(tmp_path / "killed") == got
