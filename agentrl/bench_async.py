@@ -8,6 +8,7 @@ step of each turn, not for their sum. Throughput is generated tokens over wall t
 ``--repeats`` alternating runs; ``same_episodes`` checks that both modes rolled out identical episodes.
 Where vLLM is installed (``make vllm-setup``), the loop through a vLLM server is also compared with vLLM
 alone on the same prompts (``loop_over_vllm``; the plain env, so env time does not count against the loop).
+Then a GRPO training step with ``trainer.max_staleness`` 0 and 1 (``sync_step_s``, ``overlap_step_s``).
 """
 from __future__ import annotations
 
@@ -100,6 +101,40 @@ def vllm_figures(model_dir: Path, tok: Any, env: str, starts: list[Any], turns: 
     return dict(vllm_loop_tok_s=loop_rate, vllm_alone_tok_s=alone, loop_over_vllm=loop_rate / alone)
 
 
+def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slots: int, turns: int, max_new: int,
+                    steps: int, repeats: int) -> dict[str, Any]:
+    """A training step's wall time with ``trainer.max_staleness`` 0 (collect, then learn) and 1 (the next
+    step's collect while this one learns): GRPO on the same config otherwise, ``steps`` steps a run, the
+    median over the steps after the first (whose collect nothing overlaps) and over ``repeats`` alternating
+    runs. Every step updates (entropy bonus, no group filtered), so each has learning to overlap."""
+    import tempfile
+
+    from agentrl.config_loader import load_config
+    from agentrl.metrics import read_metrics
+    from agentrl.trainer import Trainer
+
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(repeats):
+        for staleness in (0, 1):
+            with tempfile.TemporaryDirectory(prefix="agentrl-bench-overlap-") as out:
+                cfg = load_config("grpo", env=env, overrides=[
+                    f"model.name={model}", f"trainer.out_dir={out}", f"trainer.steps={steps}",
+                    f"trainer.max_staleness={staleness}", f"trainer.checkpoint_every={steps + 1}",
+                    "trainer.progress=false", "trainer.tensorboard=false", "sft.enabled=false", "eval.tasks=0",
+                    f"rollout.groups={max(1, slots // 4)}", "rollout.group_size=4", f"rollout.slots={slots}",
+                    f"rollout.max_turns={turns}", f"rollout.max_new_tokens={max_new}", "rollout.mode=async",
+                    f"rollout.pool={pool}", "rollout.constrain_actions=true", "algo.filters=[dropped]",
+                    "algo.entropy_coef=0.01", f"env_kwargs={json.dumps(kwargs)}"])
+                trainer = Trainer.from_config(cfg)
+                try:
+                    trainer.train()
+                finally:
+                    trainer.close()
+                times[staleness] += [r["time_step_s"] for r in read_metrics(Path(out)) if r.get("step", 0) > 1]
+    sync, overlap = statistics.median(times[0]), statistics.median(times[1])
+    return dict(overlap_steps=steps, sync_step_s=sync, overlap_step_s=overlap, overlap_speedup=sync / overlap)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -138,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
         fig["vllm"] = "skipped: vLLM is not installed (make vllm-setup on CPU, pip install vllm on a GPU node)"
     elif not args.quick:
         fig.update(vllm_figures(model_dir, gen.tokenizer, args.env, starts[:slots], turns, max_new, args.port))
-    fig["overlap"] = "not measured: trainer.max_staleness > 0 (rollout/learning overlap) is not implemented yet"
+    fig.update(overlap_figures(str(model_dir), env_name, kwargs, pool, min(slots, 16), turns, max_new,
+                               2 if args.quick else 4, repeats))
     line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in fig.items()})
     print(line)
     if args.json:

@@ -417,9 +417,9 @@ class Trainer:
         this one learns. The new weights reach the generator once that collect is done, so a sample is one
         update old when trained on (the first step's, collected now, none)."""
         p = self._producer
-        got = p.take(self, self.recipe, self.step)
+        got = p.take(self, self.recipe.collect, self.step)
         # also on the last step: its checkpoint carries the collect, so a run trained on later goes on exactly
-        p.start(self, self.recipe, self.step + 1, self.policy_version)
+        p.start(self, self.recipe.collect, self.step + 1, self.policy_version)
         gaps = [self.step - t.policy_version for e in got.episodes for t in e.turns if t.gen_ids]
         self._rollout_stats, self._stale = got.rollout_stats, any(gaps)
         try:

@@ -5,7 +5,8 @@ The producer sees the run through a ``CollectView``: the run's parts (generator,
 config), but the step it collects for, a random stream of its own drawn from (run seed, that step), its own
 rollout stats, and the version of the weights the generator holds, which every turn records. So what it
 collects depends on the seed and the step only, never on the learner's mini-batch shuffles or on timing.
-Nothing here imports the trainer: the view binds the run's own methods to itself.
+Nothing here imports the trainer or the recipes (the run is typed ``Any``: ``agentrl.run.Run`` sits above
+this layer); the view binds the run's own methods to itself.
 """
 from __future__ import annotations
 
@@ -13,15 +14,15 @@ import inspect
 import random
 import threading
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentrl.seeds import mix_seed
 from agentrl.types import Episode
 
-if TYPE_CHECKING:
-    from agentrl.recipe import Recipe
-    from agentrl.run import Run
+# a recipe's ``collect``: the run (here a ``CollectView`` of it) -> (episodes, collect metrics)
+CollectFn = Callable[[Any], tuple[list[Episode], dict[str, float]]]
 
 COLLECT_STREAM = 0x0C0113C7  # tags the producer's streams apart from every other use of the run seed
 
@@ -40,7 +41,7 @@ class CollectView:
     """The run as one step's collect sees it (see the module doc). Methods of the run's class run with this
     view as ``self``, so ``rollout`` and ``sample_tasks`` draw from the view's stream and count into its stats."""
 
-    def __init__(self, run: "Run", step: int, version: int):
+    def __init__(self, run: Any, step: int, version: int):
         self._run = run
         self.step = step
         self.policy_version = version
@@ -54,10 +55,10 @@ class CollectView:
         return getattr(self._run, name)
 
 
-def collect(run: "Run", recipe: "Recipe", step: int, version: int) -> Collected:
+def collect(run: Any, collect_fn: CollectFn, step: int, version: int) -> Collected:
     """Step ``step``'s episodes, drawn by the generator as it is (its weights are version ``version``)."""
     view = CollectView(run, step, version)
-    episodes, stats = recipe.collect(view)  # type: ignore[arg-type]
+    episodes, stats = collect_fn(view)
     return Collected(step, episodes, stats, dict(view._rollout_stats))
 
 
@@ -73,10 +74,10 @@ class Producer:
     def busy(self) -> bool:
         return self._thread is not None
 
-    def start(self, run: "Run", recipe: "Recipe", step: int, version: int) -> None:
+    def start(self, run: Any, collect_fn: CollectFn, step: int, version: int) -> None:
         def work() -> None:
             try:
-                self.pending = collect(run, recipe, step, version)
+                self.pending = collect(run, collect_fn, step, version)
             except BaseException as e:  # raised in the learner's thread by ``join``
                 self._error = e
 
@@ -93,10 +94,10 @@ class Producer:
         if error is not None and raise_error:
             raise error
 
-    def take(self, run: "Run", recipe: "Recipe", step: int) -> Collected:
+    def take(self, run: Any, collect_fn: CollectFn, step: int) -> Collected:
         """Step ``step``'s collect: the one made ahead, or (the first step, a run trained on after it had
         finished) one made now with the current weights."""
         got, self.pending = self.pending, None
         if got is not None and got.step == step:
             return got
-        return collect(run, recipe, step, step)
+        return collect(run, collect_fn, step, step)
