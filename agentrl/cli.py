@@ -9,7 +9,7 @@ from agentrl import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from agentrl import bench_cmd, envs_cmd, serve_cmd, train_cmd
+    from agentrl.commands import bench, envs, serve, train
 
     parser = argparse.ArgumentParser(prog="agentrl", description="Multi-turn agent RL: train, evaluate and "
                                      "inspect LLM agents on text environments.")
@@ -17,10 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None,
                         help="diagnostics on stderr (default: $AGENTRL_LOG_LEVEL, else info)")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
-    train_cmd.add_parser(sub)
-    envs_cmd.add_parser(sub)
-    serve_cmd.add_parser(sub)
-    bench_cmd.add_parser(sub)
+    train.add_parser(sub)
+    envs.add_parser(sub)
+    serve.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -1,7 +1,7 @@
 """`python -m agentrl.envs ...` is `agentrl envs ...`."""
 import sys
 
-from agentrl.envs_cmd import main
+from agentrl.commands.envs import main
 
 if __name__ == "__main__":
     sys.exit(main())

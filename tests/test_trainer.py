@@ -798,7 +798,7 @@ def test_eval_line_prints_the_score_only_where_it_is_partial_credit():
 
 
 def test_eval_episode_row_records_what_the_policy_did_each_turn():
-    from agentrl.train_cmd import episode_row
+    from agentrl.commands.train import episode_row
     from agentrl.types import Episode, Turn
 
     def turn(text, actions, reward=0.0, **info):

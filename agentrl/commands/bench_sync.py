@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentrl.bench_rollout import engine_vs_raw
+    from agentrl.commands.bench_rollout import engine_vs_raw
     from agentrl.generation.vllm import VLLMServer
     from agentrl.generation.vllm_sync import SharedMemorySync
     from agentrl.learner.engine import TorchEngine

@@ -1,7 +1,7 @@
 """`agentrl bench [rollout]` (`make bench`): rollout throughput against its two reference points, on the
-same prompts; `agentrl bench ranks`: the training loop at 1 rank vs N (``agentrl.bench_ranks``);
-`agentrl bench sync`: vLLM weight sync in place vs export + restart (``agentrl.bench_sync``); `agentrl bench
-learner`: the learner's time and memory over batches of new shapes (``agentrl.bench_learner``); `agentrl bench
+same prompts; `agentrl bench ranks`: the training loop at 1 rank vs N (``agentrl.commands.bench_ranks``);
+`agentrl bench sync`: vLLM weight sync in place vs export + restart (``agentrl.commands.bench_sync``); `agentrl bench
+learner`: the learner's time and memory over batches of new shapes (``agentrl.commands.bench_learner``); `agentrl bench
 async`: the rollout loop in lockstep vs per trajectory on a slow env (``agentrl.bench_async``).
 
 1. the rollout engine: N slots, one batched generate per turn (tokens / wall time, all overheads in);
@@ -19,7 +19,8 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
-    from agentrl import bench_async, bench_learner, bench_ranks
+    from agentrl import bench_async
+    from agentrl.commands import bench_learner, bench_ranks
 
     p = sub.add_parser("bench", help="rollout engine vs raw batched generate vs a sequential loop; "
                        "'bench ranks': training at 1 rank vs N", description=__doc__,
@@ -61,7 +62,7 @@ def parse_bench() -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agentrl.bench_rollout import engine_vs_raw
+    from agentrl.commands.bench_rollout import engine_vs_raw
 
     if args.what == "parse":
         fig = parse_bench()
@@ -71,11 +72,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     if args.what == "ranks":
-        from agentrl import bench_ranks
+        from agentrl.commands import bench_ranks
 
         return bench_ranks.run(args)
     if args.what == "learner":
-        from agentrl import bench_learner
+        from agentrl.commands import bench_learner
 
         return bench_learner.run(args)
     if args.what == "async":
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         return bench_async.run(args)
     args.slots = args.slots or 16
     if args.what == "sync":
-        from agentrl import bench_sync
+        from agentrl.commands import bench_sync
 
         return bench_sync.run(args)
     import torch

@@ -1,6 +1,6 @@
 """`agentrl bench ranks`: the training loop at 1 rank and at N ranks on the same work (DeepSpeed ZeRO-3).
 
-Each world size is launched with torchrun (``python -m agentrl.bench_ranks`` on every rank). Every rank
+Each world size is launched with torchrun (``python -m agentrl.commands.bench_ranks`` on every rank). Every rank
 builds the trainer from the same recipe overrides and runs ``--steps`` steps after one warm-up step;
 rank 0 writes the mean time per step (and its rollout and update parts), the tokens generated per step,
 and each rank's share of the parameters that ZeRO-3 leaves it. The parent prints throughput ratios.
@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
             overrides = WORK + [f"trainer.out_dir={tmp}/run", f"trainer.steps={args.steps + 1}"]
             if args.model:
                 overrides.append(f"model.name={args.model}")
-            cmd = rank_command(world, ["--out", str(out), "--env", args.env, *overrides], module="agentrl.bench_ranks")
+            cmd = rank_command(world, ["--out", str(out), "--env", args.env, *overrides],
+                               module="agentrl.commands.bench_ranks")
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
             env.setdefault("DS_ACCELERATOR", "cpu")
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
