@@ -114,6 +114,7 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
     from agentrl.trainer import Trainer
 
     times: dict[int, list[float]] = {0: [], 1: []}
+    learn: list[float] = []  # the on-policy steps' update time: what the overlap can hide at most
     for _ in range(repeats):
         for staleness in (0, 1):
             with tempfile.TemporaryDirectory(prefix="agentrl-bench-overlap-") as out:
@@ -130,9 +131,12 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
                     trainer.train()
                 finally:
                     trainer.close()
-                times[staleness] += [r["time_step_s"] for r in read_metrics(Path(out)) if r.get("step", 0) > 1]
+                got = [r for r in read_metrics(Path(out)) if r.get("step", 0) > 1]
+                times[staleness] += [r["time_step_s"] for r in got]
+                learn += [r.get("time_learn_s", 0.0) for r in got] if staleness == 0 else []
     sync, overlap = statistics.median(times[0]), statistics.median(times[1])
-    return dict(overlap_steps=steps, sync_step_s=sync, overlap_step_s=overlap, overlap_speedup=sync / overlap)
+    return dict(overlap_steps=steps, sync_step_s=sync, sync_learn_s=statistics.median(learn), overlap_step_s=overlap,
+                overlap_speedup=sync / overlap)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,10 @@ so every decision a recipe takes (filters, dynamic-sampling rounds, buffers, con
 update) is taken on the global episodes, identically on every rank, and every rank reaches the same
 collectives. The engine then trains each rank on its rows. Rank 0 alone prints, logs and writes the
 trainer's and recipe's state; checkpoints are collective.
+
+With ``trainer.max_staleness`` > 0 (one rank) the next step's ``collect`` runs in a producer thread while
+this step learns, and the loss corrects for samples one update old (``_overlapped_step``,
+``agentrl.rollout.overlap``, docs/guides/async.md).
 """
 from __future__ import annotations
 
