@@ -138,3 +138,31 @@ def test_staleness_one_records_versions_corrects_and_resumes_exactly(tiny_model_
     monkeypatch.setattr(Trainer, "save_checkpoint", save)
     run(cfg)
     assert rows(tmp_path / "killed") == got
+
+
+@pytest.mark.timeout(600)
+def test_staleness_one_through_a_served_generator(tiny_model_dir, tmp_path):
+    """With `agentrl serve` as the generator the producer samples through it while the learner trains; the
+    new weights reach the server after the producer's collect, and each step after the first is one
+    update old and corrected."""
+    from agentrl import Trainer
+    from agentrl.generation.embedded import EmbeddedGenerator
+    from agentrl.generation.server import start_server
+
+    gen = EmbeddedGenerator.from_folder(tiny_model_dir)
+    srv = start_server(gen, "tiny-test", port=0, allow_weights_dirs=[str(tmp_path)])
+    try:
+        trainer = Trainer.from_config(load_config("grpo", env="bandit", overrides=small(
+            tmp_path / "run", tiny_model_dir, "trainer.max_staleness=1", "trainer.generator=remote",
+            f"trainer.generator_url=http://127.0.0.1:{srv.server_address[1]}")))
+        try:
+            trainer.train()
+            learner = trainer.engine.model.state_dict()
+            assert all(torch.allclose(p, learner[k]) for k, p in gen.model.state_dict().items())  # the last sync
+        finally:
+            trainer.close()
+    finally:
+        srv.shutdown()
+    got = rows(tmp_path / "run")
+    assert [r["staleness_max"] for r in got[1:]] == [0.0, 1.0, 1.0]
+    assert all("behav_is_mean" in r for r in got[2:])
