@@ -281,18 +281,3 @@ def test_bench_async_quick(tmp_path, capsys):
     assert fig["lockstep_tok_s"] > 0 and fig["async_tok_s"] > 0
     assert math.isclose(fig["speedup"], fig["async_tok_s"] / fig["lockstep_tok_s"], rel_tol=1e-3)
     assert "vllm_alone_tok_s" in fig or fig["vllm"].startswith("skipped")
-
-
-def test_max_staleness_above_zero_is_refused_with_the_key_named(tmp_path):
-    """Overlap of rollouts and learning is not implemented: a run that asks for it stops before any work."""
-    import agentrl.recipes  # noqa: F401
-    from agentrl.config import ConfigError
-    from agentrl.config_loader import load_config
-    from agentrl.recipe import RECIPES
-    from agentrl.trainer import Trainer
-
-    cfg = load_config("grpo", env="sokoban", overrides=[f"trainer.out_dir={tmp_path / 'run'}",
-                                                         "trainer.max_staleness=1"])
-    with pytest.raises(ConfigError, match=r"trainer.max_staleness=1: .*not implemented"):
-        Trainer(cfg, RECIPES.get(cfg.method)(cfg))
-    assert not (tmp_path / "run").exists()
