@@ -2,7 +2,7 @@
 same prompts; `agentrl bench ranks`: the training loop at 1 rank vs N (``agentrl.commands.bench_ranks``);
 `agentrl bench sync`: vLLM weight sync in place vs export + restart (``agentrl.commands.bench_sync``); `agentrl bench
 learner`: the learner's time and memory over batches of new shapes (``agentrl.commands.bench_learner``); `agentrl bench
-async`: the rollout loop in lockstep vs per trajectory on a slow env (``agentrl.bench_async``).
+async`: the rollout loop in lockstep vs per trajectory on a slow env (``agentrl.commands.bench_async``).
 
 1. the rollout engine: N slots, one batched generate per turn (tokens / wall time, all overheads in);
 2. raw batched generate: the very prompt batches the engine produced, generated again without envs;
@@ -19,7 +19,7 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
-    from agentrl import bench_async
+    from agentrl.commands import bench_async
     from agentrl.commands import bench_learner, bench_ranks
 
     p = sub.add_parser("bench", help="rollout engine vs raw batched generate vs a sequential loop; "
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
         return bench_learner.run(args)
     if args.what == "async":
-        from agentrl import bench_async
+        from agentrl.commands import bench_async
 
         return bench_async.run(args)
     args.slots = args.slots or 16
