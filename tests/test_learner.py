@@ -255,7 +255,7 @@ def test_shared_prefix_pass_matches_the_plain_pass(tiny_model_dir, lora, monkeyp
     """Rows with a common system prompt run it once; log-probs, entropies and gradients equal the pass
     that runs every row in full (rows of different lengths, right padding, a target on the first token
     after the prefix)."""
-    from agentrl.learner import engine as E
+    from agentrl.learner import engine as E, hidden as H
 
     eng = TorchEngine(tiny_model_dir, EngineConfig(lora=LoraSettings(r=4, alpha=8) if lora else None))
     g = torch.Generator().manual_seed(3)
@@ -269,7 +269,7 @@ def test_shared_prefix_pass_matches_the_plain_pass(tiny_model_dir, lora, monkeyp
     m = b.loss_mask.bool()
     outs, grads = [], []
     for shared in (False, True):
-        monkeypatch.setattr(E, "batch_prefix_len", E.batch_prefix_len if shared else lambda ids, mask: 0)
+        monkeypatch.setattr(H, "batch_prefix_len", E.batch_prefix_len if shared else lambda ids, mask: 0)
         eng.model.zero_grad()
         out = E.forward_batch(eng.model, None, b, 0.7, need_entropy=True, targets_only=True)
         (out["logp"][m].sum() + out["entropy"][m].sum()).backward()

@@ -25,13 +25,14 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="rollout engine vs raw batched generate vs a sequential loop; "
                        "'bench ranks': training at 1 rank vs N", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", choices=["rollout", "ranks", "sync", "parse", "learner", "async"],
+    p.add_argument("what", nargs="?", choices=["rollout", "ranks", "sync", "parse", "learner", "async", "envs"],
                    default="rollout",
                    help="rollout (default): the rollout engine; ranks: the training loop on 1 vs --ranks ranks; "
                    "sync: vLLM weight sync in place vs export + restart, and rollouts through vLLM; "
                    "parse: action parsing of 1 MB hostile model outputs; learner: the learner's time and memory "
                    "over batches of new shapes; async: lockstep vs per-trajectory rollouts on an env with a "
-                   "long-tailed step latency (one JSON line)")
+                   "long-tailed step latency (one JSON line); envs: env pools (in-process, process, Ray) side "
+                   "by side at 1, 8, 32 and 64 slots (or 1 and --slots): start-up, memory, steps/s")
     p.add_argument("--model", default="tiny", help="tiny | tiny:KEY=N,... | smollm2 | HF folder (default tiny)")
     p.add_argument("--env", default="sokoban")
     p.add_argument("--slots", type=int, default=0, help="env slots (default 16; async: 32)")
@@ -83,6 +84,14 @@ def run(args: argparse.Namespace) -> int:
         from agentrl.commands import bench_async
 
         return bench_async.run(args)
+    if args.what == "envs":
+        from agentrl.envs.ray_bench import main as bench_envs
+
+        slots = [1, args.slots] if args.slots else [1, 8, 32, 64]
+        fig = bench_envs(["--env", args.env, "--slots", *map(str, slots)])
+        if args.json:
+            Path(args.json).write_text(json.dumps(fig, indent=1))
+        return 0
     args.slots = args.slots or 16
     if args.what == "sync":
         from agentrl.commands import bench_sync

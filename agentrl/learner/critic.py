@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from agentrl.learner.batch import TokenBatch
+from agentrl.learner.hidden import decoder_hidden
 
 
 class ValueHead(torch.nn.Module):
@@ -42,10 +43,8 @@ class Critic(torch.nn.Module):
         return self.backbone.config
 
     def forward(self, mb: TokenBatch, shared_prefix: bool = True) -> torch.Tensor:
-        from agentrl.learner.engine import _decoder_hidden
-
         pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = _decoder_hidden(self.backbone, mb, pos, shared_prefix)
+        hidden = decoder_hidden(self.backbone, mb, pos, shared_prefix)
         return self.head(hidden[:, :-1])
 
 

@@ -23,9 +23,9 @@ from agentrl.checkpoint import load_plain
 from agentrl.learner.batch import TokenBatch, micro_batches
 from agentrl.learner.critic import Critic, ValueHead, load_critic  # noqa: F401  (ValueHead: the DeepSpeed engine's)
 from agentrl.learner.finite import StepGuard
+from agentrl.learner.hidden import batch_prefix_len, decoder_hidden as _decoder_hidden  # noqa: F401  (re-exported)
 from agentrl.learner.logprobs import mask_logits
 from agentrl.learner.protocol import LossFn
-from agentrl.prefix import shared_prefix_len
 
 
 @dataclass
@@ -92,35 +92,6 @@ def _decoder_and_head(model: Any) -> tuple[Any, Any] | None:
         return None
     dec, head = get_dec(), get_head()
     return (dec, head) if dec is not None and head is not None and dec is not model else None
-
-
-def batch_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
-    """``shared_prefix_len`` over the real tokens of a right-padded batch; 0 when a row is left-padded
-    (its leading positions are not tokens)."""
-    if not bool(attention_mask[:, 0].all()):
-        return 0
-    return shared_prefix_len([row[:n] for row, n in zip(input_ids.tolist(), attention_mask.sum(-1).tolist())])
-
-
-def _decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor, shared_prefix: bool = True) -> torch.Tensor:
-    """Last hidden states (B, T, H). Rows sharing a prefix (an agent's system prompt and task rules:
-    ~180 of Sokoban's ~275 tokens) run it once: one pass over the prefix at batch 1, its keys and values
-    repeated per row, then the rows' own tokens. Gradients flow back through the repeated cache into the
-    one prefix pass, so results equal the full pass (test) at about a third of the work on Sokoban."""
-    from transformers import DynamicCache
-
-    n = batch_prefix_len(mb.input_ids, mb.attention_mask) if shared_prefix else 0
-    if not n:
-        return decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos).last_hidden_state
-    B, T = mb.input_ids.shape
-    cache = DynamicCache(config=decoder.config)
-    head = decoder(input_ids=mb.input_ids[:1, :n], attention_mask=mb.attention_mask[:1, :n], position_ids=pos[:1, :n],
-                   past_key_values=cache, use_cache=True).last_hidden_state
-    cache.batch_repeat_interleave(B)
-    tail = decoder(input_ids=mb.input_ids[:, n:], attention_mask=mb.attention_mask, position_ids=pos[:, n:],
-                   past_key_values=cache, use_cache=True,
-                   cache_position=torch.arange(n, T, device=mb.input_ids.device)).last_hidden_state
-    return torch.cat([head.expand(B, -1, -1), tail], dim=1)
 
 
 def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
