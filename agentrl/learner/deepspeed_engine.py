@@ -308,7 +308,14 @@ class DeepSpeedEngine:
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):  # the weights the forward uses
                 if self.rank == 0:
                     p.data.copy_(t.to(p.dtype))
-            safe_set_full_fp32_param(p, t.float().clone())  # and the optimizer's fp32 master copy of them
+            if p.ds_numel % self.world == 0:
+                safe_set_full_fp32_param(p, t.float().clone())  # and the optimizer's fp32 master copy of them
+            else:  # DeepSpeed's setter reads past the end of the last rank's padded shard: write this rank's slice
+                part, _ = self.critic_optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False)
+                flat, start = t.float().flatten(), part.numel() * self.rank
+                n = max(0, min(part.numel(), flat.numel() - start))
+                part.data.zero_()
+                part.data[:n].copy_(flat[start:start + n])
 
         for name, t in self._gathered():  # one parameter at a time, never the whole model in one buffer
             if (p := dst.get(name.removeprefix(prefix))) is not None:
