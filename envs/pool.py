@@ -103,7 +103,87 @@ def _replay_journal(env: Any, journal: list[tuple]) -> tuple[str, dict[str, Any]
 # parent side
 
 
-class EnvPool(SlotThreads):
+class JournalledSlots(SlotThreads):
+    """The slots API of pools whose envs live elsewhere (worker processes, Ray actors): every slot keeps a
+    journal (reset or restore, steps with fingerprints) that a replacement worker replays. A subclass gives
+    ``slots``, ``_count``, ``start_timeout``, ``step_timeout`` and ``_run({slot: (op, arg)}, timeout)``, which
+    answers ``{slot: (status, payload)}`` with status ``ok``, ``drop`` or ``env_error``."""
+
+    worker_name = "worker"  # how a lost worker is named in errors
+
+    def _collect(self, answers: dict[int, tuple[str, Any]], on_ok: Any) -> dict[int, StepResult]:
+        """Book every slot's answer first, then raise the callers' errors, so no slot's journal is lost."""
+        out, errors = {}, []
+        for i, (status, payload) in answers.items():
+            if status == "drop":
+                self._count("dropped")
+                self.slots[i].dropped, self.slots[i].journal = True, []
+                out[i] = StepResult("", 0.0, True, False, {"dropped": True, "drop_reason": payload})
+            elif status == "env_error":
+                errors.append(payload)
+            else:
+                out[i] = on_ok(i, payload)
+        if errors:
+            raise errors[0]
+        return out
+
+    def reset(self, requests: dict[int, tuple[str, int]]) -> dict[int, StepResult]:
+        """``{slot: (task_id, seed)}`` -> ``{slot: StepResult}`` (reward 0, not done) for each slot."""
+        for i in requests:
+            self.slots[i].journal, self.slots[i].dropped = [], False
+
+        def ok(i: int, payload: Any) -> StepResult:
+            obs, info = payload
+            self.slots[i].journal = [("reset", *requests[i], info["fingerprint"])]
+            return StepResult(obs, 0.0, False, False, info)
+
+        return self._collect(self._run({i: ("reset", r) for i, r in requests.items()}, self.start_timeout), ok)
+
+    def restore(self, requests: dict[int, tuple[Trace, int, int | None]]) -> dict[int, StepResult]:
+        """``{slot: (trace, t, reseed)}``: rebuild the state after ``t`` actions of ``trace`` by replay."""
+        journals = {}
+        for i, (trace, t, reseed) in requests.items():
+            if not trace.fingerprints or not 0 <= t <= len(trace.actions):
+                raise EnvError(f"restore needs a trace with fingerprints and 0 <= t <= {len(trace.actions)}")
+            j: list[tuple] = [("reset", trace.task_id, trace.seed, trace.fingerprints[0])]
+            j += [("step", a, fp) for a, fp in zip(trace.actions[:t], trace.fingerprints[1:t + 1])]
+            if reseed is not None:
+                j.append(("reseed", reseed))
+            journals[i] = j
+            self.slots[i].journal, self.slots[i].dropped = [], False
+
+        def ok(i: int, payload: Any) -> StepResult:
+            obs, info = payload
+            self.slots[i].journal = journals[i]
+            return StepResult(obs, 0.0, False, False, info)
+
+        return self._collect(self._run({i: ("journal", j) for i, j in journals.items()}, self.start_timeout), ok)
+
+    def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
+        """One action per slot, all in parallel."""
+        for i in actions:
+            if self.slots[i].dropped or not self.slots[i].journal:
+                raise EnvError(f"slot {i}: step() without a live episode (reset or restore it first)")
+
+        def ok(i: int, payload: Any) -> StepResult:
+            obs, reward, term, trunc, info = payload
+            self.slots[i].journal.append(("step", actions[i], info["fingerprint"]))
+            return StepResult(obs, reward, term, trunc, info)
+
+        return self._collect(self._run({i: ("step", a) for i, a in actions.items()}, self.step_timeout), ok)
+
+    def call(self, slot: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call a side-effect-free env method where the slot's env lives (e.g. ``expert_action``)."""
+        status, payload = self._run({slot: ("call", (method, args, kwargs))}, self.step_timeout)[slot]
+        if status == "drop":
+            raise EnvError(f"slot {slot}: {self.worker_name} lost during call to {method}: {payload}")
+        if status == "env_error":
+            raise payload
+        return payload
+
+
+
+class EnvPool(JournalledSlots):
     """``num_slots`` env processes of one registered env, addressed by slot index."""
 
     def __init__(self, env_name: str, num_slots: int, env_kwargs: dict[str, Any] | None = None,
@@ -233,77 +313,6 @@ class EnvPool(SlotThreads):
             if status in ("timeout", "crash"):
                 answers[i] = self._recover(i, requests[i], timeout)
         return answers
-
-    def _collect(self, answers: dict[int, tuple[str, Any]], on_ok: Any) -> dict[int, StepResult]:
-        """Book every slot's answer first, then raise the callers' errors, so no slot's journal is lost."""
-        out, errors = {}, []
-        for i, (status, payload) in answers.items():
-            if status == "drop":
-                self._count("dropped")
-                self.slots[i].dropped, self.slots[i].journal = True, []
-                out[i] = StepResult("", 0.0, True, False, {"dropped": True, "drop_reason": payload})
-            elif status == "env_error":
-                errors.append(payload)
-            else:
-                out[i] = on_ok(i, payload)
-        if errors:
-            raise errors[0]
-        return out
-
-    # ----- public API --------------------------------------------------------------------------
-    def reset(self, requests: dict[int, tuple[str, int]]) -> dict[int, StepResult]:
-        """``{slot: (task_id, seed)}`` -> ``{slot: StepResult}`` (reward 0, not done) for each slot."""
-        for i in requests:
-            self.slots[i].journal, self.slots[i].dropped = [], False
-
-        def ok(i: int, payload: Any) -> StepResult:
-            obs, info = payload
-            self.slots[i].journal = [("reset", *requests[i], info["fingerprint"])]
-            return StepResult(obs, 0.0, False, False, info)
-
-        return self._collect(self._run({i: ("reset", r) for i, r in requests.items()}, self.start_timeout), ok)
-
-    def restore(self, requests: dict[int, tuple[Trace, int, int | None]]) -> dict[int, StepResult]:
-        """``{slot: (trace, t, reseed)}``: rebuild the state after ``t`` actions of ``trace`` by replay."""
-        journals = {}
-        for i, (trace, t, reseed) in requests.items():
-            if not trace.fingerprints or not 0 <= t <= len(trace.actions):
-                raise EnvError(f"restore needs a trace with fingerprints and 0 <= t <= {len(trace.actions)}")
-            j: list[tuple] = [("reset", trace.task_id, trace.seed, trace.fingerprints[0])]
-            j += [("step", a, fp) for a, fp in zip(trace.actions[:t], trace.fingerprints[1:t + 1])]
-            if reseed is not None:
-                j.append(("reseed", reseed))
-            journals[i] = j
-            self.slots[i].journal, self.slots[i].dropped = [], False
-
-        def ok(i: int, payload: Any) -> StepResult:
-            obs, info = payload
-            self.slots[i].journal = journals[i]
-            return StepResult(obs, 0.0, False, False, info)
-
-        return self._collect(self._run({i: ("journal", j) for i, j in journals.items()}, self.start_timeout), ok)
-
-    def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
-        """One action per slot, all slots in parallel."""
-        for i in actions:
-            if self.slots[i].dropped or not self.slots[i].journal:
-                raise EnvError(f"slot {i}: step() without a live episode (reset or restore it first)")
-
-        def ok(i: int, payload: Any) -> StepResult:
-            obs, reward, term, trunc, info = payload
-            self.slots[i].journal.append(("step", actions[i], info["fingerprint"]))
-            return StepResult(obs, reward, term, trunc, info)
-
-        return self._collect(self._run({i: ("step", a) for i, a in actions.items()}, self.step_timeout), ok)
-
-    def call(self, slot: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a side-effect-free env method in a worker (e.g. ``expert_action``)."""
-        status, payload = self._run({slot: ("call", (method, args, kwargs))}, self.step_timeout)[slot]
-        if status == "drop":
-            raise EnvError(f"slot {slot}: worker lost during call to {method}: {payload}")
-        if status == "env_error":
-            raise payload
-        return payload
 
     def close(self) -> None:
         self._close_slot_threads()

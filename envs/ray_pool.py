@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.envs.base import EnvError
-from agentrl.envs.pool import _handle
+from agentrl.envs.pool import JournalledSlots, _handle
 from agentrl.envs.ray_connect import connect, disconnect, import_ray
-from agentrl.envs.replay import DivergenceError, Trace
-from agentrl.envs.results import StepResult
-from agentrl.envs.slots import SlotThreads
+from agentrl.envs.replay import DivergenceError
 
 
 class EnvWorker:
@@ -91,8 +89,10 @@ def _last_line(tb: Any) -> str:
     return (str(tb).strip().splitlines() or ["?"])[-1][:300]
 
 
-class RayEnvPool(SlotThreads):
+class RayEnvPool(JournalledSlots):
     """``num_slots`` envs of one registered env in Ray actors, addressed by slot index."""
+
+    worker_name = "env actor"
 
     def __init__(self, env_name: str, num_slots: int, env_kwargs: dict[str, Any] | None = None,
                  address: str = "", slots_per_actor: int = 1, num_cpus: float = 1.0, memory_mb: int = 0,
@@ -289,77 +289,6 @@ class RayEnvPool(SlotThreads):
             if status in ("timeout", "crash"):
                 answers[i] = self._recover(i, requests[i], timeout, (status, payload), pending[i].gen)
         return answers
-
-    def _collect(self, answers: dict[int, tuple[str, Any]], on_ok: Any) -> dict[int, StepResult]:
-        """Book every slot's answer first, then raise the callers' errors, so no slot's journal is lost."""
-        out, errors = {}, []
-        for i, (status, payload) in answers.items():
-            if status == "drop":
-                self._count("dropped")
-                self.slots[i].dropped, self.slots[i].journal = True, []
-                out[i] = StepResult("", 0.0, True, False, {"dropped": True, "drop_reason": payload})
-            elif status == "env_error":
-                errors.append(payload)
-            else:
-                out[i] = on_ok(i, payload)
-        if errors:
-            raise errors[0]
-        return out
-
-    # ----- public API (as EnvPool's) -----------------------------------------------------------
-    def reset(self, requests: dict[int, tuple[str, int]]) -> dict[int, StepResult]:
-        """``{slot: (task_id, seed)}`` -> ``{slot: StepResult}`` (reward 0, not done) for each slot."""
-        for i in requests:
-            self.slots[i].journal, self.slots[i].dropped = [], False
-
-        def ok(i: int, payload: Any) -> StepResult:
-            obs, info = payload
-            self.slots[i].journal = [("reset", *requests[i], info["fingerprint"])]
-            return StepResult(obs, 0.0, False, False, info)
-
-        return self._collect(self._run({i: ("reset", r) for i, r in requests.items()}, self.start_timeout), ok)
-
-    def restore(self, requests: dict[int, tuple[Trace, int, int | None]]) -> dict[int, StepResult]:
-        """``{slot: (trace, t, reseed)}``: rebuild the state after ``t`` actions of ``trace`` by replay."""
-        journals = {}
-        for i, (trace, t, reseed) in requests.items():
-            if not trace.fingerprints or not 0 <= t <= len(trace.actions):
-                raise EnvError(f"restore needs a trace with fingerprints and 0 <= t <= {len(trace.actions)}")
-            j: list[tuple] = [("reset", trace.task_id, trace.seed, trace.fingerprints[0])]
-            j += [("step", a, fp) for a, fp in zip(trace.actions[:t], trace.fingerprints[1:t + 1])]
-            if reseed is not None:
-                j.append(("reseed", reseed))
-            journals[i] = j
-            self.slots[i].journal, self.slots[i].dropped = [], False
-
-        def ok(i: int, payload: Any) -> StepResult:
-            obs, info = payload
-            self.slots[i].journal = journals[i]
-            return StepResult(obs, 0.0, False, False, info)
-
-        return self._collect(self._run({i: ("journal", j) for i, j in journals.items()}, self.start_timeout), ok)
-
-    def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
-        """One action per slot, all actors in parallel."""
-        for i in actions:
-            if self.slots[i].dropped or not self.slots[i].journal:
-                raise EnvError(f"slot {i}: step() without a live episode (reset or restore it first)")
-
-        def ok(i: int, payload: Any) -> StepResult:
-            obs, reward, term, trunc, info = payload
-            self.slots[i].journal.append(("step", actions[i], info["fingerprint"]))
-            return StepResult(obs, reward, term, trunc, info)
-
-        return self._collect(self._run({i: ("step", a) for i, a in actions.items()}, self.step_timeout), ok)
-
-    def call(self, slot: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a side-effect-free env method in the slot's actor (e.g. ``expert_action``)."""
-        status, payload = self._run({slot: ("call", (method, args, kwargs))}, self.step_timeout)[slot]
-        if status == "drop":
-            raise EnvError(f"slot {slot}: env actor lost during call to {method}: {payload}")
-        if status == "env_error":
-            raise payload
-        return payload
 
     def close(self) -> None:
         self._close_slot_threads()
