@@ -322,7 +322,9 @@ def _check_ranges(cfg: RecipeCfg) -> None:
         ("trainer.steps", t.steps, t.steps >= 0, ">= 0"),
         ("trainer.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 1, ">= 1"),
         ("trainer.time_limit_s", t.time_limit_s, t.time_limit_s >= 0, ">= 0 (0: no limit)"),
-        ("trainer.max_staleness", t.max_staleness, t.max_staleness >= 0, ">= 0 (0: the on-policy loop)"),
+        # one collect runs ahead of the learner, so samples are at most one update old; more would only age them
+        ("trainer.max_staleness", t.max_staleness, t.max_staleness in (0, 1),
+         "0 (the on-policy loop) or 1 (the next step collected while this one learns)"),
     ]
     for key, value, ok, allowed in rules:
         if not ok:

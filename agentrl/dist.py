@@ -4,11 +4,18 @@ Every function works in one process without ``torch.distributed`` (world 1, rank
 ``[obj]``), so the trainer and recipes never branch on whether they run under a launcher. Under
 ``torchrun`` or ``deepspeed`` the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT) is read once by ``init``.
+
+A thread may send its collectives to a group of its own (``side_group``, ``collectives_on``): the overlap's
+producer gathers its rollouts there while the learner's thread runs the engine's collectives on the default
+group, so the two streams of collectives never interleave.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Sequence
 
 import torch
@@ -76,11 +83,38 @@ def init(device: str, timeout_s: float = 1800.0) -> int:
     return world()
 
 
+_scope = threading.local()  # the group this thread's collectives go to (None: the default group)
+
+
+def _group() -> Any:
+    return getattr(_scope, "group", None)
+
+
+def side_group() -> Any:
+    """A second group of every rank for Python objects (gloo, also beside NCCL), or None in one process.
+    Collective: every rank calls it, in the same order."""
+    if not _pg():
+        return None
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+@contextmanager
+def collectives_on(group: Any) -> Iterator[None]:
+    """This thread's collectives (the functions below) go to ``group`` while the block runs."""
+    before, _scope.group = _group(), group
+    try:
+        yield
+    finally:
+        _scope.group = before
+
+
 def barrier() -> None:
     if _pg():
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier(group=_group())
 
 
 def all_gather_object(obj: Any) -> list[Any]:
@@ -90,7 +124,7 @@ def all_gather_object(obj: Any) -> list[Any]:
     import torch.distributed as dist
 
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_group())
     return out
 
 
@@ -114,7 +148,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=_group())  # src: a global rank (every group has them all)
     return box[0]
 
 

@@ -11,9 +11,9 @@ update) is taken on the global episodes, identically on every rank, and every ra
 collectives. The engine then trains each rank on its rows. Rank 0 alone prints, logs and writes the
 trainer's and recipe's state; checkpoints are collective.
 
-With ``trainer.max_staleness`` > 0 (one rank) the next step's ``collect`` runs in a producer thread while
-this step learns, and the loss corrects for samples one update old (``_overlapped_step``,
-``agentrl.rollout.overlap``, docs/guides/async.md).
+With ``trainer.max_staleness: 1`` the next step's ``collect`` runs in a producer thread while this step
+learns (on every rank, its gathers on a process group of their own), and the loss corrects for samples one
+update old (``_overlapped_step``, ``agentrl.rollout.overlap``, docs/guides/async.md).
 """
 from __future__ import annotations
 
@@ -155,7 +155,8 @@ class Trainer:
         self._step_guard = StepGuard(self.engine)  # an optimizer step with a NaN or infinite gradient is not applied
         self.tokenizer = self.engine.tokenizer
         # trainer.max_staleness > 0: the next step's collect runs in a producer thread while this step learns
-        self._producer = Producer() if cfg.trainer.max_staleness > 0 else None
+        # (under several ranks its gathers go to a group of their own, apart from the engine's collectives)
+        self._producer = Producer(dist.side_group()) if cfg.trainer.max_staleness > 0 else None
         self._sync_due, self._stale = False, False
         self.generator: Generator = self._make_generator()
         self.envs: EnvSlots = self._make_envs()
@@ -207,9 +208,6 @@ class Trainer:
             raise ConfigError("trainer.generator=remote needs trainer.generator_url")
         if c.trainer.generator == "vllm" and not c.trainer.generator_url and c.trainer.vllm_servers < 1:
             raise ConfigError("trainer.generator=vllm needs trainer.generator_url or trainer.vllm_servers >= 1")
-        if c.trainer.max_staleness and n > 1:  # the producer's gathers would interleave with the learner's collectives
-            raise ConfigError(f"trainer.max_staleness={c.trainer.max_staleness} overlaps rollouts with learning in one "
-                              f"process; {n} ranks were launched: set trainer.max_staleness=0 or launch one process")
         if n <= 1:
             return
         if c.trainer.engine != "deepspeed":

@@ -142,6 +142,25 @@ def test_two_rank_run_killed_mid_run_resumes_exactly(reference):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_staleness_one_on_two_ranks_matches_one_process(sokoban_sft_model_dir, tmp_path):
+    """trainer.max_staleness=1 under two ranks: each rank's producer gathers its share of the next step (with
+    dynamic sampling's rounds) on a group of its own while the engine's collectives run; the numbers are the
+    one-process overlap's, and every step after the first trains on samples one update old."""
+    args = RUN + [f"model.name={sokoban_sft_model_dir}", "trainer.max_staleness=1"]
+    one = launch(1, args + [f"trainer.out_dir={tmp_path / 'w1'}"])
+    two = launch(2, args + [f"trainer.out_dir={tmp_path / 'w2'}"], launcher="deepspeed")
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    a, b = rows(tmp_path / "w1"), rows(tmp_path / "w2")
+    assert sorted(b) == [0, 1, 2, 3]
+    assert_same_numbers(a, b, [0, 1, 2, 3])
+    assert [b[s]["staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert all("behav_is_mean" in b[s] for s in (2, 3) if "loss" in b[s])
+    assert any("loss" in b[s] for s in (2, 3)), "no corrected update ran: the comparison would be vacuous"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_time_limit_is_decided_by_rank_0_for_every_rank(sokoban_sft_model_dir, tmp_path):
     """trainer.time_limit_s with clocks that disagree: rank 0 late stops both ranks after step 1, each with

@@ -64,7 +64,7 @@ def test_no_gap_is_the_standard_loss_exactly():
     assert torch.equal(policy_loss(logp, behav, adv * w, mask)[0], policy_loss(logp, behav, adv, mask)[0])
 
 
-def test_recipes_that_need_this_steps_decisions_are_refused(tmp_path, monkeypatch):
+def test_recipes_that_need_this_steps_decisions_are_refused():
     from agentrl.recipe import RECIPES
 
     ok = load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=1"])
@@ -73,17 +73,9 @@ def test_recipes_that_need_this_steps_decisions_are_refused(tmp_path, monkeypatc
         with pytest.raises(ConfigError, match=rf"trainer.max_staleness=1 .*method={method}"):
             load_config(method, env="alfworld" if method == "crps" else "sokoban",
                         overrides=["trainer.max_staleness=1"])
-    with pytest.raises(ConfigError, match="trainer.max_staleness"):
-        load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=-1"])
-    # several ranks: the producer's gathers would interleave with the learner's collectives
-    from agentrl.trainer import Trainer
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = load_config("grpo", env="sokoban", overrides=[f"trainer.out_dir={tmp_path / 'run'}",
-                                                        "trainer.max_staleness=1"])
-    with pytest.raises(ConfigError, match=r"trainer.max_staleness=1 .*2 ranks"):
-        Trainer(cfg, RECIPES.get(cfg.method)(cfg))
-    assert not (tmp_path / "run").exists()
+    for bad in (-1, 2):  # one collect runs ahead: a bound above 1 would never be reached
+        with pytest.raises(ConfigError, match=rf"'trainer.max_staleness': {bad}; allowed: 0 .* or 1"):
+            load_config("grpo", env="sokoban", overrides=[f"trainer.max_staleness={bad}"])
 
 
 @pytest.mark.timeout(600)

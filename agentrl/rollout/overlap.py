@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl import dist
 from agentrl.seeds import mix_seed
 from agentrl.types import Episode
 
@@ -63,9 +64,11 @@ def collect(run: Any, collect_fn: CollectFn, step: int, version: int) -> Collect
 
 
 class Producer:
-    """At most one collect in flight, in a thread, and the collected step waiting to be trained on."""
+    """At most one collect in flight, in a thread, and the collected step waiting to be trained on. Under
+    several ranks the collect's gathers go to ``group`` (``dist.side_group``), apart from the learner's."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
         self.pending: Collected | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -77,7 +80,8 @@ class Producer:
     def start(self, run: Any, collect_fn: CollectFn, step: int, version: int) -> None:
         def work() -> None:
             try:
-                self.pending = collect(run, collect_fn, step, version)
+                with dist.collectives_on(self.group):
+                    self.pending = collect(run, collect_fn, step, version)
             except BaseException as e:  # raised in the learner's thread by ``join``
                 self._error = e
 
