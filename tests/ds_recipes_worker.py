@@ -5,6 +5,7 @@ decisions (trainer RNG, recipe buffers) so the test can check every rank took th
 import gc
 import hashlib
 import json
+import os
 import pickle
 import sys
 import traceback
@@ -61,8 +62,14 @@ def main(model_dir, out_root, names):
         try:
             final = trainer.train()
             report[name] = dict(ok=True, final=final, state=fingerprint(trainer))
-        except Exception:  # recorded, so the test names the recipe; symmetric failures do not hang
+        except Exception:
+            # the other rank may be waiting in a collective this one will never reach: leave at once (the
+            # launcher then stops every rank) with the recipe named, rather than hang until the timeout
             report[name] = dict(ok=False, error=traceback.format_exc()[-3000:])
+            with open(f"{out_root}/rank{dist.rank()}.json", "w") as f:
+                json.dump(report, f)
+            print(f"rank {dist.rank()}: recipe {name} failed:\n{report[name]['error']}", file=sys.stderr, flush=True)
+            os._exit(1)
         trainer.envs.close()
         del trainer
         gc.collect()

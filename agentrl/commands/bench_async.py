@@ -74,31 +74,41 @@ def compare(gen: Any, tok: Any, make_envs: Any, env_name: str, starts: list[Any]
                 same_episodes=sigs["lockstep"] == sigs["async"])
 
 
-def vllm_figures(model_dir: Path, tok: Any, env: str, starts: list[Any], turns: int, max_new: int, port: int
-                 ) -> dict[str, Any]:
-    """The async loop through a vLLM server vs vLLM alone on the very prompts it sent (all at once)."""
+def vllm_figures(model_dir: Path, tok: Any, env: str, starts: list[Any], turns: int, max_new: int, port: int,
+                 repeats: int) -> dict[str, Any]:
+    """The async loop through a vLLM server vs vLLM alone on the very prompts it sent (all at once, as many in
+    flight as the loop allows), alternating, ``repeats`` times each after a warm-up; medians."""
     from concurrent.futures import ThreadPoolExecutor
 
     from agentrl.envs.pool import InProcessEnvs
+    from agentrl.generation.scheduler import IN_FLIGHT
     from agentrl.generation.vllm import VLLMServer
     from agentrl.rollout.engine import RolloutConfig, RolloutEngine
     from agentrl.types import SamplingParams
 
     srv = VLLMServer(model_dir, port=port)
     client = srv.start()
+    loop_rates, alone_rates = [], []
     try:
         sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=0)
         cfg = RolloutConfig(max_turns=turns, sampling=sampling, mode="async", refill=True)
-        engine = RolloutEngine(client, tok, InProcessEnvs(env, len(starts)), env, cfg)
-        loop_rate, _, eps = _timed(engine, starts)
-        prompts = [t.prompt_ids for ep in eps for t in ep.turns]
-        t = time.perf_counter()
-        with ThreadPoolExecutor(64) as pool:
-            outs = list(pool.map(lambda p: client.generate([p], sampling, seeds=[0])[0], prompts))
-        alone = sum(len(c.ids) for c in outs) / (time.perf_counter() - t)
+        envs = InProcessEnvs(env, len(starts))
+        try:
+            client.generate([[tok.eos_token_id] * 8], SamplingParams(max_new_tokens=4))  # warm-up
+            for _ in range(repeats):
+                loop_rate, _, eps = _timed(RolloutEngine(client, tok, envs, env, cfg), starts)
+                prompts = [t.prompt_ids for ep in eps for t in ep.turns]
+                t = time.perf_counter()
+                with ThreadPoolExecutor(IN_FLIGHT) as pool:
+                    outs = list(pool.map(lambda p: client.generate([p], sampling, seeds=[0])[0], prompts))
+                alone_rates.append(sum(len(c.ids) for c in outs) / (time.perf_counter() - t))
+                loop_rates.append(loop_rate)
+        finally:
+            envs.close()
     finally:
         srv.stop()
-    return dict(vllm_loop_tok_s=loop_rate, vllm_alone_tok_s=alone, loop_over_vllm=loop_rate / alone)
+    loop, alone = statistics.median(loop_rates), statistics.median(alone_rates)
+    return dict(vllm_loop_tok_s=loop, vllm_alone_tok_s=alone, loop_over_vllm=loop / alone)
 
 
 def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slots: int, turns: int, max_new: int,
@@ -176,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
     if vllm_python() is None:
         fig["vllm"] = "skipped: vLLM is not installed (make vllm-setup on CPU, pip install vllm on a GPU node)"
     elif not args.quick:
-        fig.update(vllm_figures(model_dir, gen.tokenizer, args.env, starts[:slots], turns, max_new, args.port))
+        fig.update(vllm_figures(model_dir, gen.tokenizer, args.env, starts[:slots], turns, max_new, args.port,
+                                 repeats))
     fig.update(overlap_figures(str(model_dir), env_name, kwargs, pool, min(slots, 16), turns, max_new,
                                2 if args.quick else 4, repeats))
     line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in fig.items()})

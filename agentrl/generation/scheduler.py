@@ -135,8 +135,11 @@ class BatchingScheduler:
         self.close()
 
 
+IN_FLIGHT = 64  # concurrent requests to a server: enough to keep a continuously batching server full
+
+
 def scheduler_for(generator: Any, sampling: SamplingParams, constrained: bool = False,
-                  in_flight: int = 64, linger: float = 0.5) -> BatchingScheduler:
+                  in_flight: int = IN_FLIGHT, linger: float = 0.5) -> BatchingScheduler:
     """The scheduling a generator wants: servers (``RemoteGenerator``, ``VLLMFleet``) get ``in_flight``
     concurrent single-row requests and batch them themselves; anything else (the in-process generator)
     gets one lane that batches whatever is waiting."""
