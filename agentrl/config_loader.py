@@ -357,6 +357,10 @@ def _check_contradictions(cfg: RecipeCfg) -> None:
         raise ConfigError(f"algo.mini_batches={a.mini_batches} is more than the {r.groups * r.group_size} episodes a "
                           f"step trains on at algo.level=trajectory (rollout.groups x rollout.group_size); lower "
                           "algo.mini_batches or raise rollout.groups")
+    t = cfg.trainer
+    if t.vllm_gpus and t.generator == "vllm" and not t.generator_url and len(t.vllm_gpus) < t.vllm_servers:
+        raise ConfigError(f"trainer.vllm_gpus lists {len(t.vllm_gpus)} device sets for trainer.vllm_servers="
+                          f"{t.vllm_servers}: give one per server (e.g. trainer.vllm_gpus=[6,7]) or start fewer")
     if cfg.trainer.max_staleness > 0 and not _recipe_can_overlap(cfg.method):
         raise ConfigError(f"trainer.max_staleness={cfg.trainer.max_staleness} collects the next step while this one "
                           f"learns, and method={cfg.method} decides its next rollouts from this step's (buffers, "

@@ -347,3 +347,48 @@ def test_engine_constrains_answers_to_the_envs_admissible_actions(tiny_generator
     eps = _engine(g, g.tokenizer, constrain_actions=True, prompt="numbered").run([Start("train/00000", 0)])
     assert all(re.fullmatch(r"<answer>\d+</answer>", t.text) and t.actions[0] in ("Up", "Down", "Left", "Right")
                and not t.info["inadmissible"] for t in eps[0].turns)
+
+
+def test_trainer_started_vllm_servers_get_their_own_gpus(tmp_path, monkeypatch):
+    """trainer.vllm_gpus: server k is started with CUDA_VISIBLE_DEVICES set to entry k (not rank 0's devices);
+    fewer entries than servers is one config line."""
+    from agentrl.config import ConfigError
+    from agentrl.config_loader import load_config
+    from agentrl.generation import vllm
+    from agentrl.generation.client import GenerationServerError
+    from agentrl.generation.vllm_fleet import VLLMFleet
+
+    cfg = load_config("grpo", env="sokoban", overrides=["trainer.generator=vllm", "trainer.vllm_servers=2",
+                                                        "trainer.vllm_gpus=[6, '4,5']"])
+    envs: list[str | None] = []
+
+    class Started(Exception):
+        pass
+
+    def popen(cmd, env=None, **kw):
+        envs.append(env.get("CUDA_VISIBLE_DEVICES"))
+        raise Started
+
+    monkeypatch.setattr(vllm, "vllm_python", lambda: "python")
+    monkeypatch.setattr(vllm.subprocess, "Popen", popen)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    for gpus in cfg.trainer.vllm_gpus:
+        with pytest.raises(Started):
+            vllm.VLLMServer(tmp_path, gpus=str(gpus)).start()
+    with pytest.raises(Started):
+        vllm.VLLMServer(tmp_path).start()  # no entry: the process's own devices
+    assert envs == ["6", "4,5", "0"]
+
+    starts = []
+
+    def start(self, timeout=0):
+        starts.append(self.gpus)
+        raise RuntimeError("not started in this test")
+
+    monkeypatch.setattr(vllm.VLLMServer, "start", start)
+    with pytest.raises(GenerationServerError):
+        VLLMFleet(cfg.trainer, tmp_path, "cpu", tmp_path)
+    assert starts == ["6"]  # the fleet gives server 0 the first entry (its start fails here, so no second)
+    with pytest.raises(ConfigError, match=r"trainer.vllm_gpus lists 1 device sets for trainer.vllm_servers=2"):
+        load_config("grpo", env="sokoban", overrides=["trainer.generator=vllm", "trainer.vllm_servers=2",
+                                                      "trainer.vllm_gpus=[6]"])

@@ -143,6 +143,20 @@ def test_two_rank_run_killed_mid_run_resumes_exactly(reference):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_ray_env_pool_on_two_ranks_matches_the_in_process_pool(reference):
+    """rollout.pool=ray under two ranks: each rank starts its own loopback Ray instance and owns its actors;
+    the run's numbers are those of the same two-rank run on the in-process pool."""
+    pytest.importorskip("ray")
+    root, args, _, two = reference
+    assert two.returncode == 0
+    ray_run = launch(2, args + [f"trainer.out_dir={root / 'ray'}", "rollout.pool=ray",
+                                "rollout.ray_slots_per_actor=4", "rollout.ray_num_cpus=0.5"], launcher="deepspeed")
+    assert ray_run.returncode == 0, ray_run.stdout[-2000:] + ray_run.stderr[-3000:]
+    assert_same_numbers(rows(root / "w2"), rows(root / "ray"), [0, 1, 2, 3])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_staleness_one_on_two_ranks_matches_one_process(sokoban_sft_model_dir, tmp_path):
     """trainer.max_staleness=1 under two ranks: each rank's producer gathers its share of the next step (with
     dynamic sampling's rounds) on a group of its own while the engine's collectives run; the numbers are the

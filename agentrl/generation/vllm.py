@@ -93,8 +93,9 @@ class VLLMServer:
     """Start, wait for, restart (on a new weights folder) and stop a vLLM server process."""
 
     def __init__(self, model_dir: str | Path, port: int = 8000, lora: bool = False, log_file: str | None = None,
-                 **kwargs: object):
+                 gpus: str = "", **kwargs: object):
         self.model_dir, self.port, self.lora, self.kwargs = Path(model_dir), port, lora, kwargs
+        self.gpus = gpus  # CUDA_VISIBLE_DEVICES of the server; empty: this process's
         self.log_file = log_file
         self.proc: subprocess.Popen | None = None
 
@@ -104,6 +105,8 @@ class VLLMServer:
 
     def start(self, timeout: float = 600.0) -> RemoteGenerator:
         env = vllm_env(self.kwargs.get("sync"), self.lora)  # type: ignore[arg-type]
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         # its own process group: vLLM's engine-core and worker processes are stopped with it
         self.proc = subprocess.Popen(vllm_command(self.model_dir, self.port, lora=self.lora, **self.kwargs),

@@ -39,8 +39,9 @@ class VLLMFleet:
 
             try:
                 for k in range(tcfg.vllm_servers):
+                    gpus = str(tcfg.vllm_gpus[k]) if k < len(tcfg.vllm_gpus) else ""
                     srv = VLLMServer(model_dir, port=tcfg.vllm_port + k, log_file=str(out_dir / f"vllm-{k}.log"),
-                                     sync=self.mode, lora=lora)
+                                     sync=self.mode, lora=lora, gpus=gpus)
                     self.servers.append(srv)
                     srv.start(timeout_s)
                 urls = [s.url for s in self.servers]
