@@ -255,8 +255,8 @@ class TrainerCfg:
     generator_url: str | list[str] = ""
     vllm_servers: int = 1  # trainer.generator=vllm: the vllm serve processes rank 0 starts
     vllm_port: int = 8100  # first port of the servers started here
-    # the GPUs of the servers started here, one entry per server (CUDA_VISIBLE_DEVICES: "6", or "4,5" for
-    # tensor parallel); empty: they inherit rank 0's, sharing the learner's GPU
+    # the GPUs of the servers started here, one entry per server (its CUDA_VISIBLE_DEVICES, e.g. [6, 7]);
+    # empty: they inherit rank 0's devices and share the learner's GPU
     vllm_gpus: list[str] = field(default_factory=list)
     vllm_sync: Literal["auto", "shm", "nccl"] = "auto"  # auto: nccl on CUDA, shared memory on CPU
     check_sync: bool = True  # after each sync: server log-probs equal learner log-probs on a fixed sequence
