@@ -78,6 +78,35 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_staleness_one_with_a_vllm_server_synced_after_each_collect(sokoban_sft_model_dir, tmp_path):
+    """trainer.max_staleness=1 with a real vLLM server: per-trajectory rollouts of the next step go to the
+    server while the learner trains; the weights are pushed in place once that collect is done, and each
+    step after the first trains on samples one update old, corrected."""
+    import json
+
+    from agentrl import Trainer
+    from agentrl.config_loader import load_config
+
+    over = [f"model.name={sokoban_sft_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=3",
+            "trainer.generator=vllm", "trainer.vllm_servers=1", "trainer.vllm_port=18661", "sft.enabled=false",
+            "trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=4", "rollout.group_size=2",
+            "rollout.slots=8", "rollout.fill_groups=0", "rollout.max_turns=3", "rollout.max_new_tokens=16",
+            "rollout.mode=async", "trainer.max_staleness=1", "algo.reward=env_return",
+            "rollout.format_penalty=-0.1", "algo.entropy_coef=0.001", "algo.filters=[dropped]", "eval.tasks=0"]
+    trainer = Trainer.from_config(load_config("grpo", env="sokoban", overrides=over))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert [rows[s]["staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for s in (1, 2, 3):
+        assert rows[s]["optim_steps"] >= 1 and rows[s]["sync_logprob_diff"] < 0.1
+    assert all("behav_is_mean" in rows[s] for s in (2, 3))
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_attaching_to_a_vllm_server_of_another_model_fails_before_training(tiny_model_dir, sokoban_sft_model_dir,
                                                                              tmp_path):
