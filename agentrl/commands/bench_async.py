@@ -185,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
     fig.update(compare(gen, gen.tokenizer, make_envs, env_name, starts, turns, max_new, repeats))
     if vllm_python() is None:
         fig["vllm"] = "skipped: vLLM is not installed (make vllm-setup on CPU, pip install vllm on a GPU node)"
-    elif not args.quick:
+    elif args.quick:
+        fig["vllm"] = "skipped: --quick (a vLLM server takes minutes to start)"
+    else:
         fig.update(vllm_figures(model_dir, gen.tokenizer, args.env, starts[:slots], turns, max_new, args.port,
                                  repeats))
     fig.update(overlap_figures(str(model_dir), env_name, kwargs, pool, min(slots, 16), turns, max_new,
