@@ -361,8 +361,8 @@ def _check_contradictions(cfg: RecipeCfg) -> None:
     if t.vllm_gpus and t.generator == "vllm" and not t.generator_url and len(t.vllm_gpus) < t.vllm_servers:
         raise ConfigError(f"trainer.vllm_gpus lists {len(t.vllm_gpus)} device sets for trainer.vllm_servers="
                           f"{t.vllm_servers}: give one per server (e.g. trainer.vllm_gpus=[6,7]) or start fewer")
-    if cfg.trainer.max_staleness > 0 and not _recipe_can_overlap(cfg.method):
-        raise ConfigError(f"trainer.max_staleness={cfg.trainer.max_staleness} collects the next step while this one "
+    if t.max_staleness > 0 and not _recipe_can_overlap(cfg.method):
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness} collects the next step while this one "
                           f"learns, and method={cfg.method} decides its next rollouts from this step's (buffers, "
                           "controllers, branches, replay) or has its own step; set trainer.max_staleness=0")
 

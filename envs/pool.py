@@ -182,7 +182,6 @@ class JournalledSlots(SlotThreads):
         return payload
 
 
-
 class EnvPool(JournalledSlots):
     """``num_slots`` env processes of one registered env, addressed by slot index."""
 
