@@ -269,6 +269,37 @@ def test_scheduler_lanes_send_requests_concurrently_and_errors_reach_their_rows(
     assert gen.peak >= 4
 
 
+def test_a_server_gets_one_request_in_flight_per_live_episode():
+    """Served generators batch concurrent requests themselves: the scheduler keeps every live episode's
+    request out at once (none waits on the client side), however many slots there are."""
+    from agentrl.generation.client import RemoteGenerator
+    from agentrl.generation.scheduler import scheduler_for
+
+    class Served(RemoteGenerator):
+        def __init__(self):
+            super().__init__("http://127.0.0.1:9", model="policy")
+            self.live = self.peak = 0
+            self.lock = threading.Lock()
+            self.all_in = threading.Event()
+
+        def generate(self, prompts, sampling, seeds=None, choices=None):
+            with self.lock:
+                self.live += 1
+                self.peak = max(self.peak, self.live)
+                if self.live == 96:
+                    self.all_in.set()
+            self.all_in.wait(5)
+            with self.lock:
+                self.live -= 1
+            return [Completion([7], [-1.0], "x", "stop") for _ in prompts]
+
+    gen = Served()
+    with scheduler_for(gen, SAMPLING, 96) as sched:
+        futs = [sched.submit([k], seed=k) for k in range(96)]
+        assert all(f.result(10).ids == [7] for f in futs)
+    assert gen.peak == 96
+
+
 def test_bench_async_quick(tmp_path, capsys):
     import json
 

@@ -7,7 +7,8 @@ variant); the process pool steps the slots of a lockstep turn in parallel, so lo
 step of each turn, not for their sum. Throughput is generated tokens over wall time, the median of
 ``--repeats`` alternating runs; ``same_episodes`` checks that both modes rolled out identical episodes.
 Where vLLM is installed (``make vllm-setup``), the loop through a vLLM server is also compared with vLLM
-alone on the same prompts (``loop_over_vllm``; the plain env, so env time does not count against the loop).
+alone on the same requests at the same concurrency (``loop_over_vllm``, with every repeat's pair; the plain
+env, so env time does not count against the loop).
 Then a GRPO training step with ``trainer.max_staleness`` 0 and 1 (``sync_step_s``, ``overlap_step_s``).
 """
 from __future__ import annotations
@@ -74,41 +75,63 @@ def compare(gen: Any, tok: Any, make_envs: Any, env_name: str, starts: list[Any]
                 same_episodes=sigs["lockstep"] == sigs["async"])
 
 
-def vllm_figures(model_dir: Path, tok: Any, env: str, starts: list[Any], turns: int, max_new: int, port: int,
-                 repeats: int) -> dict[str, Any]:
-    """The async loop through a vLLM server vs vLLM alone on the very prompts it sent (all at once, as many in
-    flight as the loop allows), alternating, ``repeats`` times each after a warm-up; medians."""
+def vllm_figures(model_dir: Path, tok: Any, env: str, starts: list[Any], slots: int, turns: int, max_new: int,
+                 port: int, repeats: int) -> dict[str, Any]:
+    """The async loop through a vLLM server (``slots`` env slots, ``starts`` refilled into them) against vLLM
+    alone on the very requests the loop sent (each prompt with its row's seed, so both decode the same
+    tokens), all submitted at once with as many in flight as the loop has slots. After an untimed warm-up of
+    the loop, each repeat times both, in alternating order, each from an empty prefix cache (as after a
+    weight sync); the ratio is the median of the repeats' own ratios, since the server's speed drifts
+    between repeats more than within one."""
     from concurrent.futures import ThreadPoolExecutor
 
     from agentrl.envs.pool import InProcessEnvs
-    from agentrl.generation.scheduler import IN_FLIGHT
     from agentrl.generation.vllm import VLLMServer
-    from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine, row_seed
+    from agentrl.seeds import mix_seed
     from agentrl.types import SamplingParams
 
-    srv = VLLMServer(model_dir, port=port)
+    srv = VLLMServer(model_dir, port=port, sync="shm")  # the trainer's setting; its dev routes reset the cache
     client = srv.start()
-    loop_rates, alone_rates = [], []
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=0)
+    streams = [mix_seed(0, i) for i in range(len(starts))]
+    pairs: list[tuple[float, float]] = []
     try:
-        sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=0)
-        cfg = RolloutConfig(max_turns=turns, sampling=sampling, mode="async", refill=True)
-        envs = InProcessEnvs(env, len(starts))
+        envs = InProcessEnvs(env, slots)
         try:
-            client.generate([[tok.eos_token_id] * 8], SamplingParams(max_new_tokens=4))  # warm-up
-            for _ in range(repeats):
-                loop_rate, _, eps = _timed(RolloutEngine(client, tok, envs, env, cfg), starts)
-                prompts = [t.prompt_ids for ep in eps for t in ep.turns]
+            def loop() -> tuple[float, list[Any]]:
+                engine = RolloutEngine(client, tok, envs, env, RolloutConfig(max_turns=turns, sampling=sampling,
+                                                                             mode="async", refill=True))
                 t = time.perf_counter()
-                with ThreadPoolExecutor(IN_FLIGHT) as pool:
-                    outs = list(pool.map(lambda p: client.generate([p], sampling, seeds=[0])[0], prompts))
-                alone_rates.append(sum(len(c.ids) for c in outs) / (time.perf_counter() - t))
-                loop_rates.append(loop_rate)
+                eps = engine.run(starts, streams)
+                return engine.stats["generated_tokens"] / (time.perf_counter() - t), eps
+
+            _, eps = loop()  # warm-up; its requests are what vLLM alone is sent
+            requests = [(t.prompt_ids, row_seed(stream, k)) for ep, stream in zip(eps, streams)
+                        for k, t in enumerate(ep.turns)]
+
+            def alone() -> float:
+                t = time.perf_counter()
+                with ThreadPoolExecutor(slots) as pool:
+                    outs = list(pool.map(lambda r: client.generate([r[0]], sampling, seeds=[r[1]])[0], requests))
+                return sum(len(c.ids) for c in outs) / (time.perf_counter() - t)
+
+            for k in range(repeats):
+                rates = {}
+                for mode in (("loop", "alone") if k % 2 == 0 else ("alone", "loop")):
+                    client.reset_prefix_cache()
+                    rates[mode] = loop()[0] if mode == "loop" else alone()
+                pairs.append((rates["loop"], rates["alone"]))
         finally:
             envs.close()
     finally:
         srv.stop()
-    loop, alone = statistics.median(loop_rates), statistics.median(alone_rates)
-    return dict(vllm_loop_tok_s=loop, vllm_alone_tok_s=alone, loop_over_vllm=loop / alone)
+    ratios = [a / b for a, b in pairs]
+    return dict(vllm_slots=slots, vllm_episodes=len(starts), vllm_requests=len(requests),
+                vllm_loop_tok_s=statistics.median(a for a, _ in pairs),
+                vllm_alone_tok_s=statistics.median(b for _, b in pairs),
+                loop_over_vllm=statistics.median(ratios), loop_over_vllm_min=min(ratios),
+                loop_over_vllm_max=max(ratios), vllm_pairs=[[round(a), round(b)] for a, b in pairs])
 
 
 def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slots: int, turns: int, max_new: int,
@@ -188,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.quick:
         fig["vllm"] = "skipped: --quick (a vLLM server takes minutes to start)"
     else:
-        fig.update(vllm_figures(model_dir, gen.tokenizer, args.env, starts[:slots], turns, max_new, args.port,
+        fig.update(vllm_figures(model_dir, gen.tokenizer, args.env, starts, slots, turns, max_new, args.port,
                                  repeats))
     fig.update(overlap_figures(str(model_dir), env_name, kwargs, pool, min(slots, 16), turns, max_new,
                                2 if args.quick else 4, repeats))

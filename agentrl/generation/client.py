@@ -147,10 +147,15 @@ class RemoteGenerator:
                 b["choice_token_ids"] = choices[i:i + len(chunk)]
             return b
 
-        workers = self.parallel * 16 if per_row else self.parallel
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(chunks)))) as pool:
-            replies = list(pool.map(lambda ic: self._request("POST", "/v1/completions", body(*ic)),
-                                    zip(starts, chunks)))
+        def post(ic: tuple[int, list[list[int]]]) -> dict[str, Any]:
+            return self._request("POST", "/v1/completions", body(*ic))
+
+        if len(chunks) == 1:  # the per-trajectory loop's single-row calls: no thread to start for one request
+            replies = [post((starts[0], chunks[0]))]
+        else:
+            workers = self.parallel * 16 if per_row else self.parallel
+            with ThreadPoolExecutor(max_workers=max(1, min(workers, len(chunks)))) as pool:
+                replies = list(pool.map(post, zip(starts, chunks)))
         out: list[Completion] = []
         for chunk, reply in zip(chunks, replies):
             replies_choices = sorted(reply["choices"], key=lambda c: c["index"])

@@ -4,9 +4,9 @@ Episodes submit one prompt at a time, whenever they are ready; a ``BatchingSched
 request waiting at that moment and makes one ``generate`` call of them (at most ``max_batch`` rows), so a
 generator is never idle while a request waits and never waits for a row that is not ready. ``lanes`` is
 how many calls may be in flight at once: 1 for the in-process generator (one model, one batch at a time),
-many single-row lanes for servers that batch concurrent requests themselves (vLLM's continuous batching,
-``agentrl serve``'s queue). A row's tokens depend on its own seed only (per-row streams), so how rows are
-grouped into calls does not change what they sample.
+one single-row lane per live episode for servers that batch concurrent requests themselves (vLLM's
+continuous batching, ``agentrl serve``'s queue). A row's tokens depend on its own seed only (per-row
+streams), so how rows are grouped into calls does not change what they sample.
 
 A call costs about the same for a few rows as for many (decoding is bound by reading the weights), so the
 in-process lane may ``linger``: when fewer rows wait than there are live episodes, it waits for more, at
@@ -135,18 +135,16 @@ class BatchingScheduler:
         self.close()
 
 
-IN_FLIGHT = 64  # concurrent requests to a server: enough to keep a continuously batching server full
-
-
-def scheduler_for(generator: Any, sampling: SamplingParams, constrained: bool = False,
-                  in_flight: int = IN_FLIGHT, linger: float = 0.5) -> BatchingScheduler:
+def scheduler_for(generator: Any, sampling: SamplingParams, in_flight: int, constrained: bool = False,
+                  linger: float = 0.5) -> BatchingScheduler:
     """The scheduling a generator wants: servers (``RemoteGenerator``, ``VLLMFleet``) get ``in_flight``
-    concurrent single-row requests and batch them themselves; anything else (the in-process generator)
-    gets one lane that batches whatever is waiting."""
+    concurrent single-row requests (the live episodes: each has at most one request out, so none waits on
+    this side) and batch them themselves; anything else (the in-process generator) gets one lane that
+    batches whatever is waiting."""
     from agentrl.generation.client import RemoteGenerator
     from agentrl.generation.vllm_fleet import VLLMFleet
 
     served = isinstance(generator, (RemoteGenerator, VLLMFleet))
     if served:
-        return BatchingScheduler(generator, sampling, max_batch=1, lanes=in_flight, constrained=constrained)
+        return BatchingScheduler(generator, sampling, max_batch=1, lanes=max(1, in_flight), constrained=constrained)
     return BatchingScheduler(generator, sampling, lanes=1, constrained=constrained, linger=linger)

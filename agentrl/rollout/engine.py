@@ -133,6 +133,11 @@ def answer_choices(tok: Any, tag: str, admissible: list[str] | None, numbered: l
     return out or None
 
 
+def row_seed(stream: int, turn: int) -> int:
+    """The sampling seed of an episode's turn (its stream and the turn's index): what the request carries."""
+    return mix_seed(stream, turn)
+
+
 class RolloutEngine:
     def __init__(self, generator: Generator, tokenizer: Any, envs: Any, env_name: str, config: RolloutConfig):
         self.gen, self.tok, self.envs, self.env_name, self.cfg = generator, tokenizer, envs, env_name, config
@@ -153,7 +158,7 @@ class RolloutEngine:
 
     @staticmethod
     def _seed(sl: _Slot) -> int:
-        return mix_seed(sl.stream, len(sl.ep.turns))
+        return row_seed(sl.stream, len(sl.ep.turns))
 
     # ----- public ------------------------------------------------------------------------------
     def run(self, starts: list[Start], streams: list[int] | None = None) -> list[Episode]:

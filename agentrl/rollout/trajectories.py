@@ -28,7 +28,8 @@ class _Loop:
         self.eng, self.starts, self.streams = engine, starts, streams
         self.envs = as_async(engine.envs)
         cfg = engine.cfg
-        self.sched = scheduler_for(engine.gen, cfg.sampling, constrained=cfg.constrain_actions)
+        self.sched = scheduler_for(engine.gen, cfg.sampling, min(len(self.envs), len(starts)),
+                                   constrained=cfg.constrain_actions)
         self.seeded = cfg.sampling.seed is not None
         self.events: queue.Queue[tuple[str, int, Future]] = queue.Queue()
         self.in_flight = 0
