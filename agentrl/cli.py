@@ -49,6 +49,7 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from agentrl import dist
+    from agentrl.dist import RankFailed
     from agentrl.config import ConfigError
     from agentrl.generation.client import GenerationServerError
     from agentrl.learner.engine import LearnerOutOfMemory
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         cap_kernel_caches()  # before the first matmul of any command (agentrl/learner/models.py says why)
         return int(args.func(args) or 0)
     except (EnvError, ConfigError, RegistryError, GenerationServerError, ModelError, RunError,
-            LearnerOutOfMemory) as e:
+            LearnerOutOfMemory, RankFailed) as e:
         where = f"[rank {dist.rank()}] " if dist.launched_world() > 1 else ""
         print(f"{where}error: {e}", file=sys.stderr)
         return 2

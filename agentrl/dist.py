@@ -128,16 +128,30 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def all_gather_ordered(n: int, mine: Sequence[int], local: Sequence[Any], extra: Any = None
-                       ) -> tuple[list[Any], list[Any]]:
+class RankFailed(RuntimeError):
+    """Another rank's error, raised on every rank of a collective call it failed before, so none waits."""
+
+
+def all_gather_ordered(n: int, mine: Sequence[int], local: Sequence[Any], extra: Any = None,
+                       error: BaseException | None = None) -> tuple[list[Any], list[Any]]:
     """Each rank holds ``local[k]`` for the global index ``mine[k]`` of ``n``: every rank gets all ``n`` items
-    in order, and every rank's ``extra`` in rank order (one collective)."""
+    in order, and every rank's ``extra`` in rank order (one collective). A rank that failed making its
+    share passes its ``error`` instead: it is raised there and a ``RankFailed`` naming it on every other
+    rank, where the gather would otherwise have left them waiting."""
     items: list[Any] = [None] * n
     extras = []
-    for idx, part, ex in all_gather_object((list(mine), list(local), extra)):
+    failed = []
+    why = None if error is None else f"{type(error).__name__}: {error}"
+    for rank, (idx, part, ex, err) in enumerate(all_gather_object((list(mine), list(local), extra, why))):
+        if err is not None:
+            failed.append(f"rank {rank}: {err}")
         for i, x in zip(idx, part):
             items[i] = x
         extras.append(ex)
+    if error is not None:
+        raise error
+    if failed:
+        raise RankFailed("; ".join(failed))
     return items, extras
 
 

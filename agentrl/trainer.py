@@ -315,8 +315,12 @@ class Trainer:
         streams = [mix_seed(cfg.sampling.seed, i) for i in range(len(starts))]
         mine = dist.shard_groups([s.group_id or f"#{i}" for i, s in enumerate(starts)], self.world)[self.rank]
         engine = RolloutEngine(self.generator, self.tokenizer, self.envs, self.cfg.env, cfg)
-        local = engine.run([starts[i] for i in mine], [streams[i] for i in mine])
-        eps, stats = dist.all_gather_ordered(len(starts), mine, local, engine.stats)
+        local, error = [], None
+        try:
+            local = engine.run([starts[i] for i in mine], [streams[i] for i in mine])
+        except Exception as e:  # raised at the gather, on every rank (the others would wait there for this one)
+            error = e
+        eps, stats = dist.all_gather_ordered(len(starts), mine, local, engine.stats, error=error)
         for e in eps:  # the weights they were drawn with: the overlap's producer samples a step behind
             for turn in e.turns:
                 turn.policy_version = self.policy_version
@@ -338,8 +342,12 @@ class Trainer:
         seed = sampling.seed if sampling.seed is not None else self.rng.randrange(2**31)
         seeds = [mix_seed(seed, i) for i in range(len(prompts))]
         mine = list(range(self.rank, len(prompts), self.world))
-        local = self.generator.generate([prompts[i] for i in mine], sampling, seeds=[seeds[i] for i in mine])
-        return dist.all_gather_ordered(len(prompts), mine, local)[0]
+        local, error = [], None
+        try:
+            local = self.generator.generate([prompts[i] for i in mine], sampling, seeds=[seeds[i] for i in mine])
+        except Exception as e:  # as in ``rollout``
+            error = e
+        return dist.all_gather_ordered(len(prompts), mine, local, error=error)[0]
 
     @property
     def needs_reference(self) -> bool:

@@ -176,6 +176,26 @@ def test_staleness_one_on_two_ranks_matches_one_process(sokoban_sft_model_dir, t
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_rollout_error_on_one_rank_stops_every_rank(tiny_model_dir, tmp_path, staleness):
+    """Rank 1's third rollout call fails: both ranks stop with it (rank 0 names rank 1 and the error) in
+    seconds, on-policy and with the overlap's producer, instead of rank 0 waiting at the gather until the
+    process group's 30-minute timeout."""
+    args = ["train", "grpo", "--env", "sokoban", f"model.name={tiny_model_dir}", "trainer.engine=deepspeed",
+            "sft.enabled=false",
+            "trainer.steps=4", "eval.tasks=0", "rollout.groups=2", "rollout.group_size=2", "rollout.slots=2",
+            "rollout.max_turns=2", "rollout.max_new_tokens=8", "trainer.tensorboard=false", "trainer.progress=false",
+            f"trainer.max_staleness={staleness}", f"trainer.out_dir={tmp_path / 'run'}"]
+    t = time.monotonic()
+    proc = launch(2, args, script=str(ROOT / "tests" / "rank_failure_worker.py"), timeout=420)
+    assert proc.returncode != 0
+    assert "the env exploded on rank 1" in proc.stderr
+    assert "[rank 0] error: rank 1: RuntimeError: the env exploded on rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - t < 300
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_time_limit_is_decided_by_rank_0_for_every_rank(sokoban_sft_model_dir, tmp_path):
     """trainer.time_limit_s with clocks that disagree: rank 0 late stops both ranks after step 1, each with
     its last step's evaluation; rank 1 late alone stops neither."""
