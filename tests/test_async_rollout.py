@@ -312,3 +312,17 @@ def test_bench_async_quick(tmp_path, capsys):
     assert fig["lockstep_tok_s"] > 0 and fig["async_tok_s"] > 0
     assert math.isclose(fig["speedup"], fig["async_tok_s"] / fig["lockstep_tok_s"], rel_tol=1e-3)
     assert "vllm_alone_tok_s" in fig or fig["vllm"].startswith("skipped")
+
+
+def test_bench_async_parts_runs_only_what_is_asked(tmp_path, capsys):
+    import json
+
+    from agentrl.cli import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", "async", "--quick", "--parts", "loop", "--json", str(out)]) == 0
+    fig = json.loads(out.read_text())
+    assert fig["same_episodes"] is True and "vllm" not in fig and "sync_step_s" not in fig
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "async", "--parts", "loop,vlm"])
+    assert e.value.code == 2 and "vlm: not among loop, vllm, overlap" in capsys.readouterr().err

@@ -10,6 +10,7 @@ Where vLLM is installed (``make vllm-setup``), the loop through a vLLM server is
 alone on the same requests at the same concurrency (``loop_over_vllm``, with every repeat's pair; the plain
 env, so env time does not count against the loop).
 Then a GRPO training step with ``trainer.max_staleness`` 0 and 1 (``sync_step_s``, ``overlap_step_s``).
+``--parts`` picks which of the three run (e.g. ``--parts vllm --model PATH`` on a GPU node).
 """
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+
+PARTS = ("loop", "vllm", "overlap")
+
+
+def _parts(text: str) -> str:
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in parts if x not in PARTS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"{','.join(bad) or 'nothing'}: not among {', '.join(PARTS)}")
+    return ",".join(parts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="async: env slots (default process: slots step in parallel, as in training runs; "
                    "in-process slots step one after another, which lockstep mode pays for every turn)")
     p.add_argument("--quick", action="store_true", help="async: a seconds-long smoke run (4 slots, 2 turns)")
+    p.add_argument("--parts", type=_parts, default=",".join(PARTS),
+                   help="async: which comparisons to run, comma-separated: loop (lockstep vs async), vllm "
+                   "(the loop through vLLM vs vLLM alone), overlap (staleness 0 vs 1); default all")
 
 
 def _signature(episodes: list[Any]) -> list[Any]:
@@ -179,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.envs.pool import EnvPool, InProcessEnvs
     from agentrl.generation.embedded import EmbeddedGenerator
     from agentrl.generation.vllm import vllm_python
+    from agentrl.learner.models import load_tokenizer
     from agentrl.model_zoo import resolve_model
     from agentrl.rollout.engine import Start
     from agentrl.types import SamplingParams
@@ -192,8 +208,7 @@ def run(args: argparse.Namespace) -> int:
     env_name = f"latency:{args.env}"
     kwargs = dict(latency=args.latency, latency_s=latency_s, latency_sigma=args.latency_sigma)
     model_dir = resolve_model(args.model)
-    gen = EmbeddedGenerator.from_folder(model_dir)
-    gen.generate([[gen.tokenizer.eos_token_id] * 8], SamplingParams(max_new_tokens=4))  # warm-up
+    parts = args.parts.split(",")
     tasks = make(args.env).tasks("train")
     starts = [Start(tasks[(i // 2) % len(tasks)].task_id, i, f"g{i // 2}") for i in range(n)]
 
@@ -205,16 +220,20 @@ def run(args: argparse.Namespace) -> int:
                                latency_sigma=args.latency_sigma, slots=slots, episodes=n, turns=turns,
                                max_new_tokens=max_new, repeats=repeats, pool=pool,
                                threads=torch.get_num_threads())
-    fig.update(compare(gen, gen.tokenizer, make_envs, env_name, starts, turns, max_new, repeats))
-    if vllm_python() is None:
+    tok = load_tokenizer(model_dir)  # not the embedded model's: `--parts vllm` loads no weights here
+    if "loop" in parts:
+        gen = EmbeddedGenerator.from_folder(model_dir)
+        gen.generate([[gen.tokenizer.eos_token_id] * 8], SamplingParams(max_new_tokens=4))  # warm-up
+        fig.update(compare(gen, gen.tokenizer, make_envs, env_name, starts, turns, max_new, repeats))
+    if "vllm" in parts and vllm_python() is None:
         fig["vllm"] = "skipped: vLLM is not installed (make vllm-setup on CPU, pip install vllm on a GPU node)"
-    elif args.quick:
+    elif "vllm" in parts and args.quick:
         fig["vllm"] = "skipped: --quick (a vLLM server takes minutes to start)"
-    else:
-        fig.update(vllm_figures(model_dir, gen.tokenizer, args.env, starts, slots, turns, max_new, args.port,
-                                 repeats))
-    fig.update(overlap_figures(str(model_dir), env_name, kwargs, pool, min(slots, 16), turns, max_new,
-                               2 if args.quick else 4, repeats))
+    elif "vllm" in parts:
+        fig.update(vllm_figures(model_dir, tok, args.env, starts, slots, turns, max_new, args.port, repeats))
+    if "overlap" in parts:
+        fig.update(overlap_figures(str(model_dir), env_name, kwargs, pool, min(slots, 16), turns, max_new,
+                                   2 if args.quick else 4, repeats))
     line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in fig.items()})
     print(line)
     if args.json:
