@@ -5,6 +5,9 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.agentrl-setup
 PYTEST_ARGS ?=
+# test processes (pytest-xdist; 0 = one process); a file's tests stay in one, sharing its fixtures
+TEST_WORKERS ?= 2
+XDIST   := -n $(TEST_WORKERS) --dist loadfile
 # `make setup-gpu` marks its virtualenv, so that every later (re)install there takes the GPU set again
 GPU_MARK := $(VENV)/.agentrl-gpu
 ifeq ($(wildcard $(GPU_MARK)),)
@@ -20,7 +23,7 @@ endif
 help:
 	@echo "make train [RECIPE=grpo] [ENV=sokoban] [MODEL=tiny] [SEED=0] [OVERRIDES=\"a.b=c ...\"]   train (CPU default)"
 	@echo "make envs         set up, list the envs and self-check the fast ones (expert + restore)"
-	@echo "make test         set up and run the test suite (what CI runs: lint first)"
+	@echo "make test         set up and run the test suite (what CI runs: lint first; TEST_WORKERS=2 processes)"
 	@echo "make test-fast    the tests not marked slow (no multi-rank, DeepSpeed or end-to-end runs)"
 	@echo "make lint         ruff check (ruff.toml)"
 	@echo "make docs         build the docs site into site/ (mkdocs --strict; make test runs it)"
@@ -80,14 +83,14 @@ check-gpu-resolve:
 	sys.exit('error: torch resolved to a CPU build' if '+cpu' in v.get('torch', '') else 0)" "$$d/report.json"
 
 test: lint docs
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS) tests
 
 # the docs site (mkdocs.yml, docs/); --strict turns broken links and pages missing from the nav into errors
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d site
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS) tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentrl.envs.cache import publish
+
 TASK_TYPES = ["pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
               "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place"]
 # Short names used in the papers' per-category tables.
@@ -259,13 +261,6 @@ def alfworld_data_files() -> tuple[str, str]:
     return (root / "alfred.pddl").read_text(), (root / "alfred.twl2").read_text()
 
 
-def _publish(path: Path, text: str) -> None:
-    """Write by rename: env workers that build the same game at once never read a half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_game(folder: Path, layout: int, task_type: str, seed: int, max_tries: int = 50) -> dict[str, Any]:
     """Write ``game.tw-pddl`` and ``traj_data.json`` for the first draw the planner solves. The game file
     appears only once it is planned, so its existence means it is complete and solvable."""
@@ -289,8 +284,8 @@ def write_game(folder: Path, layout: int, task_type: str, seed: int, max_tries: 
             plan = plan_game(draft)
             if plan:
                 game["solvable"], game["walkthrough"] = True, plan
-                _publish(folder / "traj_data.json", json.dumps(traj))
-                _publish(folder / "game.tw-pddl", json.dumps(game))
+                publish(folder / "traj_data.json", json.dumps(traj))
+                publish(folder / "game.tw-pddl", json.dumps(game))
                 return traj
     finally:
         draft.unlink(missing_ok=True)
