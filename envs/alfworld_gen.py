@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentrl.envs.cache import publish
+from agentrl.io_atomic import atomic_write_text
 
 TASK_TYPES = ["pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
               "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place"]
@@ -284,8 +284,8 @@ def write_game(folder: Path, layout: int, task_type: str, seed: int, max_tries: 
             plan = plan_game(draft)
             if plan:
                 game["solvable"], game["walkthrough"] = True, plan
-                publish(folder / "traj_data.json", json.dumps(traj))
-                publish(folder / "game.tw-pddl", json.dumps(game))
+                atomic_write_text(folder / "traj_data.json", json.dumps(traj))
+                atomic_write_text(folder / "game.tw-pddl", json.dumps(game))
                 return traj
     finally:
         draft.unlink(missing_ok=True)

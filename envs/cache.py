@@ -11,10 +11,3 @@ def cache_dir(*parts: str) -> Path:
     path = root.joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def publish(path: Path, text: str) -> None:
-    """Write by rename: env workers that build the same cache entry at once never read a half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -11,7 +11,8 @@ import re
 from typing import Any
 
 from agentrl.envs.base import EnvError, PromptSpec, Task, TextEnv
-from agentrl.envs.cache import cache_dir, publish
+from agentrl.envs.cache import cache_dir
+from agentrl.io_atomic import atomic_write_text
 
 # Tasks whose simulation draws unseeded randomness (plant life cycles, pollination, heating timing): two
 # runs of the same gold actions diverge (measured: first divergence at step 47 for both mendelian tasks,
@@ -33,7 +34,7 @@ def _task_table(sw: Any) -> dict[str, dict[str, list[int]]]:
     for name in sw.get_task_names():
         sw.load(name, 0, "")
         table[name] = {s: list(getattr(sw, fn)()) for s, fn in PACKAGE_SPLIT.items()}
-    publish(path, json.dumps(table))  # pool workers starting at once on a fresh machine all compute it
+    atomic_write_text(path, json.dumps(table))  # pool workers starting at once on a fresh machine all compute it
     return table
 
 
