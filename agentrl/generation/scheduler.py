@@ -15,13 +15,13 @@ meanwhile (env steps finishing) save a call of their own.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl.generation.batching import BatchQueue
 from agentrl.types import Completion, SamplingParams
 
 
@@ -47,7 +47,7 @@ class BatchingScheduler:
         self.linger, self._last_call_s = linger, 0.0
         self.live = 0  # episodes that may still submit (the caller keeps it current; 0: never linger)
         self.calls, self.busy_s, self.rows = 0, 0.0, 0
-        self._q: queue.Queue[_Request | None] = queue.Queue()
+        self._q: BatchQueue[_Request] = BatchQueue()
         self._lock = threading.Lock()
         self._active, self._since, self._pending = 0, 0.0, 0
         self._threads = [threading.Thread(target=self._lane, daemon=True, name=f"agentrl-schedule-{k}")
@@ -67,27 +67,16 @@ class BatchingScheduler:
         """Requests submitted and not yet answered."""
         return self._pending
 
-    def _take(self) -> list[_Request] | None:
-        """Block for one request, then take every other one waiting now (up to ``max_batch``)."""
-        first = self._q.get()
-        if first is None:
-            return None
-        batch = [first]
-        deadline = time.perf_counter() + self.linger * self._last_call_s
-        while not self.max_batch or len(batch) < self.max_batch:
-            wait = deadline - time.perf_counter() if len(batch) < self.live else 0.0
-            try:
-                nxt = self._q.get(timeout=wait) if wait > 0 else self._q.get_nowait()
-            except queue.Empty:
-                break
-            if nxt is None:  # closing: let a sibling lane see it too
-                self._q.put(None)
-                break
-            batch.append(nxt)
-        return batch
+    def _wait(self, batch: list[_Request], waited: float) -> float:
+        """Linger for more rows while fewer wait than there are live episodes, at most ``linger`` times the
+        last call's duration."""
+        return self.linger * self._last_call_s - waited if len(batch) < self.live else 0.0
+
+    def _fits(self, batch: list[_Request], _: object) -> bool:
+        return not self.max_batch or len(batch) < self.max_batch
 
     def _lane(self) -> None:
-        while (batch := self._take()) is not None:
+        while (batch := self._q.take(self._wait, self._fits)) is not None:
             with self._lock:
                 if self._active == 0:
                     self._since = time.perf_counter()
@@ -123,8 +112,7 @@ class BatchingScheduler:
 
     def close(self) -> None:
         """Stop the lanes once the requests already queued are answered."""
-        for _ in self._threads:
-            self._q.put(None)
+        self._q.close()
         for th in self._threads:
             th.join()
 

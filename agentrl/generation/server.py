@@ -48,6 +48,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from agentrl.generation.base import chat_ids
+from agentrl.generation.batching import BatchQueue
 from agentrl.generation.embedded import EmbeddedGenerator
 from agentrl.generation.requests import (BadRequest, ChatBody, CompletionBody, CompletionRequest, LoadWeightsBody,
                                          ServerLimits, parse_body, parse_completion)
@@ -107,14 +108,11 @@ class BatchingWorker:
 
     def __init__(self, generator: Any, max_wait_s: float = 0.005, max_batch: int = 256,
                  max_batch_tokens: int = 1 << 18, max_gather_s: float = 0.05):
-        import queue
-
         # a round waits for stragglers while they keep coming (gaps under max_wait_s), at most max_gather_s
         self.gen, self.max_wait_s, self.max_gather_s = generator, max_wait_s, max_gather_s
         # a round takes at most this many rows, and this many tokens of KV cache (prompt + max_tokens per row)
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
-        self.q: queue.Queue = queue.Queue()
-        self._held: _Job | _Call | None = None  # dequeued but over the round's budget: it opens the next round
+        self.q: BatchQueue[_Job | _Call] = BatchQueue()  # a job over the round's budget opens the next round
         self.closing = False
         self.stats = {"batches": 0, "cancelled_rows": 0, "isolated_failures": 0}
         self.thread = threading.Thread(target=self._loop, daemon=True, name="agentrl-generate")
@@ -127,7 +125,7 @@ class BatchingWorker:
     def close(self) -> None:
         """Fail what is queued, stop what runs at its next decode step, end the thread."""
         self.closing = True
-        self.q.put(None)
+        self.q.close()
 
     @staticmethod
     def _cost(job: _Job | _Call | None) -> tuple[int, int]:
@@ -135,37 +133,21 @@ class BatchingWorker:
             return 0, 0
         return len(job.prompts), sum(len(p) for p in job.prompts) + len(job.prompts) * job.sampling.max_new_tokens
 
+    def _wait(self, jobs: list[_Job | _Call], waited: float) -> float:
+        return min(self.max_wait_s, self.max_gather_s - waited)
+
+    def _fits(self, jobs: list[_Job | _Call], job: Any) -> bool:
+        costs = [self._cost(j) for j in (*jobs, job)]
+        return sum(r for r, _ in costs) <= self.max_batch and sum(t for _, t in costs) <= self.max_batch_tokens
+
     def _loop(self) -> None:
         """Each time the worker is free it takes what is queued, up to the budgets: requests that arrive
         while a batch decodes are batched together in the next round."""
-        import queue
-
         while True:
-            first, self._held = (self._held, None) if self._held is not None else (self.q.get(), None)
-            jobs = [first]
-            rows, tokens = self._cost(first)
-            start = time.monotonic()
-            while jobs[-1] is not None:
-                now = time.monotonic()
-                try:
-                    job = self.q.get(timeout=max(0.0, min(now + self.max_wait_s, start + self.max_gather_s) - now))
-                except queue.Empty:
-                    break
-                r, t = self._cost(job)
-                if rows + r > self.max_batch or tokens + t > self.max_batch_tokens:
-                    self._held = job
-                    break
-                jobs.append(job)
-                rows, tokens = rows + r, tokens + t
-            if jobs[-1] is None:  # closing: nobody will be served any more
-                while True:
-                    try:
-                        jobs.append(self.q.get_nowait())
-                    except queue.Empty:
-                        break
-                for j in jobs:
-                    if j is not None:
-                        _settle(j.future, error=Cancelled("the server is stopping"))
+            jobs = self.q.take(self._wait, self._fits)
+            if jobs is None or self.closing:  # closing: nobody will be served any more
+                for j in (jobs or []) + self.q.drain():
+                    _settle(j.future, error=Cancelled("the server is stopping"))
                 return
             try:
                 self._run(jobs)
