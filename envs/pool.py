@@ -103,13 +103,86 @@ def _replay_journal(env: Any, journal: list[tuple]) -> tuple[str, dict[str, Any]
 # parent side
 
 
+def _last_line(why: Any) -> str:
+    """A traceback's or an error's last line, short enough for a run's summary."""
+    return (str(why).strip().splitlines() or ["?"])[-1][:300]
+
+
 class JournalledSlots(SlotThreads):
-    """The slots API of pools whose envs live elsewhere (worker processes, Ray actors): every slot keeps a
-    journal (reset or restore, steps with fingerprints) that a replacement worker replays. A subclass gives
-    ``slots``, ``_count``, ``start_timeout``, ``step_timeout`` and ``_run({slot: (op, arg)}, timeout)``, which
-    answers ``{slot: (status, payload)}`` with status ``ok``, ``drop`` or ``env_error``."""
+    """The base of pools whose envs live elsewhere (worker processes, Ray actors): their lifecycle and the
+    slots API. Lifecycle: settings and counters (``_setup``), every worker started at once or none
+    (``_start``), failures counted with why (``_trouble``), ``close`` (also on ``with`` and at garbage
+    collection). Slots API: every slot keeps a journal (reset or restore, steps with fingerprints) that a
+    replacement worker replays. A subclass gives ``slots``, ``_create(w)`` / ``_await_ready(w)`` ("" or
+    why not) for its workers, ``_shutdown()``, and ``_run({slot: (op, arg)}, timeout)``, which answers
+    ``{slot: (status, payload)}`` with status ``ok``, ``drop`` or ``env_error``."""
 
     worker_name = "worker"  # how a lost worker is named in errors
+    slots: list[Any]
+
+    # ----- lifecycle ---------------------------------------------------------------------------------
+    def _setup(self, env_name: str, env_kwargs: dict[str, Any] | None, step_timeout: float,
+               start_timeout: float, max_restarts: int) -> None:
+        self.env_name, self.env_kwargs = env_name, dict(env_kwargs or {})
+        self.step_timeout, self.start_timeout, self.max_restarts = step_timeout, start_timeout, max_restarts
+        self.stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
+        self._count_lock = threading.Lock()  # submit() runs slots' requests in threads of their own
+        self.last_error = ""  # why a worker was last restarted, for the run's summary
+
+    def _start(self, workers: int) -> None:
+        """Create every worker, then wait for each (they start in parallel); on any failure the ones
+        started are stopped and the error is raised."""
+        try:
+            for w in range(workers):
+                self._create(w)
+            for w in range(workers):
+                why = self._await_ready(w)
+                if why:
+                    raise EnvError(f"env worker for '{self.env_name}' failed to start: {why}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _create(self, w: int) -> None:
+        raise NotImplementedError
+
+    def _await_ready(self, w: int) -> str:
+        raise NotImplementedError
+
+    def _shutdown(self) -> None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def _count(self, key: str) -> None:
+        with self._count_lock:
+            self.stats[key] += 1
+
+    def _trouble(self, status: str, why: Any) -> tuple[str, Any]:
+        """Count a timed-out or crashed request and keep why, for the run's summary."""
+        self._count("timeouts" if status == "timeout" else "crashes")
+        self.last_error = _last_line(why)
+        return status, why
+
+    def close(self) -> None:
+        """Let the slot threads finish, then stop every worker (safe to call twice, or half started)."""
+        self._close_slot_threads()
+        self._shutdown()
+
+    def __enter__(self) -> "JournalledSlots":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ----- slots API ---------------------------------------------------------------------------------
 
     def _collect(self, answers: dict[int, tuple[str, Any]], on_ok: Any) -> dict[int, StepResult]:
         """Book every slot's answer first, then raise the callers' errors, so no slot's journal is lost."""
@@ -188,27 +261,13 @@ class EnvPool(JournalledSlots):
     def __init__(self, env_name: str, num_slots: int, env_kwargs: dict[str, Any] | None = None,
                  step_timeout: float = 60.0, start_timeout: float = 180.0, max_restarts: int = 2,
                  start_method: str = "spawn"):
-        self.env_name, self.env_kwargs = env_name, dict(env_kwargs or {})
-        self.step_timeout, self.start_timeout, self.max_restarts = step_timeout, start_timeout, max_restarts
+        self._setup(env_name, env_kwargs, step_timeout, start_timeout, max_restarts)
         self.ctx = mp.get_context(start_method)
-        self.stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
-        self._count_lock = threading.Lock()  # submit() runs slots' requests in threads of their own
-        self.last_error = ""  # why a worker was last restarted, for the run's summary
         self.slots = [_Slot() for _ in range(num_slots)]
-        try:
-            for i in range(num_slots):
-                self._launch(i)
-            for i in range(num_slots):
-                self._await_ready(i)
-        except BaseException:
-            self.close()
-            raise
-
-    def __len__(self) -> int:
-        return len(self.slots)
+        self._start(num_slots)
 
     # ----- process management ------------------------------------------------------------------
-    def _launch(self, i: int) -> None:
+    def _create(self, i: int) -> None:
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(target=_worker_main, args=(child, self.env_name, self.env_kwargs), daemon=True,
                                 name=f"agentrl-env-{self.env_name}-{i}")
@@ -216,10 +275,9 @@ class EnvPool(JournalledSlots):
         child.close()
         self.slots[i].proc, self.slots[i].conn = proc, parent
 
-    def _await_ready(self, i: int) -> None:
+    def _await_ready(self, i: int) -> str:
         status, payload = self._recv(i, self.start_timeout)
-        if status != "ok":
-            raise EnvError(f"env worker for '{self.env_name}' failed to start: {payload}")
+        return "" if status == "ok" else str(payload)
 
     def _kill(self, i: int) -> None:
         s = self.slots[i]
@@ -231,18 +289,8 @@ class EnvPool(JournalledSlots):
             s.conn.close()
         s.proc = s.conn = None
 
-    def _count(self, key: str) -> None:
-        with self._count_lock:
-            self.stats[key] += 1
-
     def pid(self, slot: int) -> int:
         return self.slots[slot].proc.pid
-
-    def _trouble(self, status: str, why: str) -> tuple[str, str]:
-        """Count a timed-out or crashed request and keep why, for the run's summary."""
-        self._count("timeouts" if status == "timeout" else "crashes")
-        self.last_error = why
-        return status, why
 
     def _recv(self, i: int, timeout: float) -> tuple[str, Any]:
         conn = self.slots[i].conn
@@ -253,7 +301,7 @@ class EnvPool(JournalledSlots):
         except (EOFError, OSError, ConnectionResetError) as e:
             return self._trouble("crash", f"worker died ({type(e).__name__})")
         if msg[0] == "crash":  # the env raised in the worker: its traceback's last line says why
-            self._trouble("crash", (str(msg[1]).strip().splitlines() or ["?"])[-1][:300])
+            self._trouble("crash", msg[1])
         return msg
 
     def _send(self, i: int, msg: tuple) -> bool:
@@ -282,11 +330,10 @@ class EnvPool(JournalledSlots):
         for _ in range(self.max_restarts):
             self._kill(i)
             self._count("restarts")
-            try:
-                self._launch(i)
-                self._await_ready(i)
-            except EnvError as e:
-                last = str(e)
+            self._create(i)
+            why = self._await_ready(i)
+            if why:
+                last = f"env worker for '{self.env_name}' failed to start: {why}"
                 continue
             if self.slots[i].journal:
                 self._count("replayed")
@@ -313,27 +360,14 @@ class EnvPool(JournalledSlots):
                 answers[i] = self._recover(i, requests[i], timeout)
         return answers
 
-    def close(self) -> None:
-        self._close_slot_threads()
-        for i, s in enumerate(self.slots):
+    def _shutdown(self) -> None:
+        for i, s in enumerate(getattr(self, "slots", [])):
             if s.conn is not None:
                 self._send(i, ("close", None))
-        for i, s in enumerate(self.slots):
+        for i, s in enumerate(getattr(self, "slots", [])):
             if s.proc is not None:
                 s.proc.join(5)
             self._kill(i)
-
-    def __enter__(self) -> "EnvPool":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class InProcessEnvs(SlotThreads):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.envs.base import EnvError
-from agentrl.envs.pool import JournalledSlots, _handle
+from agentrl.envs.pool import JournalledSlots, _handle, _last_line
 from agentrl.envs.ray_connect import connect, disconnect, import_ray
 from agentrl.envs.replay import DivergenceError
 
@@ -85,10 +85,6 @@ class _Pending:
     idx: int | None = None  # this slot's place in a run_batch answer
 
 
-def _last_line(tb: Any) -> str:
-    return (str(tb).strip().splitlines() or ["?"])[-1][:300]
-
-
 class RayEnvPool(JournalledSlots):
     """``num_slots`` envs of one registered env in Ray actors, addressed by slot index."""
 
@@ -102,11 +98,7 @@ class RayEnvPool(JournalledSlots):
             raise EnvError(f"rollout.ray_slots_per_actor must be >= 1, got {slots_per_actor}")
         if num_cpus < 0 or memory_mb < 0:
             raise EnvError("rollout.ray_num_cpus and rollout.ray_memory_mb must be >= 0")
-        self.env_name, self.env_kwargs = env_name, dict(env_kwargs or {})
-        self.step_timeout, self.start_timeout, self.max_restarts = step_timeout, start_timeout, max_restarts
-        self.stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
-        self.last_error = ""
-        self._count_lock = threading.Lock()
+        self._setup(env_name, env_kwargs, step_timeout, start_timeout, max_restarts)
         n_actors = -(-num_slots // slots_per_actor)
         self.slots = [_Slot(i // slots_per_actor, i % slots_per_actor) for i in range(num_slots)]
         self.actors = [_Actor() for _ in range(n_actors)]
@@ -121,19 +113,7 @@ class RayEnvPool(JournalledSlots):
         if resources:
             opts["resources"] = resources
         self._cls = self._ray.remote(**opts)(EnvWorker)
-        try:
-            for a in range(n_actors):
-                self._create(a)
-            for a in range(n_actors):
-                why = self._await_ready(a)
-                if why:
-                    raise EnvError(f"env worker for '{env_name}' failed to start: {why}")
-        except BaseException:
-            self.close()
-            raise
-
-    def __len__(self) -> int:
-        return len(self.slots)
+        self._start(n_actors)
 
     # ----- actor management --------------------------------------------------------------------
     def _create(self, a: int) -> None:
@@ -169,10 +149,6 @@ class RayEnvPool(JournalledSlots):
         self.actors[a].gen += 1
         self._create(a)
         return self._await_ready(a)
-
-    def _count(self, key: str) -> None:
-        with self._count_lock:
-            self.stats[key] += 1
 
     def pid(self, slot: int) -> int:
         """The process id of the Ray worker holding ``slot`` (on its node)."""
@@ -261,10 +237,6 @@ class RayEnvPool(JournalledSlots):
                     self._restart(a)
         return "drop", _last_line(payload)
 
-    def _trouble(self, status: str, why: Any) -> None:
-        self._count("timeouts" if status == "timeout" else "crashes")
-        self.last_error = _last_line(why)
-
     def _run(self, requests: dict[int, tuple[str, Any]], timeout: float) -> dict[int, tuple[str, Any]]:
         """Send all requests first, one call per actor (actors run in parallel), then collect each
         answer, then recover the slots whose actor died or hung."""
@@ -290,8 +262,7 @@ class RayEnvPool(JournalledSlots):
                 answers[i] = self._recover(i, requests[i], timeout, (status, payload), pending[i].gen)
         return answers
 
-    def close(self) -> None:
-        self._close_slot_threads()
+    def _shutdown(self) -> None:
         if getattr(self, "_ray", None) is None or not self._ray.is_initialized():
             return
         refs = [a.handle.close.remote() for a in getattr(self, "actors", []) if a.handle is not None]
@@ -303,15 +274,3 @@ class RayEnvPool(JournalledSlots):
             self._kill(a)
         disconnect(getattr(self, "_started", False))
         self._started = False
-
-    def __enter__(self) -> "RayEnvPool":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
