@@ -28,6 +28,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "RunError": ("agentrl.trainer", "RunError"),
     "Run": ("agentrl.run", "Run"),
     "Recipe": ("agentrl.recipe", "Recipe"),
+    "GroupRecipe": ("agentrl.recipe", "GroupRecipe"),
     "RECIPES": ("agentrl.recipe", "RECIPES"),
     "ESTIMATORS": ("agentrl.algos.advantages", "ESTIMATORS"),
     "LOSSES": ("agentrl.algos.losses", "LOSSES"),
@@ -41,9 +42,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "register_env": ("agentrl.envs.registry", "register"),
     "env_names": ("agentrl.envs.registry", "names"),
 }
-__all__ = ["ConfigError", "ESTIMATORS", "Episode", "FILTERS", "LOSSES", "RECIPES", "Recipe", "RecipeCfg", "Run",
-           "RunError", "SamplingParams", "TASK_SAMPLERS", "TextEnv", "Trainer", "Turn", "env_names", "load_config",
-           "make_env", "register_env", "__version__"]
+__all__ = ["ConfigError", "ESTIMATORS", "Episode", "FILTERS", "GroupRecipe", "LOSSES", "RECIPES", "Recipe",
+           "RecipeCfg", "Run", "RunError", "SamplingParams", "TASK_SAMPLERS", "TextEnv", "Trainer", "Turn", "env_names",
+           "load_config", "make_env", "register_env", "__version__"]
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr__`` imports on first use
     from agentrl.algos.advantages import ESTIMATORS
@@ -54,7 +55,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time ``__getattr
     from agentrl.curriculum.task_sampler import TASK_SAMPLERS
     from agentrl.envs.base import TextEnv
     from agentrl.envs.registry import make as make_env, names as env_names, register as register_env
-    from agentrl.recipe import RECIPES, Recipe
+    from agentrl.recipe import RECIPES, GroupRecipe, Recipe
     from agentrl.run import Run
     from agentrl.schema import ConfigError
     from agentrl.trainer import RunError, Trainer

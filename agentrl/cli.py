@@ -14,6 +14,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrl", description="Multi-turn agent RL: train, evaluate and "
                                      "inspect LLM agents on text environments.")
     parser.add_argument("--version", action="version", version=f"agentrl {__version__}")
+    parser.add_argument("--import", dest="plugins", metavar="MODULE", action="append", default=[],
+                        help="import a module of yours first, so the envs, recipes, estimators, losses and filters "
+                             "it registers are known by name (repeatable; anywhere on the line; also "
+                             "$AGENTRL_PLUGINS=mod1,mod2)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None,
                         help="diagnostics on stderr (default: $AGENTRL_LOG_LEVEL, else info)")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
@@ -47,6 +51,22 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
+def take_imports(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without them, the modules) for every ``--import MODULE`` / ``--import=MODULE``, wherever it
+    stands: ``agentrl envs check guess --import mypkg.envs`` reads as naturally as before the command."""
+    out: list[str] = []
+    mods: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a == "--import":
+            mods.append(next(it, ""))
+        elif a.startswith("--import="):
+            mods.append(a.split("=", 1)[1])
+        else:
+            out.append(a)
+    return out, mods
+
+
 def main(argv: list[str] | None = None) -> int:
     from agentrl import dist
     from agentrl.dist import RankFailed
@@ -58,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from agentrl.trainer import RunError
     from agentrl.envs.base import EnvError
 
-    argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
+    argv, plugins = take_imports(strip_launcher_args(list(sys.argv[1:] if argv is None else argv)))
     parser = build_parser()
     # Dotted overrides (key.sub=value) may come after options; argparse leaves them over: collect them.
     args, extra = parser.parse_known_args(argv)
@@ -74,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         from agentrl.logs import setup_logging
 
         setup_logging(args.log_level)
+        from agentrl.registry import add_plugin
+
+        for module in plugins:
+            if not module:
+                raise RegistryError("--import needs a module name, e.g. --import mypkg.envs")
+            add_plugin(module)
         cap_kernel_caches()  # before the first matmul of any command (agentrl/learner/models.py says why)
         return int(args.func(args) or 0)
     except (EnvError, ConfigError, RegistryError, GenerationServerError, ModelError, RunError,

@@ -88,6 +88,25 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def is_import_path(name: str) -> bool:
+    """``package.module:Name``: user code named where a registered name may stand (not a YAML file)."""
+    return ":" in name and Path(name).suffix not in (".yaml", ".yml")
+
+
+def lookup(registry: Any, name: str, key: str, where: str = "for") -> Any:
+    """``registry.get(name)`` (a registered name or an import path), its error as one line naming the
+    config key."""
+    from agentrl.registry import RegistryError
+
+    if not is_import_path(name) and name not in registry:
+        raise ConfigError(f"bad value {where} '{key}': {name!r}; allowed: {', '.join(registry.names())} (or an "
+                          "import path package.module:name)")
+    try:
+        return registry.get(name)
+    except RegistryError as e:
+        raise ConfigError(f"bad value {where} '{key}': {e}") from None
+
+
 def recipe_yaml(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.exists():
@@ -95,21 +114,30 @@ def recipe_yaml(name_or_path: str) -> Path:
     cand = RECIPE_DIR / f"{name_or_path}.yaml"
     if not cand.exists():
         known = sorted(x.stem for x in RECIPE_DIR.glob("*.yaml"))
-        raise ConfigError(f"unknown recipe '{name_or_path}'; allowed: {', '.join(known)} (or a path to a .yaml)")
+        raise ConfigError(f"unknown recipe '{name_or_path}'; allowed: {', '.join(known)} (or a path to a .yaml, or "
+                          "a recipe class package.module:Class)")
     return cand
 
 
 def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None = None) -> dict[str, Any]:
     """The recipe's YAML with its ``base`` chain merged in (base first). With ``env``, each level's overlay
     for that env is applied right after that level's own keys, so a recipe's own setting beats an overlay
-    it inherits (``leafe`` says ``trainer.steps: 1``; its base's alfworld overlay must not make that 10)."""
+    it inherits (``leafe`` says ``trainer.steps: 1``; its base's alfworld overlay must not make that 10).
+
+    A recipe class of the user's (``mypkg.mod:MyRecipe``) takes the settings of the YAML its ``base``
+    attribute names; a YAML names its class with ``recipe: mypkg.mod:MyRecipe`` (or ``method:``)."""
+    from agentrl.recipe import RECIPES
+
+    if is_import_path(name_or_path):
+        cls = lookup(RECIPES, name_or_path, "recipe")
+        data = resolve_yaml(getattr(cls, "base", "base"), seen + (name_or_path,), env)
+        return dict(data, method=name_or_path, recipe=cls.__name__.lower())
     path = recipe_yaml(name_or_path)
     if str(path) in seen:
         raise ConfigError(f"recipe inheritance loop: {' -> '.join(seen + (str(path),))}")
-    from agentrl.recipe import RECIPES
-
     data = _read_yaml(path)
-    own_method = data.get("method") or (path.stem if path.stem in RECIPES else None)
+    own_class = data.pop("recipe") if is_import_path(str(data.get("recipe", ""))) else None
+    own_method = own_class or data.get("method") or (path.stem if path.stem in RECIPES else None)
     base = data.pop("base", None)
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"{path}: bad value for 'base': {base!r}; allowed: a recipe name (e.g. base: grpo) or a "
@@ -204,21 +232,15 @@ def _check_names(cfg: RecipeCfg) -> None:
     from agentrl.recipe import RECIPES
     from agentrl.envs import registry
 
-    if cfg.method not in RECIPES:
-        raise ConfigError(f"bad value for 'method': {cfg.method!r}; allowed: {', '.join(RECIPES.names())}")
-    cls = RECIPES.get(cfg.method)
+    cls = lookup(RECIPES, cfg.method, "method")
     params = getattr(cls, "Params", None)
     if params is None and cfg.extra:
         raise ConfigError(f"unknown key 'extra.{next(iter(cfg.extra))}': recipe method '{cfg.method}' "
                           "takes no extra keys")
     if params is not None:
         build(params, cfg.extra, "extra.")
-    if cfg.algo.estimator not in ESTIMATORS:
-        raise ConfigError(f"bad value for 'algo.estimator': {cfg.algo.estimator!r}; allowed: "
-                          f"{', '.join(ESTIMATORS.names())}")
-    if cfg.algo.loss not in LOSSES:
-        raise ConfigError(f"bad value for 'algo.loss': {cfg.algo.loss!r}; allowed: {', '.join(LOSSES.names())}")
-    est = ESTIMATORS.get(cfg.algo.estimator)
+    est = lookup(ESTIMATORS, cfg.algo.estimator, "algo.estimator")
+    lookup(LOSSES, cfg.algo.loss, "algo.loss")
     if est.needs_values and not est.token_level and cfg.algo.level == "trajectory":
         raise ConfigError(f"'algo.estimator: {cfg.algo.estimator}' trains a critic on turns: it needs "
                           "'algo.level: turn' (for a critic over whole full-chat episodes use gae_token)")
@@ -226,8 +248,7 @@ def _check_names(cfg: RecipeCfg) -> None:
         raise ConfigError(f"'algo.estimator: {cfg.algo.estimator}' is token-level GAE over whole multi-turn "
                           "episodes: it needs 'algo.level: trajectory' and 'rollout.chat_mode: full'")
     for f in cfg.algo.filters:
-        if f not in FILTERS:
-            raise ConfigError(f"bad value in 'algo.filters': {f!r}; allowed: {', '.join(FILTERS.names())}")
+        lookup(FILTERS, f, "algo.filters", where="in")
     if cfg.env not in registry.names() and ":" not in cfg.env:
         raise ConfigError(f"bad value for 'env': {cfg.env!r}; allowed: {', '.join(registry.names())}")
     if cfg.rollout.group_size < 1 or cfg.rollout.groups < 1:
@@ -276,9 +297,7 @@ def _check_names(cfg: RecipeCfg) -> None:
         raise ConfigError(f"bad value for 'algo.progress_coef': {a.progress_coef}; allowed: >= 0, added to "
                           "algo.reward=success or score (env_return takes the env's own step rewards)")
     r = cfg.rollout
-    if r.task_sampler not in TASK_SAMPLERS:
-        raise ConfigError(f"bad value for 'rollout.task_sampler': {r.task_sampler!r}; allowed: "
-                          f"{', '.join(TASK_SAMPLERS.names())}")
+    lookup(TASK_SAMPLERS, r.task_sampler, "rollout.task_sampler")
     if not 0.0 <= r.frontier_share <= 1.0 or r.frontier_size < 1:
         raise ConfigError(f"bad value for 'rollout.frontier_share' ({r.frontier_share}) or 'rollout.frontier_size' "
                           f"({r.frontier_size}); allowed: a share from 0 to 1, a size >= 1")
@@ -370,4 +389,4 @@ def _check_contradictions(cfg: RecipeCfg) -> None:
 def _recipe_can_overlap(method: str) -> bool:
     from agentrl.recipe import RECIPES
 
-    return method not in RECIPES or RECIPES.get(method).can_overlap()
+    return lookup(RECIPES, method, "method").can_overlap()

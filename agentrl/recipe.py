@@ -1,18 +1,21 @@
-"""Recipes are hooks on the trainer's loop; this base class is the online group-RL step they share.
+"""Recipes: ``Recipe`` is the hook protocol the trainer's loop calls; ``GroupRecipe`` is the default
+online group-RL step (GRPO and the baselines) that most recipes extend.
 
-One step: ``starts`` (which states to roll out from) -> rollout -> ``after_rollout`` (bookkeeping:
-buffers, controllers) -> ``make_batch`` (rewards, filters, advantages, training samples) -> update with
-``loss_fn`` -> ``after_update``. A recipe overrides only what its method changes; ``state_dict`` /
-``load_state_dict`` carry its buffers and controllers through checkpoints.
+The trainer calls ``before_training`` once (default: the SFT warm start, ``agentrl.sft.warm_start``), then
+``step`` each step; ``state_dict`` / ``load_state_dict`` carry a recipe's buffers and controllers through
+checkpoints; ``reward`` scores episodes for the run's diagnostics. A recipe whose step is ``collect`` then
+``learn`` says so with ``can_overlap`` (``trainer.max_staleness``).
+
+``GroupRecipe``'s step: ``starts`` (which states to roll out from) -> rollout -> ``after_rollout``
+(bookkeeping: buffers, controllers) -> ``make_batch`` (rewards, filters, advantages, training samples) ->
+update with ``loss_fn`` -> ``after_update``. A recipe overrides only what its method changes.
 """
 from __future__ import annotations
 
-import shutil
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentrl import dist
 from agentrl.algos.advantages import ESTIMATORS, AdvantageInput, Estimator
 from agentrl.algos.filters import FILTERS, FilterContext, informative_groups
 from agentrl.algos.kl_control import KLController
@@ -31,12 +34,13 @@ RECIPES = Registry("recipe", fill="agentrl.recipes")  # the built-in recipes reg
 
 
 class Recipe:
-    name = "base"
-    online = True  # False: a staged recipe (collect -> fit -> eval) that overrides ``run``
+    """The hooks the trainer calls. A subclass gives at least ``step``."""
+
+    base = "base"  # the recipe YAML whose settings a run of this class named by import path starts from
     Params: type | None = None  # a dataclass of the recipe's own knobs (the YAML's ``extra:`` section)
-    # False: the recipe draws its tasks itself, not through ``fresh_starts`` and ``collect``, so
-    # ``rollout.task_sampler`` would not be fed (anything but uniform is refused)
-    task_sampling = True
+    # False: the recipe draws its tasks itself, not through ``GroupRecipe.fresh_starts`` and ``collect``,
+    # so ``rollout.task_sampler`` would not be fed (anything but uniform is refused)
+    task_sampling = False
 
     def __init__(self, cfg: "RecipeCfg"):
         self.cfg = cfg
@@ -44,96 +48,26 @@ class Recipe:
             from agentrl.schema import build
 
             self.p = build(self.Params, cfg.extra, "extra.")
-        a = cfg.algo
-        self.kl_ctl = KLController(a.kl_reward_coef, a.kl_reward_target, a.kl_reward_horizon) \
-            if a.kl_reward_coef > 0 else None
         if cfg.rollout.task_sampler != "uniform" and not self.task_sampling:
             from agentrl.schema import ConfigError
 
             raise ConfigError(f"'rollout.task_sampler: {cfg.rollout.task_sampler}' needs a recipe that rolls out "
                               f"groups through the base step; {cfg.method} draws its tasks itself: use uniform")
-        self.tasks = TASK_SAMPLERS.get(cfg.rollout.task_sampler)(cfg.rollout)  # where fresh groups start
 
-    # ----- hooks -------------------------------------------------------------------------------
     def before_training(self, trainer: "Run") -> dict[str, float]:
-        """SFT warm start on expert demonstrations when ``sft.enabled``; none with ``sft.warm_start``."""
-        if self.cfg.sft.warm_start:
-            from agentrl.sft import adopt_warm_start
+        """Once, before the first step: the SFT warm start when ``sft.enabled`` (``sft.warm_start``: that
+        folder, adopted)."""
+        from agentrl.sft import warm_start
 
-            return adopt_warm_start(trainer)
-        if not self.cfg.sft.enabled:
-            return {}
-        from agentrl.learner.lr import lr_state, restore_lr
-        from agentrl.learner.optim_state import reset_optimizer_state
-        from agentrl.sft import expert_samples, fit_sft, still_rising
+        return warm_start(trainer, self.cfg)
 
-        s = self.cfg.sft
-        samples, expert_success = expert_samples(trainer, s.demos)
-        scores: list[float] = []
-        at: list[float] = []  # the passes made at each reading
-        best_dir = trainer.out_dir / "sft_best"
+    def step(self, trainer: "Run") -> dict[str, float]:
+        """One training step; returns its metrics."""
+        raise NotImplementedError(f"{type(self).__name__} must define step(trainer)")
 
-        keep_best = s.select_keep == "best" and not s.target_success
-
-        def rising(passes: float) -> bool:
-            """After ``passes`` passes (>= sft.epochs; fractional with sft.select_every < 1): go on unless
-            greedy success on the selection tasks has not beaten the best for ``select_patience`` readings
-            in a row (with ``sft.target_success``: while it is below the target)."""
-            won = trainer.evaluate(s.select_tasks, 1, s.select_split, temperature=0.0)["eval/success"]
-            if keep_best and won > max(scores, default=-1.0):
-                trainer.engine.save(best_dir)  # early stopping: the warm start unless a later pass beats it
-            scores.append(won)
-            at.append(passes)
-            go_on = won < s.target_success if s.target_success else still_rising(scores, s.select_patience)
-            trainer.echo(f"sft pass {passes:g}: greedy success {won:.3f} on {s.select_tasks} {s.select_split} "
-                         f"tasks, {'going on' if go_on else 'stopping'}")
-            return go_on
-
-        # fit_sft asks `rising` only when sft.max_epochs > sft.epochs
-        stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule, s.group_by_length,
-                        max_epochs=s.max_epochs, keep_going=rising, check_every=s.select_every)
-        stats["expert_success"] = expert_success
-        for passes, won in zip(at, scores):
-            stats[f"sft_select_success/pass{passes:g}"] = won
-        if scores:
-            best = scores.index(max(scores))
-            if keep_best and best < len(scores) - 1:
-                # the saved optimizer state carries SFT's lr: RL keeps its own
-                keep = lr_state(trainer.engine)
-                trainer.engine.load(best_dir)
-                restore_lr(trainer.engine, keep)
-                trainer.sync_weights()
-                trainer.echo(f"sft: the warm start is pass {at[best]:g} (best reading {scores[best]:.3f})")
-            stats["sft_warm_start_pass"] = at[best] if keep_best else at[-1]
-            dist.barrier()  # every rank has read it
-            if trainer.is_main:
-                shutil.rmtree(best_dir, ignore_errors=True)
-        if s.cooldown:
-            cool = fit_sft(trainer, samples, s.cooldown, s.batch_size, s.lr, "linear", s.group_by_length,
-                           stage="cooldown")
-            stats |= {"sft_cooldown_passes": cool["sft_passes"], "sft_loss_last": cool["sft_loss_last"]}
-        if s.reset_optimizer:
-            reset_optimizer_state(trainer.engine)
-        # The SFT-only policy, kept next to the checkpoints: RL's before/after can then be measured with
-        # any evaluation (`agentrl eval --model RUN/warm_start`), not only the run's own.
-        trainer.engine.export_weights(trainer.out_dir / "warm_start")
-        if not self.cfg.algo.critic_path and hasattr(trainer.engine, "critic_from_policy"):
-            trainer.engine.critic_from_policy()  # a separate critic starts from the policy RL starts from
-        return stats
-
-    def starts(self, trainer: "Run") -> list[Start]:
-        """``groups`` fresh tasks, each rolled out ``group_size`` times from the same start state."""
-        return self.fresh_starts(trainer, self.cfg.rollout.groups)
-
-    def fresh_starts(self, trainer: "Run", n_groups: int) -> list[Start]:
-        out = []
-        for task_id, seed in self.tasks.sample(trainer, n_groups):
-            gid = f"{trainer.step}:{task_id}:{seed}"
-            out += [Start(task_id, seed, gid) for _ in range(self.cfg.rollout.group_size)]
-        return out
-
-    def after_rollout(self, trainer: "Run", episodes: list[Episode]) -> None:
-        pass
+    def estimator(self) -> Estimator:
+        """The ``algo.estimator`` (the trainer builds a value head when it needs values)."""
+        return ESTIMATORS.get(self.cfg.algo.estimator)
 
     def turn_rewards(self, ep: Episode) -> list[float]:
         """Each turn's share of the episode's reward (GAE's per-step rewards; they sum to ``reward``).
@@ -156,6 +90,49 @@ class Recipe:
         """The episode's result alone: success, or the env's score, without penalties or progress."""
         return float(ep.won) if self.cfg.algo.reward == "success" else ep.score
 
+    @classmethod
+    def can_overlap(cls) -> bool:
+        """Whether ``trainer.max_staleness`` > 0 may run this recipe (its step is ``collect`` then ``learn``,
+        with nothing in between that needs this step's policy)."""
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs; recipes with buffers or controllers extend it (and call super)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        """Release what the recipe opened itself (the trainer closes its envs, generator and engine)."""
+
+
+class GroupRecipe(Recipe):
+    """The default step: online group RL (GRPO; the baselines differ in their YAMLs only)."""
+
+    task_sampling = True
+
+    def __init__(self, cfg: "RecipeCfg"):
+        super().__init__(cfg)
+        a = cfg.algo
+        self.kl_ctl = KLController(a.kl_reward_coef, a.kl_reward_target, a.kl_reward_horizon) \
+            if a.kl_reward_coef > 0 else None
+        self.tasks = TASK_SAMPLERS.get(cfg.rollout.task_sampler)(cfg.rollout)  # where fresh groups start
+
+    def starts(self, trainer: "Run") -> list[Start]:
+        """``groups`` fresh tasks, each rolled out ``group_size`` times from the same start state."""
+        return self.fresh_starts(trainer, self.cfg.rollout.groups)
+
+    def fresh_starts(self, trainer: "Run", n_groups: int) -> list[Start]:
+        out = []
+        for task_id, seed in self.tasks.sample(trainer, n_groups):
+            gid = f"{trainer.step}:{task_id}:{seed}"
+            out += [Start(task_id, seed, gid) for _ in range(self.cfg.rollout.group_size)]
+        return out
+
+    def after_rollout(self, trainer: "Run", episodes: list[Episode]) -> None:
+        pass
+
     def variance_signal(self, ep: Episode) -> float:
         """What the variance filters and dynamic sampling compare within a group (``algo.filter_on``)."""
         return self.outcome(ep) if self.cfg.algo.filter_on == "outcome" else self.reward(ep)
@@ -170,9 +147,6 @@ class Recipe:
     def episode_filters(self) -> list[str]:
         """The ``algo.filters`` that drop episodes here (a recipe may apply one otherwise: SPEAR masks)."""
         return list(self.cfg.algo.filters)
-
-    def estimator(self) -> Estimator:
-        return ESTIMATORS.get(self.cfg.algo.estimator)
 
     def make_batch(self, trainer: "Run", episodes: list[Episode]) -> tuple[list[Sample], dict[str, float]]:
         """Filters, then the estimator's per-turn advantages (after the critic's values when it needs
@@ -281,10 +255,6 @@ class Recipe:
     def after_update(self, trainer: "Run", stats: dict[str, float]) -> None:
         pass
 
-    def close(self) -> None:
-        """Release what the recipe opened itself (the trainer closes its envs, generator and engine)."""
-
-    # ----- the step ----------------------------------------------------------------------------
     def collect(self, trainer: "Run") -> tuple[list[Episode], dict[str, float]]:
         """This step's episodes: one round of ``starts`` -> rollout -> ``after_rollout``, repeated while
         fewer than ``rollout.fill_groups`` groups vary (DAPO's dynamic sampling; ``algo.filter_on``), up to
@@ -335,16 +305,15 @@ class Recipe:
 
     @classmethod
     def can_overlap(cls) -> bool:
-        """Whether ``trainer.max_staleness`` > 0 may run this recipe: its step is the base ``collect`` then
+        """Whether ``trainer.max_staleness`` > 0 may run this recipe: its step is the default ``collect`` then
         ``learn`` and its starts and rollout hooks keep no state that needs this step's policy (CRPS's
         buffer and controller, LEAFE's branches, SPEAR's replay, the staged recipes' own steps do)."""
-        base = Recipe
-        return (cls.online and cls.step is base.step and cls.collect is base.collect and cls.learn is base.learn
+        base = GroupRecipe
+        return (cls.step is base.step and cls.collect is base.collect and cls.learn is base.learn
                 and cls.starts is base.starts and cls.after_rollout is base.after_rollout
                 and cls.extra_samples is base.extra_samples)
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs; recipes with buffers or controllers extend it (and call super)."""
         out = dict(tasks=self.tasks.state_dict()) if self.cfg.rollout.task_sampler != "uniform" else {}
         return dict(out, kl_ctl=self.kl_ctl.state_dict()) if self.kl_ctl is not None else out
 

@@ -300,3 +300,69 @@ def adopt_warm_start(trainer: "Run") -> dict[str, float]:
     dist.barrier()
     trainer.echo(f"warm start: {folder} (no demonstrations, no SFT)")
     return {"sft_warm_start_loaded": 1.0}
+
+
+def warm_start(trainer: "Run", cfg: Any) -> dict[str, float]:
+    """The SFT warm start of an RL run (``cfg.sft``, ``cfg`` a ``RecipeCfg``): none unless ``sft.enabled``;
+    the folder of ``sft.warm_start`` adopted as is; else SFT on expert demonstrations, with early stopping on
+    greedy success (``sft.max_epochs``, ``select_*``), a cooldown, the optimizer reset, and the SFT-only
+    policy exported as the run's ``warm_start``."""
+    from agentrl.learner.lr import lr_state
+    from agentrl.learner.optim_state import reset_optimizer_state
+
+    s = cfg.sft
+    if s.warm_start:
+        return adopt_warm_start(trainer)
+    if not s.enabled:
+        return {}
+    samples, expert_success = expert_samples(trainer, s.demos)
+    scores: list[float] = []
+    at: list[float] = []  # the passes made at each reading
+    best_dir = trainer.out_dir / "sft_best"
+    keep_best = s.select_keep == "best" and not s.target_success
+
+    def rising(passes: float) -> bool:
+        """After ``passes`` passes (>= sft.epochs; fractional with sft.select_every < 1): go on unless
+        greedy success on the selection tasks has not beaten the best for ``select_patience`` readings
+        in a row (with ``sft.target_success``: while it is below the target)."""
+        won = trainer.evaluate(s.select_tasks, 1, s.select_split, temperature=0.0)["eval/success"]
+        if keep_best and won > max(scores, default=-1.0):
+            trainer.engine.save(best_dir)  # early stopping: the warm start unless a later pass beats it
+        scores.append(won)
+        at.append(passes)
+        go_on = won < s.target_success if s.target_success else still_rising(scores, s.select_patience)
+        trainer.echo(f"sft pass {passes:g}: greedy success {won:.3f} on {s.select_tasks} {s.select_split} "
+                     f"tasks, {'going on' if go_on else 'stopping'}")
+        return go_on
+
+    # fit_sft asks `rising` only when sft.max_epochs > sft.epochs
+    stats = fit_sft(trainer, samples, s.epochs, s.batch_size, s.lr, s.schedule, s.group_by_length,
+                    max_epochs=s.max_epochs, keep_going=rising, check_every=s.select_every)
+    stats["expert_success"] = expert_success
+    for passes, won in zip(at, scores):
+        stats[f"sft_select_success/pass{passes:g}"] = won
+    if scores:
+        best = scores.index(max(scores))
+        if keep_best and best < len(scores) - 1:
+            # the saved optimizer state carries SFT's lr: RL keeps its own
+            keep = lr_state(trainer.engine)
+            trainer.engine.load(best_dir)
+            restore_lr(trainer.engine, keep)
+            trainer.sync_weights()
+            trainer.echo(f"sft: the warm start is pass {at[best]:g} (best reading {scores[best]:.3f})")
+        stats["sft_warm_start_pass"] = at[best] if keep_best else at[-1]
+        dist.barrier()  # every rank has read it
+        if trainer.is_main:
+            shutil.rmtree(best_dir, ignore_errors=True)
+    if s.cooldown:
+        cool = fit_sft(trainer, samples, s.cooldown, s.batch_size, s.lr, "linear", s.group_by_length,
+                       stage="cooldown")
+        stats |= {"sft_cooldown_passes": cool["sft_passes"], "sft_loss_last": cool["sft_loss_last"]}
+    if s.reset_optimizer:
+        reset_optimizer_state(trainer.engine)
+    # The SFT-only policy, kept next to the checkpoints: RL's before/after can then be measured with
+    # any evaluation (`agentrl eval --model RUN/warm_start`), not only the run's own.
+    trainer.engine.export_weights(trainer.out_dir / "warm_start")
+    if not cfg.algo.critic_path and hasattr(trainer.engine, "critic_from_policy"):
+        trainer.engine.critic_from_policy()  # a separate critic starts from the policy RL starts from
+    return stats

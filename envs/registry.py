@@ -1,7 +1,10 @@
 """Env registry: a name maps to a class path plus default options.
 
 Entries are strings (``"agentrl.envs.sokoban:SokobanEnv"``) so listing envs never imports heavy engines
-(Java for ScienceWorld, Inform7 for TextWorld) and env worker processes can build envs by name.
+(Java for ScienceWorld, Inform7 for TextWorld) and env worker processes can build envs by name. The names
+live in a ``Registry`` like the recipes' and estimators': a user's module that calls ``register`` is
+imported before the first lookup when listed in ``$AGENTRL_PLUGINS`` or as an ``agentrl.plugins`` entry
+point (``agentrl.registry``); env worker processes inherit the variable, so they find the name too.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentrl.envs.base import EnvError, TextEnv
+from agentrl.registry import Registry, load_object
 
 if TYPE_CHECKING:
     from agentrl.envs.slots import EnvSlots
@@ -24,11 +28,10 @@ class EnvSpec:
     fast: bool = False  # pure Python, no engine or generation to start: checked by `make envs` and the tests
 
     def load_class(self) -> type[TextEnv]:
-        module, _, cls = self.entry.partition(":")
-        return getattr(importlib.import_module(module), cls)
+        return load_object(self.entry, f"env '{self.name}'")
 
 
-_REGISTRY: dict[str, EnvSpec] = {}
+ENVS = Registry("env")  # name -> EnvSpec
 # outside suites (``envs/suites.py``): GEM, TextArena and reasoning-gym score a solved task 1.0
 SUITE_DEFAULTS: dict[str, dict[str, Any]] = {
     "gem": {"win_reward": 1.0, "expert": "sample"},
@@ -39,9 +42,12 @@ SUITE_DEFAULTS: dict[str, dict[str, Any]] = {
 
 def register(name: str, entry: str, description: str = "", *, fast: bool = False, **kwargs: Any) -> None:
     """``kwargs`` are the env's default options; ``fast`` marks an env cheap enough for every quick check."""
-    if name in _REGISTRY and _REGISTRY[name].entry != entry:
-        raise EnvError(f"env '{name}' is already registered to {_REGISTRY[name].entry}")
-    _REGISTRY[name] = EnvSpec(name, entry, dict(kwargs), description, fast)
+    if ":" not in entry:
+        raise EnvError(f"register('{name}', {entry!r}): the entry must look like package.module:EnvClass")
+    old = ENVS.registered(name)
+    if old is not None and old.entry != entry:
+        raise EnvError(f"env '{name}' is already registered to {old.entry}")
+    ENVS.register(name, replace=True)(EnvSpec(name, entry, dict(kwargs), description, fast))
 
 
 def spec(name: str) -> EnvSpec:
@@ -57,11 +63,12 @@ def spec(name: str) -> EnvSpec:
     if suite in SUITE_DEFAULTS and inner:
         return EnvSpec(name, "agentrl.envs.from_gymnasium:GymnasiumTextEnv",
                        {"gym_id": inner, "suite": suite, **SUITE_DEFAULTS[suite]})
-    if name not in _REGISTRY and ":" in name:
+    if name not in ENVS and ":" in name:
         return EnvSpec(name, name)
-    if name not in _REGISTRY:
-        raise EnvError(f"unknown env '{name}'; registered envs: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+    if name not in ENVS:
+        raise EnvError(f"unknown env '{name}'; registered envs: {', '.join(ENVS.names())} (an env registered in "
+                       "your own module: agentrl --import mypkg.mod, or $AGENTRL_PLUGINS)")
+    return ENVS.get(name)
 
 
 def make(name: str, **kwargs: Any) -> TextEnv:
@@ -86,12 +93,12 @@ def make_pool(kind: str, env_name: str, num_slots: int, env_kwargs: dict[str, An
 
 
 def names() -> list[str]:
-    return sorted(_REGISTRY)
+    return ENVS.names()
 
 
 def fast_names() -> list[str]:
     """The envs registered as fast, in registration order (the one list `make envs` and the tests use)."""
-    return [n for n, s in _REGISTRY.items() if s.fast]
+    return [n for n, s in ENVS.items().items() if s.fast]
 
 
 register("sokoban", "agentrl.envs.sokoban:SokobanEnv", "RAGEN Sokoban, 6x6, 1 box", fast=True)

@@ -18,7 +18,7 @@ from agentrl.buffers.success import WHEN_FULL, SuccessBuffer
 from agentrl.schema import ConfigError
 from agentrl.curriculum.suffix_k import KController, initial_k
 from agentrl.metrics import episode_diagnostics
-from agentrl.recipe import RECIPES, Recipe
+from agentrl.recipe import RECIPES, GroupRecipe
 from agentrl.rollout.engine import Start
 from agentrl.types import Episode
 
@@ -54,7 +54,7 @@ class CRPSParams:
     expert_k0: int = 1
 
 
-class CRPS(Recipe):
+class CRPS(GroupRecipe):
     Params = CRPSParams
 
     def __init__(self, cfg: "RecipeCfg"):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from agentrl.schema import ConfigError
 from agentrl.generation.base import chat_ids
 from agentrl.learner.batch import Sample, turn_sample
-from agentrl.recipe import RECIPES, Recipe
+from agentrl.recipe import RECIPES, GroupRecipe
 from agentrl.rollout.engine import Start
 from agentrl.sft import fit_sft
 from agentrl.types import Episode, SamplingParams, Turn
@@ -111,7 +111,7 @@ def branch_queue_step(queue: deque, count: int, budget: int) -> Branch | None:
     return queue.popleft() if queue and count < budget else None
 
 
-class LEAFE(Recipe):
+class LEAFE(GroupRecipe):
     Params = LEAFEParams
     task_sampling = False
 
@@ -250,7 +250,7 @@ def world_model_prompt(instruction: str, history: list[tuple[str, str]], obs: st
             "this action. Output only the observation.")
 
 
-class EarlyExp(Recipe):
+class EarlyExp(GroupRecipe):
     """Step 1: implicit world modelling (IWM) SFT on the policy's own rollouts; every later step: GRPO
     (the recipe's ``algo``), as the LEAFE paper runs EarlyExp: IWM training, then RL."""
 

@@ -88,7 +88,8 @@ class RRO(Recipe):
         eps = trainer.rollout([s for s in starts for _ in range(m)])
         return [sum(self.outcome(e) for e in eps[i * m:(i + 1) * m]) / m for i in range(len(starts))]
 
-    def collect(self, trainer: "Run") -> tuple[list[PreferencePair], dict[str, float]]:
+    def preference_pairs(self, trainer: "Run") -> tuple[list[PreferencePair], dict[str, float]]:
+        """This step's (chosen, rejected) responses from the walks, and the walks' stats."""
         p, env, max_turns = self.p, self.cfg.env, self.cfg.rollout.max_turns
         walks = [_Walk(t, s) for t, s in trainer.sample_tasks(p.tasks)]
         # r_0 and the initial fingerprints, from Monte Carlo rollouts of the initial states
@@ -161,7 +162,7 @@ class RRO(Recipe):
         return pairs, stats
 
     def step(self, trainer: "Run") -> dict[str, float]:
-        pairs, stats = self.collect(trainer)
+        pairs, stats = self.preference_pairs(trainer)
         stats.update(fit_dpo(trainer, pairs, self.p.epochs, self.p.batch_size, self.p.lr, self.p.beta))
         return stats
 

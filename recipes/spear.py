@@ -31,7 +31,7 @@ from agentrl.buffers.sil import BaselineBuffer, SILBuffer, SILEntry, dual_filter
 from agentrl.schema import ConfigError
 from agentrl.curriculum.schedules import cosine_decay, cosine_warmup
 from agentrl.learner.batch import Sample, collate
-from agentrl.recipe import RECIPES, Recipe
+from agentrl.recipe import RECIPES, GroupRecipe
 from agentrl.types import Episode
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ def cut_at_token_limit(ep: Episode, turn: int | None) -> bool:
     return any(t.finish_reason == "length" for t in turns)
 
 
-class SPEAR(Recipe):
+class SPEAR(GroupRecipe):
     Params = SPEARParams
 
     def __init__(self, cfg: "RecipeCfg"):

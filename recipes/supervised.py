@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from agentrl.learner.batch import turn_sample
-from agentrl.recipe import RECIPES, Recipe
+from agentrl.recipe import RECIPES, GroupRecipe, Recipe
 from agentrl.sft import expert_samples, fit_sft
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class SFT(Recipe):
 
 
 @RECIPES.register("rft")
-class RFT(Recipe):
+class RFT(GroupRecipe):
     """Roll out groups, keep the successful episodes, SFT on their generated tokens."""
     task_sampling = False
 

@@ -256,13 +256,13 @@ def _shaped_episode(won):
 @pytest.mark.parametrize("kind,expected", [("env_return", 0.4), ("success", 0.9)])
 def test_penalties_in_the_turn_rewards_are_counted_once(kind, expected):
     from agentrl.config_loader import load_config
-    from agentrl.recipe import Recipe
+    from agentrl.recipe import GroupRecipe
 
     cfg = load_config("grpo", env="sokoban", overrides=[f"algo.reward={kind}", "rollout.format_penalty=-0.1",
                                                         "algo.estimator=gae", "algo.filters=[]", "algo.gamma=1.0",
                                                         "algo.turn_weight=uniform",
                                                         "algo.lam=1.0"])
-    recipe = Recipe(cfg)
+    recipe = GroupRecipe(cfg)
     ep = _shaped_episode(won=True)
     assert recipe.reward(ep) == pytest.approx(expected)
 
@@ -279,9 +279,9 @@ def test_penalties_in_the_turn_rewards_are_counted_once(kind, expected):
 def test_progress_coef_ranks_failed_episodes_by_progress():
     from agentrl.config import ConfigError
     from agentrl.config_loader import load_config
-    from agentrl.recipe import Recipe
+    from agentrl.recipe import GroupRecipe
 
-    recipe = Recipe(load_config("grpo", env="sokoban", overrides=["algo.progress_coef=0.5"]))
+    recipe = GroupRecipe(load_config("grpo", env="sokoban", overrides=["algo.progress_coef=0.5"]))
     far, near = (Episode("sokoban", "t", 0, group_id="g", turns=[_shaped_episode(False).turns[1]], progress=p)
                  for p in (0.0, 0.4))
     won = Episode("sokoban", "t", 0, group_id="g", turns=[_shaped_episode(True).turns[1]], won=True, progress=1.0)
@@ -372,11 +372,11 @@ def test_adaptive_kl_controller_by_hand():
 
 def test_kl_reward_penalty_lowers_each_episode_reward_by_coef_times_its_kl():
     from agentrl.config_loader import load_config
-    from agentrl.recipe import Recipe
+    from agentrl.recipe import GroupRecipe
 
     cfg = load_config("grpo", env="sokoban", overrides=["algo.kl_reward_coef=0.5", "algo.filters=[]",
                                                         "algo.turn_weight=uniform", "algo.estimator=dr_grpo"])
-    recipe = Recipe(cfg)
+    recipe = GroupRecipe(cfg)
     eps = [_shaped_episode(won=True), _shaped_episode(won=False)]
     for e in eps:
         e.group_id = "g"

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from agentrl.registry import Registry
+from agentrl.registry import Registry, RegistryError
 
-ESTIMATORS = Registry("advantage estimator")
+ESTIMATORS = Registry("advantage estimator", coerce=lambda name, fn: _as_estimator(name, fn))
 EPS = 1e-6
 
 
@@ -79,11 +79,26 @@ class Estimator:
 
 def estimator(name: str, needs_values: bool = False, needs_anchors: bool = False, token_level: bool = False
               ) -> Callable[[Callable[[AdvantageInput], Advantages]], Callable[[AdvantageInput], Advantages]]:
-    """Register ``fn(AdvantageInput) -> Advantages`` as ``algo.estimator: name``."""
+    """Register ``fn(AdvantageInput) -> Advantages`` as ``algo.estimator: name`` (the function keeps its
+    ``Estimator`` as ``fn.estimator``, so its import path names it with the same needs)."""
     def deco(fn: Callable[[AdvantageInput], Advantages]) -> Callable[[AdvantageInput], Advantages]:
-        ESTIMATORS.register(name)(Estimator(name, fn, needs_values or token_level, needs_anchors, token_level))
+        est = Estimator(name, fn, needs_values or token_level, needs_anchors, token_level)
+        ESTIMATORS.register(name)(est)
+        fn.estimator = est  # type: ignore[attr-defined]
         return fn
     return deco
+
+
+def _as_estimator(path: str, obj: Any) -> Estimator:
+    """What ``algo.estimator: package.module:name`` names: an ``Estimator``, a function registered with
+    ``@estimator``, or a plain ``fn(AdvantageInput) -> Advantages`` (then it needs no critic or anchors)."""
+    if isinstance(obj, Estimator):
+        return obj
+    if isinstance(getattr(obj, "estimator", None), Estimator):
+        return obj.estimator
+    if not callable(obj):
+        raise RegistryError(f"advantage estimator '{path}' is a {type(obj).__name__}, not a function")
+    return Estimator(path, obj)
 
 
 def per_episode(adv: torch.Tensor, x: AdvantageInput) -> Advantages:
