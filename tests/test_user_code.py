@@ -171,3 +171,18 @@ def test_train_a_users_recipe_on_a_users_env_in_worker_processes(user_pkg, tiny_
     assert rows[-1]["step"] == 1 and rows[-1]["short_grpo_updates"] == 1.0  # the user's class ran the step
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert (saved["method"], saved["algo"]["estimator"]) == ("myplug.algo:ShortGRPO", "myplug.algo:centered")
+
+
+def test_an_installed_packages_entry_point_registers_its_names(user_pkg, monkeypatch):
+    """``[project.entry-points."agentrl.plugins"]``: the module is imported before the first lookup."""
+    import importlib.metadata
+
+    from agentrl import registry as reg
+    from agentrl.envs.registry import ENVS, names
+
+    monkeypatch.setattr(ENVS, "_items", dict(ENVS._items))  # the name goes with the test
+    ep = importlib.metadata.EntryPoint("myplug", "myplug.envs", reg.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group: [ep] if group == reg.ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(reg, "_loaded", set())
+    assert "guess" in names()
