@@ -136,15 +136,26 @@ class BatchingWorker:
     def _wait(self, jobs: list[_Job | _Call], waited: float) -> float:
         return min(self.max_wait_s, self.max_gather_s - waited)
 
-    def _fits(self, jobs: list[_Job | _Call], job: Any) -> bool:
-        costs = [self._cost(j) for j in (*jobs, job)]
-        return sum(r for r, _ in costs) <= self.max_batch and sum(t for _, t in costs) <= self.max_batch_tokens
+    def _budget(self) -> Callable[[list, Any], bool]:
+        """One round's fit test: the rows and KV tokens of the jobs taken so far (summed as they join),
+        plus the next job's, within ``max_batch`` and ``max_batch_tokens``."""
+        used = [0, 0, 0]  # rows, tokens, jobs counted
+
+        def fits(jobs: list, job: Any) -> bool:
+            for j in jobs[used[2]:]:
+                r, t = self._cost(j)
+                used[0], used[1] = used[0] + r, used[1] + t
+            used[2] = len(jobs)
+            r, t = self._cost(job)
+            return used[0] + r <= self.max_batch and used[1] + t <= self.max_batch_tokens
+
+        return fits
 
     def _loop(self) -> None:
         """Each time the worker is free it takes what is queued, up to the budgets: requests that arrive
         while a batch decodes are batched together in the next round."""
         while True:
-            jobs = self.q.take(self._wait, self._fits)
+            jobs = self.q.take(self._wait, self._budget())
             if jobs is None or self.closing:  # closing: nobody will be served any more
                 for j in (jobs or []) + self.q.drain():
                     _settle(j.future, error=Cancelled("the server is stopping"))
