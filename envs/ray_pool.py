@@ -24,18 +24,22 @@ from agentrl.envs.base import EnvError
 from agentrl.envs.pool import JournalledSlots, _handle, _last_line
 from agentrl.envs.ray_connect import connect, disconnect, import_ray
 from agentrl.envs.replay import DivergenceError
+from agentrl.registry import plugin_modules
 
 
 class EnvWorker:
     """The actor: ``n`` envs of one name in one Ray worker process (methods answer like ``EnvPool``'s
     workers: ``("ok", value)``, ``("env_error", EnvError)`` or ``("crash", traceback)``)."""
 
-    def __init__(self, env_name: str, env_kwargs: dict[str, Any], n: int):
+    def __init__(self, env_name: str, env_kwargs: dict[str, Any], n: int, plugins: tuple[str, ...] = ()):
         from agentrl.envs.registry import make
+        from agentrl.registry import add_plugin
 
         self.envs: list[Any] = []
         self.error = ""
         try:
+            for module in plugins:  # the driver's --import / $AGENTRL_PLUGINS: a cluster's workers lack its env
+                add_plugin(module)
             self.envs = [make(env_name, **env_kwargs) for _ in range(n)]
         except Exception:  # reported by ready(): an exception here would only say "actor died"
             self.error = traceback.format_exc()
@@ -117,7 +121,8 @@ class RayEnvPool(JournalledSlots):
 
     # ----- actor management --------------------------------------------------------------------
     def _create(self, a: int) -> None:
-        self.actors[a].handle = self._cls.remote(self.env_name, self.env_kwargs, self._sizes[a])
+        self.actors[a].handle = self._cls.remote(self.env_name, self.env_kwargs, self._sizes[a],
+                                                 tuple(plugin_modules()))
 
     def _await_ready(self, a: int) -> str:
         """"" once actor ``a`` has built its envs, else why not."""

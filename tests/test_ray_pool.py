@@ -171,6 +171,19 @@ def test_lost_env_node_its_actors_start_on_another_and_replay():
     assert res["same"] and res["restarts"] == 2 and res["replayed"] == 2 and res["dropped"] == 0
 
 
+@pytest.mark.timeout(120)
+def test_actors_import_the_drivers_plugins_to_find_a_registered_name(monkeypatch):
+    """The cluster was started before the driver read $AGENTRL_PLUGINS (so its workers lack it): the actors
+    import the driver's plugin modules themselves, and the plugin's env name is known there."""
+    from agentrl.envs.ray_pool import RayEnvPool
+
+    monkeypatch.setenv("AGENTRL_PLUGINS", "tests.plugin_envs")
+    with RayEnvPool("plugged-bandit", 1, start_timeout=60) as pool:
+        task = make("bandit").tasks("train")[0].task_id
+        [info] = [r.info for r in pool.reset({0: (task, 0)}).values()]
+        assert "fingerprint" in info and pool.stats["crashes"] == 0
+
+
 def test_missing_ray_is_one_error_line(monkeypatch):
     from agentrl.envs.ray_connect import import_ray
 
