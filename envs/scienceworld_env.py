@@ -3,6 +3,12 @@
 Tasks are (task name, variation) pairs in the package's own train/dev/test variation splits; the
 category is the task name. The expert is the package's gold action sequence, valid from the start of
 an episode while the agent stays on it. There is no native snapshot: restore is replay-prefix.
+
+The prompt describes the action grammar (the simulator's templates, with OBJ an object the observation
+names), as ScienceWorld's own agents and LEAFE's setup do, instead of listing every valid action: that
+list (every template filled with every object in view) runs to 200-1,000+ actions, 5,000-20,000 tokens,
+more than a small model's whole context. ``valid_actions=True`` lists them anyway (``admissible_actions``),
+for a model with the context for it.
 """
 from __future__ import annotations
 
@@ -20,6 +26,12 @@ from agentrl.io_atomic import atomic_write_text
 # substance variation 6). Their replays are checked and fail loudly.
 NONDETERMINISTIC_TASKS = {"mendelian-genetics-known-plant", "mendelian-genetics-unknown-plant", "grow-fruit",
                           "use-thermometer", "measure-melting-point-unknown-substance"}
+# The simulator's action templates (its README's table; ``go to`` as its parser and gold paths write it).
+GRAMMAR = ("Actions are plain commands, OBJ an object you can see and LOC a room: look around, look at OBJ, "
+           "look in OBJ, read OBJ, go to LOC, open OBJ, close OBJ, pick up OBJ, put down OBJ, move OBJ to OBJ, "
+           "pour OBJ in OBJ, dunk OBJ in OBJ, mix OBJ, activate OBJ, deactivate OBJ, connect OBJ to OBJ, "
+           "disconnect OBJ, use OBJ on OBJ, eat OBJ, flush OBJ, focus on OBJ (the task's object: focusing on "
+           "the wrong one fails the task), inventory, task, wait, wait1.")
 PACKAGE_SPLIT = {"train": "get_variations_train", "valid": "get_variations_dev", "test": "get_variations_test"}
 
 
@@ -42,11 +54,12 @@ class ScienceWorldEnv(TextEnv):
     name = "scienceworld"
     default_max_steps = 100
 
-    def __init__(self, simplifications: str = "", **kwargs: Any):
+    def __init__(self, simplifications: str = "", valid_actions: bool = False, **kwargs: Any):
         super().__init__(**kwargs)
         from scienceworld import ScienceWorldEnv as _SW
 
-        self.simplifications = simplifications
+        self.simplifications, self.valid_actions = simplifications, valid_actions
+        self.valid: set[str] = set()  # the simulator's valid actions now (``action_is_valid``)
         # The Java side gets a generous limit; the base class enforces ``max_steps``.
         self.sw = _SW("", envStepLimit=10_000)
         self.table = _task_table(self.sw)
@@ -64,7 +77,8 @@ class ScienceWorldEnv(TextEnv):
         return self._tasks[split]
 
     def prompt_spec(self) -> PromptSpec:
-        return PromptSpec(system="You are an expert agent operating in the ScienceWorld environment.",
+        system = "You are an expert agent operating in the ScienceWorld environment."
+        return PromptSpec(system=system if self.valid_actions else f"{system} {GRAMMAR}",
                           instruction=self.task_desc or "Complete the science task.", style="react",
                           answer_tag="action", max_actions_per_turn=1)
 
@@ -73,8 +87,9 @@ class ScienceWorldEnv(TextEnv):
 
     def _info(self, sw_info: dict[str, Any], valid: bool = True) -> dict[str, Any]:
         self.sw_score = int(sw_info["score"])
+        self.valid = set(sw_info["valid"])
         return dict(won=self.sw_score >= 100, score=max(self.sw_score, 0) / 100.0,
-                    admissible_actions=list(sw_info["valid"]), action_is_valid=valid)
+                    admissible_actions=list(sw_info["valid"]) if self.valid_actions else None, action_is_valid=valid)
 
     def _reset(self, task: Task, seed: int) -> tuple[str, dict[str, Any]]:
         _, name, var = task.task_id.split("/")
@@ -91,7 +106,7 @@ class ScienceWorldEnv(TextEnv):
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         if self.on_gold and (self.steps >= len(self.gold) or self.gold[self.steps] != action):
             self.on_gold = False
-        valid_before = set(self.last_info.get("admissible_actions", ()))
+        valid_before = self.valid
         prev = self.sw_score
         obs, _, done, sw_info = self.sw.step(action)
         info = self._info(sw_info, valid=action in valid_before)
