@@ -5,10 +5,12 @@ category is the task name. The expert is the package's gold action sequence, val
 an episode while the agent stays on it. There is no native snapshot: restore is replay-prefix.
 
 The prompt describes the action grammar (the simulator's templates, with OBJ an object the observation
-names), as ScienceWorld's own agents and LEAFE's setup do, instead of listing every valid action: that
-list (every template filled with every object in view) runs to 200-1,000+ actions, 5,000-20,000 tokens,
-more than a small model's whole context. ``valid_actions=True`` lists them anyway (``admissible_actions``),
-for a model with the context for it.
+names; LEAFE's setup also has the model compose its actions from templates) instead of listing every
+valid action: that list (every template filled with every object in view) runs to hundreds of actions
+(the first step of a task: 229-417 actions, 3,000-6,700 tokens of the tiny model's tokenizer), more than
+a small model's context.
+``admissible_actions`` still holds them (constrained decoding, parsing, demonstrations);
+``valid_actions=True`` lists them in the prompt too, for a model with the context for it.
 """
 from __future__ import annotations
 
@@ -59,7 +61,6 @@ class ScienceWorldEnv(TextEnv):
         from scienceworld import ScienceWorldEnv as _SW
 
         self.simplifications, self.valid_actions = simplifications, valid_actions
-        self.valid: set[str] = set()  # the simulator's valid actions now (``action_is_valid``)
         # The Java side gets a generous limit; the base class enforces ``max_steps``.
         self.sw = _SW("", envStepLimit=10_000)
         self.table = _task_table(self.sw)
@@ -80,16 +81,15 @@ class ScienceWorldEnv(TextEnv):
         system = "You are an expert agent operating in the ScienceWorld environment."
         return PromptSpec(system=system if self.valid_actions else f"{system} {GRAMMAR}",
                           instruction=self.task_desc or "Complete the science task.", style="react",
-                          answer_tag="action", max_actions_per_turn=1)
+                          answer_tag="action", max_actions_per_turn=1, list_actions=self.valid_actions)
 
     def instruction(self) -> str:
         return self.task_desc
 
     def _info(self, sw_info: dict[str, Any], valid: bool = True) -> dict[str, Any]:
         self.sw_score = int(sw_info["score"])
-        self.valid = set(sw_info["valid"])
         return dict(won=self.sw_score >= 100, score=max(self.sw_score, 0) / 100.0,
-                    admissible_actions=list(sw_info["valid"]) if self.valid_actions else None, action_is_valid=valid)
+                    admissible_actions=list(sw_info["valid"]), action_is_valid=valid)
 
     def _reset(self, task: Task, seed: int) -> tuple[str, dict[str, Any]]:
         _, name, var = task.task_id.split("/")
@@ -106,7 +106,7 @@ class ScienceWorldEnv(TextEnv):
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         if self.on_gold and (self.steps >= len(self.gold) or self.gold[self.steps] != action):
             self.on_gold = False
-        valid_before = self.valid
+        valid_before = set(self.last_info.get("admissible_actions", ()))
         prev = self.sw_score
         obs, _, done, sw_info = self.sw.step(action)
         info = self._info(sw_info, valid=action in valid_before)

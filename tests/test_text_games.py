@@ -69,9 +69,9 @@ def test_scienceworld_tasks_and_categories():
         assert len(train) > 1000 and all(t.task_id.startswith("train/" + t.category + "/") for t in train[:50])
         obs, info = env.reset(train[0].task_id)
         assert "This room is called" in obs and env.instruction().startswith("Your task is to")
-        assert len(env.valid) > 10 and env.expert_action()
+        assert len(info["admissible_actions"]) > 10 and env.expert_action()
         # the prompt describes the action grammar instead of listing the valid actions (thousands of tokens)
-        assert info["admissible_actions"] is None and "focus on OBJ" in env.prompt_spec().system
+        assert not env.prompt_spec().list_actions and "focus on OBJ" in env.prompt_spec().system
     finally:
         env.close()
 
