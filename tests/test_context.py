@@ -203,3 +203,26 @@ def test_the_embedded_generator_refuses_an_over_context_prompt_before_any_forwar
     monkeypatch.setattr(gen.model, "forward", lambda *a, **k: pytest.fail("the model ran"))
     with pytest.raises(ContextOverflow, match=f"does not fit the model's context of {gen.context} tokens"):
         gen.generate([[5] * (gen.context - 31)], SamplingParams(max_new_tokens=32))
+
+
+def test_each_generator_kind_answers_its_context(tiny_generator):
+    """In-process: the model's config; `agentrl serve` (and vLLM): /v1/models' max_model_len; a fleet: its
+    servers' smallest."""
+    import types
+
+    from agentrl.generation.client import RemoteGenerator
+    from agentrl.generation.server import start_server
+    from agentrl.generation.servers import ServerPool
+
+    want = tiny_generator.model.config.max_position_embeddings
+    assert context.context_length(tiny_generator) == want
+    srv = start_server(tiny_generator, "tiny-test", port=0)
+    try:
+        client = RemoteGenerator(f"http://127.0.0.1:{srv.server_address[1]}")
+        assert context.context_length(client) == want
+        fleet = types.SimpleNamespace(pool=ServerPool({"a": client}))  # what VLLMFleet holds
+        assert context._ask(fleet) == want
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert context.context_length(object()) is None  # a generator that cannot tell: no bound
