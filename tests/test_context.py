@@ -226,3 +226,13 @@ def test_each_generator_kind_answers_its_context(tiny_generator):
         srv.shutdown()
         srv.server_close()
     assert context.context_length(object()) is None  # a generator that cannot tell: no bound
+
+
+def test_prefill_chunks_are_sized_by_the_score_budget(tiny_generator, monkeypatch):
+    """CPU: 256 MiB of fp32 scores a chunk; a GPU (the rule only, not run on one): a quarter of its free memory."""
+    heads = tiny_generator.model.config.num_attention_heads
+    assert tiny_generator._chunk(4, 8192) == (256 << 20) // (4 * 4 * heads * 8192)
+    assert tiny_generator._chunk(64, 1 << 20) == 16  # never fewer positions than that a call
+    gpu = EmbeddedGenerator(tiny_generator.model, tiny_generator.tokenizer, [], device="cuda:0")
+    monkeypatch.setattr(embedded.torch.cuda, "mem_get_info", lambda device: (40 << 30, 80 << 30))
+    assert gpu._chunk(64, 8192) == (10 << 30) // (4 * 64 * heads * 8192)

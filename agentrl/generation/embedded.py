@@ -17,17 +17,19 @@ import torch
 
 from agentrl.learner.logprobs import mask_logits, padded_ids
 from agentrl.prefix import shared_prefix_len
+from agentrl.schema import ConfigError
 from agentrl.types import Completion, SamplingParams
 
 
-# Bytes the attention scores of one prefill chunk may take (rows x heads x chunk x cache length, fp32): the
-# chunk shrinks as prompts grow, so prefill memory stays the KV cache plus this
+# Bytes the attention scores of one prefill chunk may take on a CPU (rows x heads x chunk x cache length, fp32;
+# on a GPU a quarter of its free memory): the chunk shrinks as prompts grow, so prefill memory stays the KV
+# cache plus this
 PREFILL_SCORES_BYTES = 256 << 20
 UNBOUNDED = 1 << 30  # tokenizers without a limit report ~1e30 as model_max_length
 
 
-class ContextOverflow(ValueError):
-    """A prompt plus its ``max_new_tokens`` does not fit the model's context."""
+class ContextOverflow(ConfigError):
+    """A prompt plus its ``max_new_tokens`` does not fit the model's context (a run stops with its line)."""
 
 
 def model_context(config: Any, tokenizer: Any = None) -> int | None:
@@ -155,7 +157,10 @@ class EmbeddedGenerator:
         """Prompt positions one prefill call takes: its attention scores (rows x heads x chunk x cache
         length) within ``PREFILL_SCORES_BYTES``."""
         heads = int(getattr(self.model.config, "num_attention_heads", 1) or 1)
-        return max(16, PREFILL_SCORES_BYTES // (4 * rows * heads * max(1, cache_len)))
+        budget = PREFILL_SCORES_BYTES
+        if str(self.device).startswith("cuda"):  # fewer, larger chunks: each forward call costs a launch sequence
+            budget = max(budget, torch.cuda.mem_get_info(torch.device(self.device))[0] // 4)
+        return max(16, budget // (4 * rows * heads * max(1, cache_len)))
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, start: int) -> Any:
         """Run ``ids`` (rows x width, cache positions ``start``...) into ``cache`` chunk by chunk; ``mask``

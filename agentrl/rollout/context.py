@@ -62,10 +62,10 @@ class ContextBound:
 
     def __init__(self, context: int | None, max_new: int, mode: str, env: str, stats: dict[str, Any]):
         if mode not in OVERFLOW:
-            raise ValueError(f"rollout.context_overflow must be one of {', '.join(OVERFLOW)}, got {mode!r}")
+            raise ContextOverflow(f"rollout.context_overflow must be one of {', '.join(OVERFLOW)}, got {mode!r}")
         if context is not None and max_new >= context:
-            raise ValueError(f"rollout.max_new_tokens ({max_new}) leaves no room for a prompt in the model's "
-                             f"context of {context} tokens")
+            raise ContextOverflow(f"rollout.max_new_tokens ({max_new}) leaves no room for a prompt in the model's "
+                                  f"context of {context} tokens")
         self.context, self.max_new, self.mode, self.env, self.stats = context, max_new, mode, env, stats
         stats.setdefault("context_trimmed", 0)
         stats.setdefault("context_ended", 0)
