@@ -53,6 +53,10 @@ class RolloutCfg:
     temperature: float = 1.0  # sampling temperature of training rollouts
     top_p: float = 1.0  # nucleus sampling threshold of training rollouts
     max_new_tokens: int = 48  # tokens one response may generate
+    # a prompt that with max_new_tokens would not fit the model's context (never sent to a generator): "trim"
+    # rebuilds it with fewer history turns, then a shorter observation, else ends the episode as truncated;
+    # "truncate" ends the episode; "error" stops the run naming the env, task, turn and lengths
+    context_overflow: Literal["trim", "truncate", "error"] = "trim"
     require_think: bool = False  # a response needs <think>...</think> before its answer, else it gets format_penalty
     format_penalty: float = -0.1  # reward added to a turn without a valid answer
     max_actions_per_turn: int = 0  # actions one response may take (0: the env's own, e.g. Sokoban 1)

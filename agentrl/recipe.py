@@ -166,7 +166,7 @@ class GroupRecipe(Recipe):
         samples, where = [], []  # where[i]: (episode, turn) of samples[i]; turn -1 for a whole episode
         for n, (e, r) in enumerate(zip(kept, rewards.tolist())):
             meta = dict(episode=n, group=e.group_id, reward=r)
-            if algo.level == "trajectory":
+            if algo.level == "trajectory" and e.turns:  # no turns: its first prompt outgrew the context
                 samples.append(episode_sample(e, [0.0] * len(e.turns), meta))
                 where.append((n, -1))
             else:

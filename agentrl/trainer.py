@@ -288,7 +288,7 @@ class Trainer:
                              max_actions_per_turn=r.max_actions_per_turn or None,
                              max_episode_actions=r.max_episode_actions,
                              show_admissible=r.show_admissible, constrain_actions=r.constrain_actions,
-                             prompt=r.prompt, refill=r.refill, mode=r.mode,
+                             prompt=r.prompt, refill=r.refill, mode=r.mode, context_overflow=r.context_overflow,
                              sampling=SamplingParams(temperature=r.temperature if temperature is None else temperature,
                                                      top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=stops,
                                                      seed=self.rng.randrange(2**31)))
@@ -488,7 +488,8 @@ class Trainer:
         workers' restarts, timeouts, crashes, replays and dropped episodes this step, summed over ranks."""
         d = episode_diagnostics(episodes, recipe.reward)
         st = self._rollout_stats
-        d.update(time_generate_s=st.get("generate_s", 0.0), time_env_s=st.get("env_s", 0.0))
+        d.update(time_generate_s=st.get("generate_s", 0.0), time_env_s=st.get("env_s", 0.0),
+                 context_trimmed=st.get("context_trimmed", 0.0), context_ended=st.get("context_ended", 0.0))
         now = dict(self.envs.stats)
         delta = {k: v - self._pool_seen.get(k, 0) for k, v in now.items()}
         self._pool_seen = now

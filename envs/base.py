@@ -40,6 +40,9 @@ class PromptSpec:
     max_actions_per_turn: int = 1
     action_separator: str = " || "
     symbols: str = ""
+    # False: the prompt never lists the admissible actions (too many for a context: ScienceWorld's); the env
+    # still reports them, for constrained decoding, parsing and demonstrations
+    list_actions: bool = True
 
 
 class EnvError(RuntimeError):

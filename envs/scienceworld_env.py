@@ -3,6 +3,14 @@
 Tasks are (task name, variation) pairs in the package's own train/dev/test variation splits; the
 category is the task name. The expert is the package's gold action sequence, valid from the start of
 an episode while the agent stays on it. There is no native snapshot: restore is replay-prefix.
+
+The prompt describes the action grammar (the simulator's templates, with OBJ an object the observation
+names; LEAFE's setup also has the model compose its actions from templates) instead of listing every
+valid action: that list (every template filled with every object in view) runs to hundreds of actions
+(the first step of a task: 229-417 actions, 3,000-6,700 tokens of the tiny model's tokenizer), more than
+a small model's context.
+``admissible_actions`` still holds them (constrained decoding, parsing, demonstrations);
+``valid_actions=True`` lists them in the prompt too, for a model with the context for it.
 """
 from __future__ import annotations
 
@@ -20,6 +28,12 @@ from agentrl.io_atomic import atomic_write_text
 # substance variation 6). Their replays are checked and fail loudly.
 NONDETERMINISTIC_TASKS = {"mendelian-genetics-known-plant", "mendelian-genetics-unknown-plant", "grow-fruit",
                           "use-thermometer", "measure-melting-point-unknown-substance"}
+# The simulator's action templates (its README's table; ``go to`` as its parser and gold paths write it).
+GRAMMAR = ("Actions are plain commands, OBJ an object you can see and LOC a room: look around, look at OBJ, "
+           "look in OBJ, read OBJ, go to LOC, open OBJ, close OBJ, pick up OBJ, put down OBJ, move OBJ to OBJ, "
+           "pour OBJ in OBJ, dunk OBJ in OBJ, mix OBJ, activate OBJ, deactivate OBJ, connect OBJ to OBJ, "
+           "disconnect OBJ, use OBJ on OBJ, eat OBJ, flush OBJ, focus on OBJ (the task's object: focusing on "
+           "the wrong one fails the task), inventory, task, wait, wait1.")
 PACKAGE_SPLIT = {"train": "get_variations_train", "valid": "get_variations_dev", "test": "get_variations_test"}
 
 
@@ -42,11 +56,11 @@ class ScienceWorldEnv(TextEnv):
     name = "scienceworld"
     default_max_steps = 100
 
-    def __init__(self, simplifications: str = "", **kwargs: Any):
+    def __init__(self, simplifications: str = "", valid_actions: bool = False, **kwargs: Any):
         super().__init__(**kwargs)
         from scienceworld import ScienceWorldEnv as _SW
 
-        self.simplifications = simplifications
+        self.simplifications, self.valid_actions = simplifications, valid_actions
         # The Java side gets a generous limit; the base class enforces ``max_steps``.
         self.sw = _SW("", envStepLimit=10_000)
         self.table = _task_table(self.sw)
@@ -64,9 +78,10 @@ class ScienceWorldEnv(TextEnv):
         return self._tasks[split]
 
     def prompt_spec(self) -> PromptSpec:
-        return PromptSpec(system="You are an expert agent operating in the ScienceWorld environment.",
+        system = "You are an expert agent operating in the ScienceWorld environment."
+        return PromptSpec(system=system if self.valid_actions else f"{system} {GRAMMAR}",
                           instruction=self.task_desc or "Complete the science task.", style="react",
-                          answer_tag="action", max_actions_per_turn=1)
+                          answer_tag="action", max_actions_per_turn=1, list_actions=self.valid_actions)
 
     def instruction(self) -> str:
         return self.task_desc

@@ -70,6 +70,8 @@ def test_scienceworld_tasks_and_categories():
         obs, info = env.reset(train[0].task_id)
         assert "This room is called" in obs and env.instruction().startswith("Your task is to")
         assert len(info["admissible_actions"]) > 10 and env.expert_action()
+        # the prompt describes the action grammar instead of listing the valid actions (thousands of tokens)
+        assert not env.prompt_spec().list_actions and "focus on OBJ" in env.prompt_spec().system
     finally:
         env.close()
 

@@ -3,6 +3,9 @@
 Left-padded batch, one prefill, then token-by-token decoding with the KV cache. Finished rows are
 dropped from the batch and the cache as they finish, so a batch of ragged turns costs about what its
 live rows cost. Each sampled token's log-prob is taken from the same logits it was sampled from.
+The prefill runs in chunks of prompt positions (their attention scores within a fixed budget), so a
+long prompt costs what its KV cache costs, never a dense L x L score matrix; a prompt that with its
+``max_new_tokens`` does not fit the model's context is refused before anything is allocated.
 """
 from __future__ import annotations
 
@@ -14,7 +17,30 @@ import torch
 
 from agentrl.learner.logprobs import mask_logits, padded_ids
 from agentrl.prefix import shared_prefix_len
+from agentrl.schema import ConfigError
 from agentrl.types import Completion, SamplingParams
+
+
+# Bytes the attention scores of one prefill chunk may take on a CPU (rows x heads x chunk x cache length, fp32;
+# on a GPU a quarter of its free memory): the chunk shrinks as prompts grow, so prefill memory stays the KV
+# cache plus this
+PREFILL_SCORES_BYTES = 256 << 20
+UNBOUNDED = 1 << 30  # tokenizers without a limit report ~1e30 as model_max_length
+
+
+class ContextOverflow(ConfigError):
+    """A prompt plus its ``max_new_tokens`` does not fit the model's context (a run stops with its line)."""
+
+
+def model_context(config: Any, tokenizer: Any = None) -> int | None:
+    """The context a transformers model was trained for, in tokens: its config's position limit, lowered by
+    the tokenizer's ``model_max_length`` where that is a real limit; None when neither says."""
+    n = next((int(v) for k in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+              if (v := getattr(config, k, None))), None)
+    t = getattr(tokenizer, "model_max_length", None)
+    if isinstance(t, int) and 0 < t < UNBOUNDED:
+        n = min(n, t) if n else t
+    return n
 
 
 def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams,
@@ -90,6 +116,7 @@ class EmbeddedGenerator:
     def __init__(self, model: Any, tokenizer: Any, stop_ids: list[int], device: str = "cpu"):
         self.model, self.tokenizer, self.stop_ids, self.device = model.eval(), tokenizer, set(stop_ids), device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.context = model_context(model.config, tokenizer)
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: str = "float32", device: str = "cpu") -> "EmbeddedGenerator":
@@ -126,6 +153,29 @@ class EmbeddedGenerator:
         tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
         return any(s in tail for s in stops)
 
+    def _chunk(self, rows: int, cache_len: int) -> int:
+        """Prompt positions one prefill call takes: its attention scores (rows x heads x chunk x cache
+        length) within ``PREFILL_SCORES_BYTES``."""
+        heads = int(getattr(self.model.config, "num_attention_heads", 1) or 1)
+        budget = PREFILL_SCORES_BYTES
+        if str(self.device).startswith("cuda"):  # fewer, larger chunks: each forward call costs a launch sequence
+            budget = max(budget, torch.cuda.mem_get_info(torch.device(self.device))[0] // 4)
+        return max(16, budget // (4 * rows * heads * max(1, cache_len)))
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any, start: int) -> Any:
+        """Run ``ids`` (rows x width, cache positions ``start``...) into ``cache`` chunk by chunk; ``mask``
+        covers every position from 0, ``pos`` the ids' own. Returns the last chunk's output."""
+        width, step = ids.shape[1], self._chunk(ids.shape[0], int(cache.get_max_length()))
+        out = None
+        for a in range(0, width, step):
+            b = min(width, a + step)
+            # logits_to_keep=1: only the last position's logits are sampled from; the vocabulary projection
+            # of every prompt position was a third of the prefill
+            out = self.model(input_ids=ids[:, a:b], attention_mask=mask[:, :start + b], position_ids=pos[:, a:b],
+                             past_key_values=cache, use_cache=True,
+                             cache_position=torch.arange(start + a, start + b, device=ids.device), logits_to_keep=1)
+        return out
+
     def _prefill(self, prompts: list[list[int]], max_new: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill a static KV cache with the prompts; return (cache, attention mask, positions, last logits).
 
@@ -141,9 +191,7 @@ class EmbeddedGenerator:
         cache = StaticCache(config=self.model.config, max_cache_len=shared + width + max_new)
         if shared:
             pre = torch.tensor([prompts[0][:shared]], device=dev)
-            self.model(input_ids=pre, attention_mask=torch.ones_like(pre), past_key_values=cache, use_cache=True,
-                       position_ids=torch.arange(shared, device=dev)[None],
-                       cache_position=torch.arange(shared, device=dev), logits_to_keep=1)
+            self._forward(pre, torch.ones_like(pre), torch.arange(shared, device=dev)[None], cache, 0)
             for layer in cache.layers:
                 layer.keys = layer.keys.expand(n, -1, -1, -1).contiguous()
                 layer.values = layer.values.expand(n, -1, -1, -1).contiguous()
@@ -157,11 +205,7 @@ class EmbeddedGenerator:
             mask[i, shared + width - len(own):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        # logits_to_keep=1: only the last position's logits are sampled from; the vocabulary projection of
-        # every prompt position was a third of the prefill
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos[:, shared:], past_key_values=cache,
-                         use_cache=True, cache_position=torch.arange(shared, shared + width, device=dev),
-                         logits_to_keep=1)
+        out = self._forward(ids, mask, pos[:, shared:], cache, shared)
         return out.past_key_values, mask, pos, out.logits[:, -1]
 
     @torch.inference_mode()
@@ -180,6 +224,10 @@ class EmbeddedGenerator:
             return [Completion([], [], "", "cancelled", []) for _ in prompts]
         if choices is not None and len(choices) != len(prompts):
             raise ValueError(f"{len(choices)} choice lists for {len(prompts)} prompts")
+        longest = max(len(p) for p in prompts)
+        if self.context and longest + sampling.max_new_tokens > self.context:
+            raise ContextOverflow(f"a prompt of {longest} tokens + max_new_tokens {sampling.max_new_tokens} does not "
+                                  f"fit the model's context of {self.context} tokens")
         tries = [ChoiceTrie(c) if c else None for c in (choices or [None] * len(prompts))]
         if self.model.training:  # the learner's own module is left in train mode (dropout) after a step
             self.model.eval()

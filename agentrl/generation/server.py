@@ -500,7 +500,8 @@ def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model"}]}
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model",
+                                            "max_model_len": service.context}]}
 
     async def complete(request: Request, parse: Callable[[bytes], CompletionRequest]) -> dict[str, Any]:
         raw = await _read_body(request, limits)

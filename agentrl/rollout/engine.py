@@ -19,10 +19,11 @@ episode's stream and turn, so a seeded run gives the same episodes in either mod
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentrl.generation.base import Generator, chat_ids
+from agentrl.rollout.context import ContextBound, context_length
 from agentrl.rollout.parsing import parse_turn
 from agentrl.rollout.prompts import PROMPTS, followup_user, numbered_actions, step_messages
 from agentrl.seeds import mix_seed
@@ -58,6 +59,7 @@ class RolloutConfig:
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0, max_new_tokens=64))
     # "lockstep": one generate call per turn of every live slot | "async": per-trajectory (same episodes)
     mode: str = "lockstep"
+    context_overflow: str = "trim"  # a prompt over the model's context: trim | truncate | error (rollout/context.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -146,6 +148,8 @@ class RolloutEngine:
         self._suffix_cache: dict[str, str] = {}
         self._choice_cache: dict[str, list[int]] = {}
         self._stop_ids = set(getattr(generator, "stop_ids", ())) | {tokenizer.eos_token_id}
+        self.bound = ContextBound(context_length(generator), config.sampling.max_new_tokens, config.context_overflow,
+                                  env_name, self.stats)
 
     def _row_seeds(self, slots: list[_Slot], live: list[int]) -> list[int] | None:
         """One sampling seed per (episode stream, turn). Each turn draws fresh random numbers (one seed
@@ -238,19 +242,28 @@ class RolloutEngine:
                 slots[i] = sl
         return [ep for ep in out if ep is not None]
 
-    def _prompt(self, sl: _Slot) -> list[int]:
+    def _prompt(self, sl: _Slot) -> list[int] | None:
+        """The slot's next prompt, within the model's context; None: it could not be, the episode has ended."""
         admissible = sl.admissible if self.cfg.show_admissible else None
+        where = f"task {sl.ep.task_id} turn {len(sl.ep.turns) + 1}"
         if self.cfg.chat_mode == "window" or sl.prompt_ids is None:
             note = sl.note if not sl.ep.turns else ""
             ids = first_prompt_ids(self.tok, self.cfg, sl.spec, sl.ep.instruction, sl.obs, sl.history, sl.env_steps,
                                    admissible, note)
+            ids = self.bound.fit(ids, where, lambda h, obs: first_prompt_ids(
+                self.tok, replace(self.cfg, history_len=h), sl.spec, sl.ep.instruction, obs, sl.history,
+                sl.env_steps, admissible, note), self.cfg.history_len if self.cfg.chat_mode == "window" else 0, sl.obs)
             if note:
                 sl.plain_prompt = first_prompt_ids(self.tok, self.cfg, sl.spec, sl.ep.instruction, sl.obs, sl.history,
                                                    sl.env_steps, admissible)
         else:
             last = sl.ep.turns[-1]
             suffix = self._followup_text(followup_user(sl.spec, sl.obs, admissible), last.finish_reason)
-            ids = sl.prompt_ids + last.gen_ids + self.tok(suffix, add_special_tokens=False)["input_ids"]
+            ids = self.bound.fit(sl.prompt_ids + last.gen_ids + self.tok(suffix, add_special_tokens=False)["input_ids"],
+                                 where)
+        if ids is None:  # over the model's context (rollout.context_overflow): the episode ends as truncated
+            sl.done = sl.ep.truncated = True
+            return None
         if self.cfg.chat_mode == "full":
             sl.prompt_ids = ids
         return ids
@@ -279,9 +292,12 @@ class RolloutEngine:
         return answer_choices(self.tok, sl.spec.answer_tag, sl.admissible, numbered,
                               self.cfg.sampling.max_new_tokens, self._choice_cache)
 
-    def _request(self, sl: _Slot) -> tuple[list[int], list[str] | None, list[list[int]] | None]:
-        """A live slot's next generation request: (prompt ids, numbered actions, answer choices)."""
+    def _request(self, sl: _Slot) -> tuple[list[int] | None, list[str] | None, list[list[int]] | None]:
+        """A live slot's next generation request: (prompt ids, numbered actions, answer choices); prompt None:
+        the episode has ended (its prompt outgrew the context)."""
         prompt = self._prompt(sl)
+        if prompt is None:
+            return None, None, None
         numbered = self._numbered(sl)
         return prompt, numbered, self._choices(sl, numbered) if self.cfg.constrain_actions else None
 
@@ -344,6 +360,9 @@ class RolloutEngine:
         t = time.perf_counter()
         prompts = [self._prompt(slots[i]) for i in live]
         self.stats["prompt_s"] += time.perf_counter() - t
+        live, prompts = [i for i, p in zip(live, prompts) if p is not None], [p for p in prompts if p is not None]
+        if not live:  # every prompt outgrew the context: those episodes have ended
+            return
         t = time.perf_counter()
         numbered = [self._numbered(slots[i]) for i in live]
         # only constrained calls pass ``choices`` (every generator takes them; a test double may not)

@@ -109,6 +109,7 @@ def step_messages(spec: PromptSpec, instruction: str, obs: str, history: list[tu
     "compact_tried" (compact, with the actions already tried listed apart) | "numbered" (compact_tried
     with numbered actions, answered by number)."""
     tail = f"\n\n{note}" if note else ""
+    admissible = admissible if spec.list_actions else None
     if spec.style == "ragen":
         return [{"role": "system", "content": spec.system},
                 {"role": "user", "content": ragen_user(spec, obs, admissible) + tail}]
@@ -122,7 +123,7 @@ def step_messages(spec: PromptSpec, instruction: str, obs: str, history: list[tu
 def followup_user(spec: PromptSpec, obs: str, admissible: list[str] | None) -> str:
     """The next user message in full-history chat mode (RAGEN): the new state and what can be done."""
     text = f"State:\n{obs}" if spec.style == "ragen" else f"Observation: {obs}"
-    if admissible and spec.style != "ragen":
+    if admissible and spec.style != "ragen" and spec.list_actions:
         text += "\nYour admissible actions are: [" + ", ".join(f"'{a}'" for a in admissible) + "]."
     if spec.max_actions_per_turn > 1:
         text += (f"\nYou can make up to {spec.max_actions_per_turn} actions, "

@@ -68,6 +68,8 @@ class _Loop:
         t = time.perf_counter()
         prompt, numbered, choices = self.eng._request(sl)
         self.eng.stats["prompt_s"] += time.perf_counter() - t
+        if prompt is None:  # over the model's context: the episode has ended, the slot moves on
+            return self._advance(slot)
         self.requests[slot] = (prompt, numbered)
         self._watch("gen", slot, self.sched.submit(prompt, self.eng._seed(sl) if self.seeded else None, choices))
 
