@@ -42,10 +42,12 @@ MAX_YAML_NODES = 20_000
 
 class _BoundedLoader(yaml.SafeLoader):
     """SafeLoader that refuses a document whose aliases expand it by more than MAX_YAML_NODES nodes (or refer to
-    the node holding them). A long list written out is fine: only what aliases repeat counts."""
+    the node holding them), and a mapping that gives a key twice (PyYAML keeps the last silently, so
+    ``trainer: {steps: 3, steps: 5}`` ran 5 steps). A long list written out is fine: only what aliases repeat counts."""
 
     def compose_document(self) -> yaml.Node:
         node = super().compose_document()
+        self._paths = _mapping_paths(node)
         sizes: dict[int, int | None] = {}
 
         def size(n: yaml.Node) -> int:  # nodes in the expansion; memoized, so linear in the document's nodes
@@ -64,6 +66,46 @@ class _BoundedLoader(yaml.SafeLoader):
                               "values out or use fewer nested aliases")
         return node
 
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # checked before SafeLoader flattens merge keys (``<<: *base``), whose keys a mapping may override
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    earlier = first.setdefault(key, key_node)
+                except TypeError:
+                    continue  # an unhashable key: SafeLoader's own error names it
+                if earlier is not key_node:
+                    where = getattr(self, "_paths", {}).get(id(node), "")
+                    raise ConfigError(f"duplicate key '{where}{key}': {_at(earlier)} and {_at(key_node)}; "
+                                      "keep one")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _at(node: yaml.Node) -> str:
+    return f"line {node.start_mark.line + 1}, column {node.start_mark.column + 1}"
+
+
+def _mapping_paths(root: yaml.Node | None) -> dict[int, str]:
+    """Each mapping node's dotted path from the top (``trainer.``), so a duplicate key is named in full; a node
+    reached twice through aliases keeps its first path."""
+    paths: dict[int, str] = {}
+    todo = [(root, "")]
+    while todo:
+        n, path = todo.pop()
+        if n is None or id(n) in paths:
+            continue
+        if isinstance(n, yaml.MappingNode):
+            paths[id(n)] = path
+            todo += [(v, f"{path}{k.value}." if isinstance(k, yaml.ScalarNode) else path) for k, v in n.value]
+        elif isinstance(n, yaml.SequenceNode):
+            paths[id(n)] = path
+            todo += [(v, path) for v in n.value]
+    return paths
+
 
 def load_yaml(text: str, what: str) -> Any:
     """``text`` parsed as YAML (safe types only, aliases bounded); one ConfigError line naming ``what`` otherwise."""
@@ -71,6 +113,10 @@ def load_yaml(text: str, what: str) -> Any:
         return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506  (a SafeLoader subclass)
     except ConfigError as e:
         raise ConfigError(f"{what}: {e}") from None
+    except yaml.MarkedYAMLError as e:  # a tab, an unclosed bracket: PyYAML knows where
+        mark = e.problem_mark or e.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{what}: malformed YAML{where}: {e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{what}: malformed YAML: {str(e).splitlines()[0]}") from None
     except RecursionError:
