@@ -20,6 +20,7 @@ import yaml
 
 from agentrl.config import ModelCfg, RecipeCfg, warm_start_folder
 from agentrl.schema import ConfigError, build
+from agentrl.types import GREEDY_BELOW
 
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # the repo's recipes/ (installed as agentrl/recipes)
 
@@ -335,12 +336,16 @@ def _check_names(cfg: RecipeCfg) -> None:
     _check_contradictions(cfg)
 
 
+TEMPERATURES = f"0 (greedy) or >= {GREEDY_BELOW:g}"
+
+
 def _check_ranges(cfg: RecipeCfg) -> None:
     """Values their types admit but no run can use (a negative temperature, a zero lr): one line naming the key."""
     r, a, o, s, e, t = cfg.rollout, cfg.algo, cfg.optim, cfg.sft, cfg.eval, cfg.trainer
     rules: list[tuple[str, Any, bool, str]] = [
-        ("rollout.temperature", r.temperature, r.temperature >= 0, ">= 0 (0: greedy)"),
-        ("eval.temperature", e.temperature, e.temperature >= 0, ">= 0 (0: greedy)"),
+        # between 0 and GREEDY_BELOW the samplers are greedy: a recipe says 0 for that
+        ("rollout.temperature", r.temperature, r.temperature == 0 or r.temperature >= GREEDY_BELOW, TEMPERATURES),
+        ("eval.temperature", e.temperature, e.temperature == 0 or e.temperature >= GREEDY_BELOW, TEMPERATURES),
         ("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "above 0, at most 1"),
         ("optim.lr", o.lr, o.lr > 0, "> 0"),
         ("optim.critic_lr", o.critic_lr, o.critic_lr >= 0, ">= 0 (0: optim.lr)"),
