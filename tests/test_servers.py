@@ -404,6 +404,38 @@ def test_an_abandoned_request_is_cancelled_and_the_next_one_is_answered_at_once(
     assert worker.stats["cancelled_rows"] == before + 32
 
 
+def test_a_hang_up_prints_nothing_on_the_server(guarded):
+    """Each client hang-up printed "Future exception was never retrieved" and a two-line traceback on the server:
+    the request's future was settled with Cancelled after its handler had stopped waiting for it."""
+    import gc
+    import logging
+    import socket
+
+    srv, url = guarded
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("asyncio")
+    log.addHandler(handler)
+    answer = [[7 + i % 50 for i in range(1000)]]  # forced: 1,000 tokens each, never an early stop
+    body = json.dumps({"prompt": [[1, 2, 3]] * 2, "max_tokens": 1000, "choice_token_ids": [answer] * 2}).encode()
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", srv.server_address[1])) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                time.sleep(0.3)  # decoding: then the client hangs up
+        t = time.monotonic()
+        while srv.service._queued and time.monotonic() - t < 10:  # every hang-up seen, every job settled
+            time.sleep(0.01)
+        assert _post(f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 1})[0] == 200
+        time.sleep(0.2)
+        gc.collect()
+    finally:
+        log.removeHandler(handler)
+    assert not [m for m in seen if "never retrieved" in m], seen
+
+
 def test_stopping_the_server_stops_the_work_in_flight(tiny_generator):
     """shutdown() with a long request decoding and another queued behind it: both answered 503 and the port
     closed in seconds (not after the ~100 s the decode would take); a short one sent meanwhile was answered."""

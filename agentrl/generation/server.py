@@ -427,6 +427,9 @@ async def _until_done(request: Request, job: _Job | _Call) -> Any:
         gone.cancel()
         if not result.done():
             job.cancelled = True
+            # the worker settles it later with Cancelled, which nobody reads: asyncio printed "Future exception was
+            # never retrieved" and a traceback for every hang-up
+            result.add_done_callback(lambda f: f.cancelled() or f.exception())
     if not result.done():
         raise ClientDisconnect()
     return result.result()
