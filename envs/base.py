@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import reprlib
 import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,18 +57,26 @@ def sanitize_action(action: str) -> str:
     return "".join(c for c in action if unicodedata.category(c) not in ("Cc", "Cs") or c in " \t\n").strip()
 
 
+def check_task_id(env: str, task_id: Any) -> str:
+    """``task_id`` if it is text; one EnvError line otherwise (``reset(None)`` was an AttributeError)."""
+    if not isinstance(task_id, str):
+        raise EnvError(f"env '{env}': a task id is a string such as 'train/00042', got {type(task_id).__name__} "
+                       f"{reprlib.repr(task_id)}")
+    return task_id
+
+
 def parse_task_id(env: str, task_id: str, counts: Mapping[str, int]) -> tuple[str, int]:
     """(split, index) of a ``split/NNNNN`` task id, strictly: ASCII digits in the canonical zero-padded form
     (``f"{i:05d}"``), in range. ``int()`` alone took ``train/+1``, ``train/ 1``, ``train/0_1``, ``train/1`` and
     Arabic-Indic digits as other names of ``train/00001``, and a negative index counted from the end."""
-    split, _, idx = task_id.partition("/")
+    split, _, idx = check_task_id(env, task_id).partition("/")
     if not (idx.isascii() and idx.isdigit() and idx == f"{int(idx):05d}"):
-        raise EnvError(f"env '{env}': malformed task id '{task_id}' (expected e.g. 'train/00042': the split and "
+        raise EnvError(f"env '{env}': malformed task id {task_id[:80]!r} (expected e.g. 'train/00042': the split and "
                        "the task's number, zero-padded to 5 digits)")
     i = int(idx)
     if split not in counts or i >= counts[split]:
         known = ", ".join(f"{s}/00000..{s}/{n - 1:05d}" for s, n in counts.items() if n)
-        raise EnvError(f"env '{env}': unknown task id '{task_id}'; allowed: {known}")
+        raise EnvError(f"env '{env}': unknown task id {task_id!r}; allowed: {known}")
     return split, i
 
 
@@ -78,7 +87,7 @@ def _seed(env: str, seed: Any) -> int:
     except TypeError:
         value = -1
     if value < 0:
-        raise EnvError(f"env '{env}': bad seed {seed!r:.60}; allowed: an integer >= 0")
+        raise EnvError(f"env '{env}': bad seed {reprlib.repr(seed)}; allowed: an integer >= 0")
     return value
 
 
@@ -121,7 +130,7 @@ class TextEnv:
         raise NotImplementedError
 
     def get_task(self, task_id: str) -> Task:
-        split = task_id.split("/", 1)[0]
+        split = check_task_id(self.name, task_id).split("/", 1)[0]
         if split not in SPLITS:
             raise EnvError(f"env '{self.name}': task id '{task_id}' must start with one of {SPLITS}")
         index = self._task_index.get(split)
@@ -144,9 +153,6 @@ class TextEnv:
 
     # ----- episode -----------------------------------------------------------------------------
     def reset(self, task_id: str, seed: int = 0) -> tuple[str, dict[str, Any]]:
-        if not isinstance(task_id, str):  # checked here, not in each env's get_task: one message for every env
-            raise EnvError(f"env '{self.name}': a task id is a string such as 'train/00042', got "
-                           f"{type(task_id).__name__} {task_id!r:.60}")
         seed = _seed(self.name, seed)
         self.task = self.get_task(task_id)
         self.seed = seed
@@ -157,7 +163,7 @@ class TextEnv:
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if not isinstance(action, str):
-            raise EnvError(f"env '{self.name}': an action is text, got {type(action).__name__} {action!r:.60}")
+            raise EnvError(f"env '{self.name}': an action is text, got {type(action).__name__} {reprlib.repr(action)}")
         if self.task is None:
             raise EnvError(f"env '{self.name}': step() before reset()")
         if self.done:
@@ -212,7 +218,7 @@ class TextEnv:
         state = snap.get("base") if isinstance(snap, dict) else None
         if not isinstance(state, dict) or state.get("env") != type(self).__name__:
             raise EnvError(f"env '{self.name}': restore() takes what this env's snapshot() returned, got "
-                           f"{type(snap).__name__} {snap!r:.60}")
+                           f"{type(snap).__name__} {reprlib.repr(snap)}")
         self.task, self.seed, self.steps = state["task"], state["seed"], state["steps"]
         self.done, self.last_obs, self.last_info = state["done"], state["last_obs"], dict(state["last_info"])
 

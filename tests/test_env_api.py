@@ -142,8 +142,9 @@ def test_task_ids_are_parsed_strictly(name):
     n = len(env.tasks("train"))
     for bad in ["train/-1", f"train/-{n}", "train/+1", "train/ 1", "train/0_1", "train/\u0661", "train/1",
                 "train/000001", "train/00001 ", "train/00001\n"]:
-        with pytest.raises(EnvError, match=f"env '{name}': malformed task id"):
+        with pytest.raises(EnvError, match=f"env '{name}': malformed task id") as e:
             env.get_task(bad)
+        assert "\n" not in str(e.value)
     for bad in [f"train/{n:05d}", "dev/00001"]:
         with pytest.raises(EnvError, match=f"env '{name}': unknown task id .*; allowed: .*train/{n - 1:05d}"):
             env.get_task(bad)
