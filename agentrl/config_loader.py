@@ -20,6 +20,7 @@ import yaml
 
 from agentrl.config import ModelCfg, RecipeCfg, warm_start_folder
 from agentrl.schema import ConfigError, build
+from agentrl.types import GREEDY_BELOW
 
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"  # the repo's recipes/ (installed as agentrl/recipes)
 
@@ -42,10 +43,12 @@ MAX_YAML_NODES = 20_000
 
 class _BoundedLoader(yaml.SafeLoader):
     """SafeLoader that refuses a document whose aliases expand it by more than MAX_YAML_NODES nodes (or refer to
-    the node holding them). A long list written out is fine: only what aliases repeat counts."""
+    the node holding them), and a mapping that gives a key twice (PyYAML keeps the last silently, so
+    ``trainer: {steps: 3, steps: 5}`` ran 5 steps). A long list written out is fine: only what aliases repeat counts."""
 
     def compose_document(self) -> yaml.Node:
         node = super().compose_document()
+        self._paths = _mapping_paths(node)
         sizes: dict[int, int | None] = {}
 
         def size(n: yaml.Node) -> int:  # nodes in the expansion; memoized, so linear in the document's nodes
@@ -64,6 +67,46 @@ class _BoundedLoader(yaml.SafeLoader):
                               "values out or use fewer nested aliases")
         return node
 
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # checked before SafeLoader flattens merge keys (``<<: *base``), whose keys a mapping may override
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    earlier = first.setdefault(key, key_node)
+                except TypeError:
+                    continue  # an unhashable key: SafeLoader's own error names it
+                if earlier is not key_node:
+                    where = getattr(self, "_paths", {}).get(id(node), "")
+                    raise ConfigError(f"duplicate key '{where}{key}': {_at(earlier)} and {_at(key_node)}; "
+                                      "keep one")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _at(node: yaml.Node) -> str:
+    return f"line {node.start_mark.line + 1}, column {node.start_mark.column + 1}"
+
+
+def _mapping_paths(root: yaml.Node | None) -> dict[int, str]:
+    """Each mapping node's dotted path from the top (``trainer.``), so a duplicate key is named in full; a node
+    reached twice through aliases keeps its first path."""
+    paths: dict[int, str] = {}
+    todo = [(root, "")]
+    while todo:
+        n, path = todo.pop()
+        if n is None or id(n) in paths:
+            continue
+        if isinstance(n, yaml.MappingNode):
+            paths[id(n)] = path
+            todo += [(v, f"{path}{k.value}." if isinstance(k, yaml.ScalarNode) else path) for k, v in n.value]
+        elif isinstance(n, yaml.SequenceNode):
+            paths[id(n)] = path
+            todo += [(v, path) for v in n.value]
+    return paths
+
 
 def load_yaml(text: str, what: str) -> Any:
     """``text`` parsed as YAML (safe types only, aliases bounded); one ConfigError line naming ``what`` otherwise."""
@@ -71,6 +114,10 @@ def load_yaml(text: str, what: str) -> Any:
         return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506  (a SafeLoader subclass)
     except ConfigError as e:
         raise ConfigError(f"{what}: {e}") from None
+    except yaml.MarkedYAMLError as e:  # a tab, an unclosed bracket: PyYAML knows where
+        mark = e.problem_mark or e.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{what}: malformed YAML{where}: {e.problem or e.context}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{what}: malformed YAML: {str(e).splitlines()[0]}") from None
     except RecursionError:
@@ -308,12 +355,16 @@ def _check_names(cfg: RecipeCfg) -> None:
     _check_contradictions(cfg)
 
 
+TEMPERATURES = f"0 (greedy) or >= {GREEDY_BELOW:g}"
+
+
 def _check_ranges(cfg: RecipeCfg) -> None:
     """Values their types admit but no run can use (a negative temperature, a zero lr): one line naming the key."""
     r, a, o, s, e, t = cfg.rollout, cfg.algo, cfg.optim, cfg.sft, cfg.eval, cfg.trainer
     rules: list[tuple[str, Any, bool, str]] = [
-        ("rollout.temperature", r.temperature, r.temperature >= 0, ">= 0 (0: greedy)"),
-        ("eval.temperature", e.temperature, e.temperature >= 0, ">= 0 (0: greedy)"),
+        # between 0 and GREEDY_BELOW the samplers are greedy: a recipe says 0 for that
+        ("rollout.temperature", r.temperature, r.temperature == 0 or r.temperature >= GREEDY_BELOW, TEMPERATURES),
+        ("eval.temperature", e.temperature, e.temperature == 0 or e.temperature >= GREEDY_BELOW, TEMPERATURES),
         ("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "above 0, at most 1"),
         ("optim.lr", o.lr, o.lr > 0, "> 0"),
         ("optim.critic_lr", o.critic_lr, o.critic_lr >= 0, ">= 0 (0: optim.lr)"),

@@ -141,6 +141,8 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.run_id = self._claim_run_folder()  # a folder that is not this run's is refused before any write
             check_run_folder(self.out_dir, cfg)  # before config.yaml is rewritten: another run's folder is refused
+            # and a folder with no intact checkpoint: its error says nothing was changed, so nothing may be yet
+            self._verdicts: dict[Path, str | None] | None = self._verify_checkpoints()
             if self.is_main:
                 dump(cfg, self.out_dir / "config.yaml")
         except OSError as e:
@@ -590,18 +592,40 @@ class Trainer:
         got = self._producer.pending if self._producer is not None else None
         return dict(collected=ckpt.to_plain(got, "collected step")) if got is not None else {}
 
+    def _verify_checkpoints(self) -> dict[Path, str | None]:
+        """Rank 0 verifies the complete checkpoints against their manifests, newest first, up to the first intact
+        one; every rank gets each verdict (None: intact). Run before anything is written (config.yaml, tb/): with
+        checkpoints but none intact it raises ``load_checkpoint``'s one line, whose "nothing was changed" holds."""
+        root = self.out_dir / "checkpoints"
+        verdicts: dict[str, str | None] = {}
+        if self.is_main:
+            for folder in ckpt.sealed_checkpoints(root):
+                verdicts[str(folder)] = ckpt.verify(folder)
+                if verdicts[str(folder)] is None:
+                    break
+        verdicts = dist.broadcast_object(verdicts)
+        if all(why is not None for why in verdicts.values()):
+            target, dangling = ckpt.link_target(self.out_dir)
+            skipped = [(Path(f), str(why)) for f, why in verdicts.items()]
+            if skipped or dangling or (target is not None and (target / "trainer.pt").exists()):
+                raise RunError(self._nothing_to_resume(root, target, dangling, skipped))
+        return {Path(f): why for f, why in verdicts.items()}
+
     def load_checkpoint(self) -> bool:
         """Resume from the newest intact checkpoint: rank 0 verifies each complete one (newest first) against
-        its manifest, every rank loads the first that passes (weights_only, finite weights). Falling back says
-        so in one line and renames the corrupt ones ``corrupt-step-N``; with none intact the run stops with one
-        line and nothing changed. False: nothing to resume (a new run)."""
+        its manifest (the verdicts taken before the run folder was written are reused), every rank loads the
+        first that passes (weights_only, finite weights). Falling back says so in one line and renames the
+        corrupt ones ``corrupt-step-N``; with none intact the run stops with one line and no checkpoint
+        changed. False: nothing to resume (a new run)."""
         root = self.out_dir / "checkpoints"
         target, dangling = ckpt.link_target(self.out_dir)
+        verdicts, self._verdicts = self._verdicts or {}, None  # once: a second call verifies afresh
         folders = [Path(f) for f in dist.broadcast_object(
             [str(f) for f in ckpt.sealed_checkpoints(root)] if self.is_main else None)]
         skipped: list[tuple[Path, str]] = []
         for folder in folders:
-            why = dist.broadcast_object(ckpt.verify(folder) if self.is_main else None)
+            why = verdicts[folder] if folder in verdicts else \
+                dist.broadcast_object(ckpt.verify(folder) if self.is_main else None)
             if why is None:
                 why = self._load_from(folder)
             if why is None:
@@ -609,7 +633,8 @@ class Trainer:
                 return True
             skipped.append((folder, why))
         if skipped or dangling or (target is not None and (target / "trainer.pt").exists()):
-            raise RunError(self._nothing_to_resume(root, target, dangling, skipped))
+            # found only on loading (non-finite weights, a trainer.pt without a key): config.yaml is written by now
+            raise RunError(self._nothing_to_resume(root, target, dangling, skipped, before_writes=False))
         return False
 
     def _load_from(self, folder: Path) -> str | None:
@@ -662,7 +687,7 @@ class Trainer:
         dist.barrier()
 
     def _nothing_to_resume(self, root: Path, target: Path | None, dangling: bool,
-                           skipped: list[tuple[Path, str]]) -> str:
+                           skipped: list[tuple[Path, str]], before_writes: bool = True) -> str:
         link = self.out_dir / CHECKPOINT_LINK
         if skipped:
             what = "; ".join(f"{f.name}: {why}" for f, why in skipped)
@@ -672,7 +697,8 @@ class Trainer:
         else:
             head = (f"{target} has no manifest (written by an agentrl from before checkpoints carried checksums): "
                     "it cannot be verified, so it is not resumed")
-        return (head + ". Nothing was changed or deleted; to start over, choose another trainer.out_dir (--out) "
+        what = "Nothing was" if before_writes else "No checkpoint was"
+        return (head + f". {what} changed or deleted; to start over, choose another trainer.out_dir (--out) "
                 "or move this run folder away")
 
     # ----- the run -----------------------------------------------------------------------------

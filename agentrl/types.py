@@ -9,13 +9,30 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+# A temperature below this is greedy, as in vLLM: logits / 1e-40 overflow to inf, and a draw from their NaN softmax
+# repeated one token id. Every reader of a temperature (the samplers, the learner's log-probs) goes through
+# ``effective_temperature``; the recipe refuses a value between 0 and this.
+GREEDY_BELOW = 1e-5
+
+
+def effective_temperature(temperature: float) -> float:
+    """``temperature``, or 0.0 (greedy) below ``GREEDY_BELOW``."""
+    return 0.0 if temperature < GREEDY_BELOW else float(temperature)
+
+
 @dataclass
 class SamplingParams:
+    """What to sample. ``temperature`` below ``GREEDY_BELOW`` is stored as 0 (greedy); ``top_p`` always keeps the
+    most likely token, so a top_p below its probability is a greedy draw."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)  # generation ends after any of these strings (kept in text)
     seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.temperature = effective_temperature(self.temperature)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -101,7 +101,7 @@ class BanditEnv(TextEnv):
         return dict(base=self._base_state(), arms=self.arms, high=self.high_arm, rng=self.rng.getstate())
 
     def restore(self, snap: Any) -> None:
-        self._restore_base(snap["base"])
+        self._restore_base(snap)
         self.arms, self.high_arm = snap["arms"], snap["high"]
         self.rng = random.Random()
         self.rng.setstate(snap["rng"])

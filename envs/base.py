@@ -8,7 +8,10 @@ on: the step counter and step limit, and the common ``info`` keys (``won``, ``sc
 from __future__ import annotations
 
 import hashlib
+import operator
+import reprlib
 import unicodedata
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -57,6 +60,40 @@ def sanitize_action(action: str) -> str:
     return "".join(c for c in action if unicodedata.category(c) not in ("Cc", "Cs") or c in " \t\n").strip()
 
 
+def check_task_id(env: str, task_id: Any) -> str:
+    """``task_id`` if it is text; one EnvError line otherwise (``reset(None)`` was an AttributeError)."""
+    if not isinstance(task_id, str):
+        raise EnvError(f"env '{env}': a task id is a string such as 'train/00042', got {type(task_id).__name__} "
+                       f"{reprlib.repr(task_id)}")
+    return task_id
+
+
+def parse_task_id(env: str, task_id: str, counts: Mapping[str, int]) -> tuple[str, int]:
+    """(split, index) of a ``split/NNNNN`` task id, strictly: ASCII digits in the canonical zero-padded form
+    (``f"{i:05d}"``), in range. ``int()`` alone took ``train/+1``, ``train/ 1``, ``train/0_1``, ``train/1`` and
+    Arabic-Indic digits as other names of ``train/00001``, and a negative index counted from the end."""
+    split, _, idx = check_task_id(env, task_id).partition("/")
+    if not (idx.isascii() and idx.isdigit() and idx == f"{int(idx):05d}"):
+        raise EnvError(f"env '{env}': malformed task id {task_id[:80]!r} (expected e.g. 'train/00042': the split and "
+                       "the task's number, zero-padded to 5 digits)")
+    i = int(idx)
+    if split not in counts or i >= counts[split]:
+        known = ", ".join(f"{s}/00000..{s}/{n - 1:05d}" for s, n in counts.items() if n)
+        raise EnvError(f"env '{env}': unknown task id {task_id!r}; allowed: {known}")
+    return split, i
+
+
+def _seed(env: str, seed: Any) -> int:
+    """The episode seed as an int >= 0 (Gymnasium's and numpy's seeding take nothing else); one line otherwise."""
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        value = -1
+    if value < 0:
+        raise EnvError(f"env '{env}': bad seed {reprlib.repr(seed)}; allowed: an integer >= 0")
+    return value
+
+
 def fingerprint_text(*parts: str) -> str:
     """Short stable digest of observation text (plus any hidden state the env adds)."""
     h = hashlib.sha1()
@@ -96,7 +133,7 @@ class TextEnv:
         raise NotImplementedError
 
     def get_task(self, task_id: str) -> Task:
-        split = task_id.split("/", 1)[0]
+        split = check_task_id(self.name, task_id).split("/", 1)[0]
         if split not in SPLITS:
             raise EnvError(f"env '{self.name}': task id '{task_id}' must start with one of {SPLITS}")
         index = self._task_index.get(split)
@@ -119,14 +156,17 @@ class TextEnv:
 
     # ----- episode -----------------------------------------------------------------------------
     def reset(self, task_id: str, seed: int = 0) -> tuple[str, dict[str, Any]]:
+        seed = _seed(self.name, seed)
         self.task = self.get_task(task_id)
-        self.seed = int(seed)
+        self.seed = seed
         self.steps = 0
         self.done = False
         obs, info = self._reset(self.task, self.seed)
         return obs, self._finish_info(obs, info)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if not isinstance(action, str):
+            raise EnvError(f"env '{self.name}': an action is text, got {type(action).__name__} {reprlib.repr(action)}")
         if self.task is None:
             raise EnvError(f"env '{self.name}': step() before reset()")
         if self.done:
@@ -171,11 +211,17 @@ class TextEnv:
         raise EnvError(f"env '{self.name}' has no native snapshot; use replay-prefix restore")
 
     def _base_state(self) -> dict[str, Any]:
-        """Base-class bookkeeping, for subclasses' snapshot()."""
-        return dict(task=self.task, seed=self.seed, steps=self.steps, done=self.done,
+        """Base-class bookkeeping, for subclasses' snapshot() (under the key ``base``)."""
+        return dict(env=type(self).__name__, task=self.task, seed=self.seed, steps=self.steps, done=self.done,
                     last_obs=self.last_obs, last_info=dict(self.last_info))
 
-    def _restore_base(self, state: dict[str, Any]) -> None:
+    def _restore_base(self, snap: Any) -> None:
+        """The bookkeeping of ``snap``, a whole snapshot; anything this env's snapshot() did not make (``{}``,
+        another env's) is one EnvError before any state changes (it was a KeyError)."""
+        state = snap.get("base") if isinstance(snap, dict) else None
+        if not isinstance(state, dict) or state.get("env") != type(self).__name__:
+            raise EnvError(f"env '{self.name}': restore() takes what this env's snapshot() returned, got "
+                           f"{type(snap).__name__} {reprlib.repr(snap)}")
         self.task, self.seed, self.steps = state["task"], state["seed"], state["steps"]
         self.done, self.last_obs, self.last_info = state["done"], state["last_obs"], dict(state["last_info"])
 
@@ -221,11 +267,4 @@ class IndexedTasks:
         return self._cache[split]
 
     def parse(self, env_name: str, task_id: str) -> tuple[str, int]:
-        try:
-            split, idx = task_id.split("/", 1)
-            i = int(idx)
-        except ValueError:
-            raise EnvError(f"env '{env_name}': malformed task id '{task_id}' (expected e.g. 'train/00042')") from None
-        if split not in self.counts or not 0 <= i < self.counts[split]:
-            raise EnvError(f"env '{env_name}': unknown task id '{task_id}'")
-        return split, i
+        return parse_task_id(env_name, task_id, self.counts)

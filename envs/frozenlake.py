@@ -134,5 +134,5 @@ class FrozenLakeEnv(TextEnv):
         return dict(base=self._base_state(), gym=copy.deepcopy(self.gym), q=self._q)
 
     def restore(self, snap: Any) -> None:
-        self._restore_base(snap["base"])
+        self._restore_base(snap)
         self.gym, self._q = copy.deepcopy(snap["gym"]), snap["q"]

@@ -64,9 +64,10 @@ def replay(env: TextEnv, trace: Trace, t: int | None = None, reseed: int | None 
     obs, info = env.reset(trace.task_id, trace.seed)
     _check(env, trace, 0, obs, info, verify)
     for i in range(t):
-        if env.done:
-            raise DivergenceError(env.name, trace.task_id, i + 1, trace.fingerprints[i + 1] if verify else "?",
-                                  "<episode already ended>")
+        if env.done:  # a trace without fingerprints (nothing to verify) made this an IndexError
+            raise DivergenceError(env.name, trace.task_id, i + 1,
+                                  trace.fingerprints[i + 1] if verify and trace.fingerprints else "(none recorded)",
+                                  f"<the episode ended after {i} of the trace's {len(trace.actions)} actions>")
         obs, _, _, _, info = env.step(trace.actions[i])
         _check(env, trace, i + 1, obs, info, verify)
     if reseed is not None:

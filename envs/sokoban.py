@@ -241,5 +241,5 @@ class SokobanEnv(TextEnv):
         return dict(base=self._base_state(), level=self.level, player=self.player, boxes=self.boxes)
 
     def restore(self, snap: Any) -> None:
-        self._restore_base(snap["base"])
+        self._restore_base(snap)
         self.level, self.player, self.boxes = snap["level"], snap["player"], snap["boxes"]

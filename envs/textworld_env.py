@@ -137,7 +137,7 @@ class TextWorldEnv(TextEnv):
         return dict(base=self._base_state(), tw=self.tw.copy(), gs=self.gs, objective=self.objective)
 
     def restore(self, snap: Any) -> None:
-        self._restore_base(snap["base"])
+        self._restore_base(snap)
         # Copy again so the snapshot stays reusable after the restored env moves on.
         self.tw, self.gs, self.objective = snap["tw"].copy(), snap["gs"], snap["objective"]
 

@@ -139,6 +139,19 @@ def test_no_intact_checkpoint_is_one_error_and_nothing_changes(run, tiny_model_d
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
 
 
+def test_no_intact_checkpoint_is_refused_before_the_run_folder_is_written(run, tiny_model_dir):
+    """The error says nothing was changed: it used to come after config.yaml was rewritten (here with new budgets)
+    and a tb/ event file made. The checkpoints are verified before either."""
+    for s in ("step-000001", "step-000002"):
+        f = run / "checkpoints" / s / "engine.pt"
+        f.write_bytes(f.read_bytes()[:-10])
+    config, stamp = (run / "config.yaml").read_bytes(), (run / "config.yaml").stat().st_mtime_ns
+    with pytest.raises(RunError, match="step-000001: engine.pt is truncated.*Nothing was changed or deleted"):
+        make(run, tiny_model_dir, "trainer.tensorboard=true", "trainer.steps=3")
+    assert (run / "config.yaml").read_bytes() == config and (run / "config.yaml").stat().st_mtime_ns == stamp
+    assert not (run / "tb").exists()
+
+
 def test_a_destroyed_checkpoint_behind_the_link_falls_back(run, tiny_model_dir, capsys):
     shutil.rmtree(run / "checkpoints" / "step-000002")
     assert resume(run, tiny_model_dir) == 1

@@ -114,3 +114,25 @@ def test_preflight_missing_package(override, module, hint, capsys, tmp_path, mon
     one_error_line(capsys, ["train", "grpo", "--out", str(tmp_path / "r"), override, *SMALL],
                    f"{override} needs the {module} package", hint)
     assert not (tmp_path / "r").exists()
+
+
+def test_duplicate_keys_and_yaml_syntax_errors_name_their_lines(tmp_path, capsys):
+    """PyYAML keeps the last of two equal keys: `trainer: {steps: 3, steps: 5}` ran 5 steps, and a second top-level
+    `trainer:` block dropped the first whole. Each is one line naming the key and both places."""
+    inline = tmp_path / "inline.yaml"
+    inline.write_text("base: grpo\ntrainer: {steps: 3, steps: 5}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'trainer\.steps': line 2, column 11 and line 2, column 21"):
+        load_config(str(inline))
+    blocks = tmp_path / "blocks.yaml"
+    blocks.write_text("base: grpo\ntrainer:\n  steps: 3\nrollout:\n  groups: 2\ntrainer:\n  seed: 4\n")
+    one_error_line(capsys, ["train", str(blocks), "--print-config"], "blocks.yaml", "duplicate key 'trainer'",
+                   "line 2, column 1 and line 6, column 1")
+    with pytest.raises(ConfigError, match="override 'env_kwargs': duplicate key 'a'"):
+        load_config("grpo", overrides=["env_kwargs={a: 1, a: 2}"])
+    # a merge key's keys may be overridden, as YAML means them to be
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("base: grpo\nenv_kwargs:\n  d: &d {x: 1, y: 2}\n  e: {<<: *d, x: 3}\n")
+    assert load_config(str(merged)).env_kwargs["e"] == {"x": 3, "y": 2}
+    tab = tmp_path / "tab.yaml"
+    tab.write_text("base: grpo\ntrainer:\n\tsteps: 3\n")
+    one_error_line(capsys, ["train", str(tab), "--print-config"], "tab.yaml", "line 3, column 1", "'\\t'")

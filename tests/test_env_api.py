@@ -101,3 +101,51 @@ def test_trace_roundtrip():
     assert Trace.from_dict(trace.to_dict()) == trace
     with pytest.raises(ValueError):
         Trace("bandit", "x", 0, ["a"], ["f"])  # needs len(actions)+1 fingerprints
+
+
+@pytest.mark.parametrize("name", ["webshop", "sokoban", "frozenlake", "bandit"])
+def test_misuse_is_one_typed_line(name):
+    """step(None), step(123), reset(None) were AttributeErrors, restore({}) a KeyError, seed=-1 Gymnasium's own error
+    (frozenlake) or silently taken, replaying a fingerprint-less trace past the episode's end an IndexError. Each is
+    one EnvError line naming the env, checked in the base class for every env."""
+    env = make(name)
+    tid = env.tasks("train")[0].task_id
+
+    def refused(words, call, *args):
+        with pytest.raises(EnvError, match=words) as e:
+            call(*args)
+        assert f"env '{name}'" in str(e.value) or isinstance(e.value, DivergenceError)
+        assert "\n" not in str(e.value)
+
+    for bad in (None, 123):
+        refused("a task id is a string such as 'train/00042', got ", env.reset, bad)
+    for bad in (-1, 1.5, "3"):
+        refused("bad seed .*; allowed: an integer >= 0", env.reset, tid, bad)
+    env.reset(tid, 0)
+    for bad in (None, 123, b"Up"):
+        refused("an action is text, got ", env.step, bad)
+    snap = env.snapshot()
+    for bad in ({}, None, {"base": {}}):
+        refused(r"restore\(\) takes what this env's snapshot\(\) returned", env.restore, bad)
+    env.restore(snap)  # the refusals changed nothing: the env goes on from where it was
+    assert env.steps == 0 and not env.done
+    env.step(env.expert_action() or "x")
+    actions = [env.expert_action() or "x"] * (env.max_steps + 2)
+    refused("the episode ended after", replay, env, Trace(env.name, tid, 0, actions, []))
+
+
+@pytest.mark.parametrize("name", ["webshop", "sokoban", "frozenlake", "textworld"])
+def test_task_ids_are_parsed_strictly(name):
+    """int() made WebShop's train/-1 its last task and, in all four envs, train/+1, train/ 1, train/0_1, train/1 and an
+    Arabic-Indic digit other names of train/00001: a task id is ASCII digits in the canonical form, in range."""
+    env = make(name)
+    n = len(env.tasks("train"))
+    for bad in ["train/-1", f"train/-{n}", "train/+1", "train/ 1", "train/0_1", "train/\u0661", "train/1",
+                "train/000001", "train/00001 ", "train/00001\n"]:
+        with pytest.raises(EnvError, match=f"env '{name}': malformed task id") as e:
+            env.get_task(bad)
+        assert "\n" not in str(e.value)
+    for bad in [f"train/{n:05d}", "dev/00001"]:
+        with pytest.raises(EnvError, match=f"env '{name}': unknown task id .*; allowed: .*train/{n - 1:05d}"):
+            env.get_task(bad)
+    assert env.get_task("train/00001").task_id == "train/00001"

@@ -180,6 +180,38 @@ def test_server_rejects_bad_requests_and_keeps_serving(server, body, code, words
     assert status == 200 and len(out["choices"][0]["token_ids"]) <= 2
 
 
+def test_a_denormal_temperature_or_a_tiny_top_p_is_a_greedy_draw(tiny_generator, server):
+    """temperature 1e-40 overflowed logits / T to inf and the draw repeated the last token id; top_p 1e-300 (0 in
+    float32) kept no token and drew token 0. Below GREEDY_BELOW a temperature is greedy wherever it is read (the
+    sampler, the learner's log-probs, the server; a recipe refuses it), and top_p always keeps the top token."""
+    import math
+
+    from agentrl.config import ConfigError
+    from agentrl.config_loader import load_config
+    from agentrl.types import GREEDY_BELOW
+
+    g = tiny_generator
+    prompt = chat_ids(g.tokenizer, [{"role": "user", "content": "Up Left"}])
+    greedy = g.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=12))[0]
+    assert SamplingParams(temperature=GREEDY_BELOW / 2).temperature == 0.0
+    for sampling in (SamplingParams(temperature=1e-40, max_new_tokens=12, seed=3),
+                     SamplingParams(temperature=1.0, top_p=1e-300, max_new_tokens=12, seed=3)):
+        out = g.generate([prompt], sampling)[0]
+        assert out.ids == greedy.ids and all(math.isfinite(x) for x in out.logprobs), sampling
+    odd = SamplingParams()
+    odd.temperature = 1e-40  # set after construction: the sampler still reads it as greedy
+    logits = torch.randn(4, 50)
+    tok, lp = sample_from_logits(logits, odd, torch.Generator().manual_seed(0))
+    assert tok.tolist() == logits.argmax(-1).tolist() and torch.isfinite(lp).all()
+    learner = completion_logprobs(g.model, prompt, greedy.ids, temperature=1e-40)
+    assert max(abs(a - b) for a, b in zip(learner, greedy.logprobs)) < 1e-4
+    for extra in ({"temperature": 1e-40}, {"top_p": 1e-300, "seed": 3}):
+        status, out = _post(server + "/v1/completions", {"prompt": prompt, "max_tokens": 12, **extra})
+        assert status == 200 and out["choices"][0]["token_ids"] == greedy.ids, extra
+    with pytest.raises(ConfigError, match=r"'rollout.temperature': 1e-40; allowed: 0 \(greedy\) or >= 1e-05"):
+        load_config("grpo", overrides=["rollout.temperature=1e-40"])
+
+
 def test_server_refuses_huge_bodies_foreign_weights_and_serves_chat(server, tiny_model_dir, tmp_path):
     import http.client
 

@@ -346,6 +346,59 @@ def test_connections_past_the_cap_get_a_503(tiny_generator):
         _kill(srv)
 
 
+def test_one_address_cannot_take_every_connection(tiny_generator):
+    """1,100 trickling connections from one address against the total cap (1,024) gave a client elsewhere 74 of 74
+    503s for 40 s. Here 48 connections from 127.0.0.2 trickle headers against a cap of 32 in total, 8 per address:
+    8 are held (until the header deadline closes them), the other 40 are answered 503 at once, and a client at
+    127.0.0.1 is served meanwhile."""
+    import socket
+    import urllib.request
+
+    from agentrl.generation.requests import ServerLimits
+
+    srv = start_server(tiny_generator, "tiny-test", port=0, limits=ServerLimits(
+        max_connections=32, max_client_connections=8, header_timeout_s=3.0))
+    port, url = srv.server_address[1], f"http://127.0.0.1:{srv.server_address[1]}"
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(48):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=("127.0.0.2", 0))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+            flood.append(s)
+        t = time.monotonic()
+        for _ in range(3):
+            assert urllib.request.urlopen(url + "/health", timeout=10).status == 200
+            status, out = _post(f"{url}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+            assert status == 200 and out["choices"][0]["token_ids"]
+        assert time.monotonic() - t < 5
+        replies = []
+        time.sleep(0.2)
+        for s in flood:
+            s.settimeout(0)  # a socket with a timeout waits for data before it reads
+            try:
+                replies.append(s.recv(4096))
+            except BlockingIOError:
+                replies.append(None)  # held: still open, nothing said
+        refused = [r for r in replies if r is not None]
+        assert len(refused) == 40 and replies.count(None) == 8
+        assert all(r.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in r and b"too many open connections from "
+                   b"127.0.0.2 (at most 8)" in r for r in refused)
+        # the held ones are closed by the header deadline; then that address is served again
+        held = [s for s, r in zip(flood, replies) if r is None]
+        for s in held:
+            s.settimeout(10)
+            assert s.recv(4096) == b""
+        other = __import__("http.client").client.HTTPConnection("127.0.0.1", port, timeout=10,
+                                                                source_address=("127.0.0.2", 0))
+        other.request("GET", "/health")
+        assert other.getresponse().status == 200
+        other.close()
+    finally:
+        for s in flood:
+            s.close()
+        _kill(srv)
+
+
 def test_keep_alive_requests_do_not_wait_on_nagle(guarded):
     """Requests on one kept-alive connection: ~0.3 ms each. The old server sent headers and body in two
     writes without TCP_NODELAY, and each response waited ~40 ms for the client's delayed ACK."""
@@ -402,6 +455,38 @@ def test_an_abandoned_request_is_cancelled_and_the_next_one_is_answered_at_once(
     assert status == 200 and [len(c["token_ids"]) for c in out["choices"]] == [300] * 8
     assert took < 15, took
     assert worker.stats["cancelled_rows"] == before + 32
+
+
+def test_a_hang_up_prints_nothing_on_the_server(guarded):
+    """Each client hang-up printed "Future exception was never retrieved" and a two-line traceback on the server:
+    the request's future was settled with Cancelled after its handler had stopped waiting for it."""
+    import gc
+    import logging
+    import socket
+
+    srv, url = guarded
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("asyncio")
+    log.addHandler(handler)
+    answer = [[7 + i % 50 for i in range(1000)]]  # forced: 1,000 tokens each, never an early stop
+    body = json.dumps({"prompt": [[1, 2, 3]] * 2, "max_tokens": 1000, "choice_token_ids": [answer] * 2}).encode()
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", srv.server_address[1])) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                time.sleep(0.3)  # decoding: then the client hangs up
+        t = time.monotonic()
+        while srv.service._queued and time.monotonic() - t < 10:  # every hang-up seen, every job settled
+            time.sleep(0.01)
+        assert _post(f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 1})[0] == 200
+        time.sleep(0.2)
+        gc.collect()
+    finally:
+        log.removeHandler(handler)
+    assert not [m for m in seen if "never retrieved" in m], seen
 
 
 def test_stopping_the_server_stops_the_work_in_flight(tiny_generator):
@@ -624,3 +709,5 @@ def test_serve_cli_refuses_a_taken_port_and_bad_budgets_in_one_line(tiny_model_d
                                                "pick another --port or --host")
     assert main(["serve", "--model", str(tiny_model_dir), "--max-client-tokens", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --max-client-tokens must be at least 1, got 0"
+    assert main(["serve", "--model", str(tiny_model_dir), "--max-client-connections", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --max-client-connections must be at least 1, got 0"

@@ -32,6 +32,9 @@ def add_parser(sub: Any) -> None:
                         "(prompt + max_tokens, every row) queued or running (default 1048576)")
     p.add_argument("--max-connections", type=int, default=1024, metavar="N",
                    help="agentrl backend: open connections and requests in flight; beyond, 503 (default 1024)")
+    p.add_argument("--max-client-connections", type=int, default=256, metavar="N",
+                   help="agentrl backend: open connections from one client address; beyond, a new one is answered "
+                        "503 at once and takes none of --max-connections (default 256)")
     p.add_argument("--max-batch-kv-mb", type=int, default=1024, metavar="MB",
                    help="agentrl backend: KV cache one batched generate may take (default 1024 MiB; a request "
                         "bigger than that runs alone)")
@@ -53,12 +56,14 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.generation.requests import ServerLimits
     from agentrl.generation.server import start_server
 
-    for flag in ("max_request_tokens", "max_client_tokens", "max_connections", "max_batch_kv_mb"):
+    for flag in ("max_request_tokens", "max_client_tokens", "max_connections", "max_client_connections",
+                 "max_batch_kv_mb"):
         if getattr(args, flag) < 1:
             print(f"error: --{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
             return 2
     limits = ServerLimits(max_request_tokens=args.max_request_tokens, max_client_tokens=args.max_client_tokens,
-                          max_connections=args.max_connections, max_batch_kv_mb=args.max_batch_kv_mb)
+                          max_connections=args.max_connections, max_client_connections=args.max_client_connections,
+                          max_batch_kv_mb=args.max_batch_kv_mb)
     generator = EmbeddedGenerator.from_folder(folder, args.dtype)
     try:
         server = start_server(generator, str(args.model), args.host, args.port,

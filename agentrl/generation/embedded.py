@@ -18,7 +18,7 @@ import torch
 from agentrl.learner.logprobs import mask_logits, padded_ids
 from agentrl.prefix import shared_prefix_len
 from agentrl.schema import ConfigError
-from agentrl.types import Completion, SamplingParams
+from agentrl.types import Completion, SamplingParams, effective_temperature
 
 
 # Bytes the attention scores of one prefill chunk may take on a CPU (rows x heads x chunk x cache length, fp32;
@@ -50,15 +50,17 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams,
     draw then depends on its own
     stream only, not on the other rows of the batch)."""
     logits = logits.float()
-    if sampling.temperature <= 0:
+    temperature = effective_temperature(sampling.temperature)
+    if temperature <= 0:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
-    logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     probs = logp.exp()
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < sampling.top_p  # always keeps the top token
+        keep = sorted_p.cumsum(-1) - sorted_p < sampling.top_p
+        keep[:, 0] = True  # the top token always: a top_p of 1e-300 is 0 in float32 and kept nothing (token 0 drawn)
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     # Inverse-CDF draw: same distribution as torch.multinomial, several times faster on CPU.

@@ -26,6 +26,9 @@ class ServerLimits:
     max_request_tokens: int = 1 << 17  # prompts x n x max_tokens of one request
     max_client_tokens: int = 1 << 20  # tokens (prompt + max_tokens, every row) queued or running per client
     max_connections: int = 1024  # open connections + requests in flight; beyond: 503
+    # open connections from one client address; beyond, a new one gets a 503 at once and takes no slot of the
+    # total, so one address cannot hold them all (1,100 trickling connections from one shut every other client out)
+    max_client_connections: int = 256
     max_batch_kv_mb: int = 1024  # KV cache of one batched generate (each of the 2 workers), in MiB
     max_prompt_tokens: int = 1 << 20  # prompt token ids of one request, all prompts together
     long_request_tokens: int = 1 << 14  # prompts x n x max_tokens beyond this decode on the second worker

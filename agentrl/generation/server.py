@@ -21,12 +21,13 @@ model, so short ones are not held up behind them; a weight swap waits until both
 hangs up has its rows dropped at the next decode step; a request that fails inside a batch is retried
 alone, so it fails by itself. Budgets (``ServerLimits``): tokens per request (400), tokens queued per
 client address (429), body size (413), time to send headers and body (connection closed / 408), open
-connections (503), KV cache per batch. Binds 127.0.0.1 unless told otherwise.
+connections in total and per client address (503), KV cache per batch. Binds 127.0.0.1 unless told otherwise.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import os
 import socket
 import threading
@@ -420,6 +421,9 @@ async def _until_done(request: Request, job: _Job | _Call) -> Any:
         gone.cancel()
         if not result.done():
             job.cancelled = True
+            # the worker settles it later with Cancelled, which nobody reads: asyncio printed "Future exception was
+            # never retrieved" and a traceback for every hang-up
+            result.add_done_callback(lambda f: f.cancelled() or f.exception())
     if not result.done():
         raise ClientDisconnect()
     return result.result()
@@ -545,13 +549,40 @@ def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def _protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+REFUSED_GRACE_S = 1.0  # a refused connection is aborted after this if the client has not closed it (a trickler)
+
+
+def _refusal(host: str, cap: int) -> bytes:
+    body = json.dumps({"error": {"message": f"too many open connections from {host} (at most {cap}); close some or "
+                                            "retry", "type": _KINDS[503], "param": None, "code": None}}).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def _protocol(header_timeout_s: float, max_client_connections: int) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (httptools when installed, else h11) plus a deadline for a request's headers:
     a connection that opens and sends nothing, or trickles bytes (slowloris), is closed after
-    ``header_timeout_s`` (after keep-alive + that when idle between requests) instead of held forever."""
+    ``header_timeout_s`` (after keep-alive + that when idle between requests) instead of held forever. One
+    client address holds at most ``max_client_connections``: past that a connection is answered 503 before
+    uvicorn sees it, so it takes no slot of ``max_connections`` (which counts every address together)."""
+    open_from: dict[str, int] = {}  # client address -> its open connections (touched on the event loop only)
 
     class Protocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _host: str | None = None  # set while this connection counts against its address
+        _refused = False
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            peer = transport.get_extra_info("peername")
+            host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            if open_from.get(host, 0) >= max_client_connections:
+                # the answer, then our half closed: closing at once reset most clients' sockets before they read it
+                self._refused = True
+                transport.write(_refusal(host, max_client_connections))
+                if transport.can_write_eof():
+                    transport.write_eof()
+                self.loop.call_later(REFUSED_GRACE_S, transport.abort)
+                return
+            self._host, open_from[host] = host, open_from.get(host, 0) + 1
             super().connection_made(transport)
             sock = transport.get_extra_info("socket")
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -571,6 +602,23 @@ def _protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
             # no new request began since the timer was armed (self.cycle is replaced when one does)
             if self.cycle is cycle and not self.transport.is_closing():
                 self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:  # a refused connection's request is read and dropped
+                super().data_received(data)
+
+        def eof_received(self) -> bool | None:
+            return None if self._refused else super().eof_received()  # refused: the client read the 503, close
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return
+            if self._host is not None:
+                left = open_from.pop(self._host) - 1
+                if left:
+                    open_from[self._host] = left
+                self._host = None
+            super().connection_lost(exc)
 
     return Protocol
 
@@ -609,7 +657,8 @@ def start_server(generator: EmbeddedGenerator, model_name: str, host: str = "127
     lim = service.limits
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
-    config = uvicorn.Config(make_app(service, api_key), http=_protocol(lim.header_timeout_s), lifespan="off",
+    http = _protocol(lim.header_timeout_s, lim.max_client_connections)
+    config = uvicorn.Config(make_app(service, api_key), http=http, lifespan="off",
                             log_config=None, log_level="error", access_log=False,
                             limit_concurrency=lim.max_connections, timeout_keep_alive=int(lim.keep_alive_s),
                             timeout_graceful_shutdown=3)

@@ -24,7 +24,7 @@ from agentrl.learner.batch import TokenBatch, micro_batches
 from agentrl.learner.critic import Critic, ValueHead, load_critic  # noqa: F401  (ValueHead: the DeepSpeed engine's)
 from agentrl.learner.finite import StepGuard
 from agentrl.learner.hidden import batch_prefix_len, decoder_hidden as _decoder_hidden  # noqa: F401  (re-exported)
-from agentrl.learner.logprobs import mask_logits
+from agentrl.learner.logprobs import mask_logits, tempered
 from agentrl.learner.protocol import LossFn
 
 
@@ -112,8 +112,7 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos,
                     output_hidden_states=need_values)
         logits = mask_logits(out.logits[:, :-1].float(), mb.allowed)
-        if temperature > 0:
-            logits = logits / temperature
+        logits = tempered(logits, temperature)
         logp = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:, None])[..., 0]
         res = {"logp": logp}
         if need_entropy:
@@ -125,8 +124,7 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
     hidden = _decoder_hidden(decoder, mb, pos, shared_prefix)
     sel = mb.loss_mask.bool()
     logits = mask_logits(head(hidden[:, :-1][sel]).float(), None if mb.allowed is None else mb.allowed[sel])
-    if temperature > 0:
-        logits = logits / temperature
+    logits = tempered(logits, temperature)
     picked = torch.log_softmax(logits, -1).gather(-1, mb.input_ids[:, 1:][sel][:, None])[:, 0]
     zeros = torch.zeros(sel.shape, dtype=picked.dtype, device=picked.device)
     res = {"logp": zeros.masked_scatter(sel, picked)}

@@ -5,6 +5,8 @@ from typing import Any
 
 import torch
 
+from agentrl.types import effective_temperature
+
 
 NEG = -1e9  # the logit of a token outside the allowed ids: exp(NEG - max) is 0 in float32, and entropies stay finite
 
@@ -41,9 +43,14 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     Sequences are right-padded; positions come from the mask so they match left-padded generation."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    return torch.log_softmax(tempered(logits, temperature), dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``; the logits themselves at a greedy temperature (0, or below
+    ``agentrl.types.GREEDY_BELOW``), as the samplers read it, so the learner's log-probs are the sampled ones."""
+    t = effective_temperature(temperature)
+    return logits / t if t > 0 else logits
 
 
 def completion_logprobs(model: Any, prompt_ids: list[int], gen_ids: list[int], temperature: float = 1.0) -> list[float]:

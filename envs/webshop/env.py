@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any
 
-from agentrl.envs.base import EnvError, PromptSpec, Task, TextEnv
+from agentrl.envs.base import EnvError, PromptSpec, Task, TextEnv, parse_task_id
 from agentrl.envs.webshop.catalogue import Catalogue, Goal, Product, generate_catalogue, load_webshop_files
 from agentrl.envs.webshop.reward import option_matches, webshop_reward
 from agentrl.envs.webshop.search import BM25
@@ -61,11 +61,8 @@ class WebShopEnv(TextEnv):
         return self._tasks[split]
 
     def get_task(self, task_id: str) -> Task:
-        try:
-            split, i = task_id.split("/")
-            return self.tasks(split)[int(i)]
-        except (ValueError, IndexError):
-            raise EnvError(f"webshop: unknown task id '{task_id}'") from None
+        split, i = parse_task_id(self.name, task_id, {s: len(t) for s, t in self._tasks.items()})
+        return self._tasks[split][i]
 
     def prompt_spec(self) -> PromptSpec:
         return PromptSpec(system="You are an expert autonomous agent operating in the WebShop e-commerce environment.",
@@ -241,5 +238,5 @@ class WebShopEnv(TextEnv):
         return dict(base=self._base_state(), goal=self.goal, state=copy.deepcopy(self.state))
 
     def restore(self, snap: Any) -> None:
-        self._restore_base(snap["base"])
+        self._restore_base(snap)
         self.goal, self.state = snap["goal"], copy.deepcopy(snap["state"])
