@@ -613,7 +613,8 @@ class Trainer:
             state = ckpt.load_plain(folder / "trainer.pt")
             saved_world = state.get("world", 1)
             saved_engine = state.get("engine") or ("deepspeed" if (folder / "deepspeed").exists() else "torch")
-            if saved_world != self.world or saved_engine != self.cfg.trainer.engine:
+            # DeepSpeed re-shards a checkpoint for another number of ranks (a universal checkpoint)
+            if saved_engine != self.cfg.trainer.engine or (saved_world != self.world and saved_engine != "deepspeed"):
                 raise ConfigError(f"{folder} was written by {saved_world} rank(s) with trainer.engine={saved_engine}; "
                                   f"this run has {self.world} with trainer.engine={self.cfg.trainer.engine}. Resume "
                                   "with the same launch, or start a new run (another trainer.out_dir)")

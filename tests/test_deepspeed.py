@@ -140,3 +140,21 @@ def test_zero3_reference_critic_and_proximal_passes_run_each_rank_on_its_own_row
             assert r["rows"][name] == len(r["own"]) < len(b), (name, r["rows"])  # its own rows, once
         # the reference sharded like the policy, in the training dtype
         assert r["ref_dtype"] == "torch.float32" and abs(r["ref_partition"] - r["ref_full"] / 2) <= 0.02 * r["ref_full"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_zero3_run_resumes_on_another_number_of_ranks(tiny_model_dir, tmp_path, monkeypatch):
+    # saved on 2 ranks, resumed on 1 (DeepSpeed's universal checkpoint), saved, resumed on 2: the losses,
+    # gradient norms and warm-up lrs of the uninterrupted 2-rank run
+    for phase, ranks in (("a", 2), ("b", 1), ("c", 2)):
+        _torchrun("ds_resume_worker.py", [phase, tiny_model_dir, tmp_path], tmp_path, monkeypatch, nproc=ranks)
+    got = {p: json.loads((tmp_path / f"{p}-rank0.json").read_text()) for p in "abc"}
+    assert got["b"]["world"] == 1 and got["c"]["world"] == 2 and got["c"]["step"] == 5
+    resumed = dict(got["b"]["losses"], **got["c"]["losses"])
+    assert sorted(resumed) == ["3", "4", "5"]
+    for step, want in got["a"]["losses"].items():
+        assert resumed[step] == pytest.approx(want, rel=1e-5), step
+    assert got["a"]["losses"]["3"][2] < got["a"]["losses"]["4"][2]  # the schedule's warm-up spans the resumes
+    assert json.loads((tmp_path / "c-rank1.json").read_text())["losses"] == got["c"]["losses"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("universal-")) == []  # removed once loaded

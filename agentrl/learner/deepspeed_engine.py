@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -103,6 +104,25 @@ def _load_ds_file(path: str, map_location: Any = None) -> Any:
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
     return load_plain(path, map_location=map_location, safe_globals=(ZeroStageEnum, LossScaler))
+
+
+def saved_world(tag_dir: Path) -> int:
+    """The number of ranks that wrote a ZeRO-3 checkpoint: one optimizer shard file each."""
+    return len(list(Path(tag_dir).glob("zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+
+
+def to_universal(tag_dir: Path, out: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` in this process: ``tag_dir`` (one ZeRO checkpoint, any number of ranks)
+    as a universal checkpoint in ``out`` (``out.parent`` gets its ``latest_universal``)."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    shutil.rmtree(out.parent, ignore_errors=True)  # a conversion killed half-way: this engine's own folder
+    out.parent.mkdir(parents=True)
+    ds_to_universal.main(argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                                            num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                            inject_missing_state=True))
 
 
 def skip_cpu_shm_build() -> None:
@@ -439,16 +459,48 @@ class DeepSpeedEngine:
         if self.critic_ds is not None and not (folder / "critic").is_dir():
             raise ValueError(f"{folder} holds no critic/: it was saved without a separate critic "
                              "(algo.critic=shared); resume with algo.critic=shared")
-        # DeepSpeed's own reader unpickles anything; its files hold tensors, containers and two plain classes
-        self.ds.checkpoint_engine.load = _load_ds_file
-        _, client = self.ds.load_checkpoint(str(folder / "deepspeed"))
+        client = self._load_engine(self.ds, folder / "deepspeed")
         self.global_step = (client or {}).get("global_step", 0)
         if self.critic_ds is not None:
-            self.critic_ds.checkpoint_engine.load = _load_ds_file
-            self.critic_ds.load_checkpoint(str(folder / "critic"))
+            self._load_engine(self.critic_ds, folder / "critic")
         rng = folder / f"rng-rank{self.rank}.pt"
         if rng.exists():
             set_rng_state(load_plain(rng))
+
+    def _load_engine(self, engine: Any, ds_dir: Path) -> Any:
+        """Collective: load one DeepSpeed engine's checkpoint (its client state back). Saved by another number
+        of ranks, it is first converted to DeepSpeed's universal checkpoint (rank 0, beside the checkpoint
+        folder, removed once loaded), which any number of ranks loads: the same weights, Adam moments, step
+        and schedule, re-sharded."""
+        import torch.distributed as dist
+
+        # DeepSpeed's own reader unpickles anything; its files hold tensors, containers and two plain classes
+        engine.checkpoint_engine.load = _load_ds_file
+        tag = (ds_dir / "latest").read_text().strip() if (ds_dir / "latest").is_file() else None
+        saved = saved_world(ds_dir / tag) if tag else self.world
+        if saved == self.world:
+            _, client = engine.load_checkpoint(str(ds_dir))
+            return client
+        universal = ds_dir.parent.with_name(f"universal-{ds_dir.parent.name}-{ds_dir.name}")
+        error = None
+        if self.rank == 0:
+            try:
+                to_universal(ds_dir / tag, universal / tag)
+            except Exception as e:  # every rank must hear of it, not wait in the barrier below
+                error = f"converting {ds_dir} (saved by {saved} ranks) for {self.world}: {type(e).__name__}: {e}"
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise RuntimeError(box[0])
+        engine._config.load_universal_checkpoint = True
+        try:
+            _, client = engine.load_checkpoint(str(universal), tag=tag)
+        finally:
+            engine._config.load_universal_checkpoint = False
+            dist.barrier()
+            if self.rank == 0:
+                shutil.rmtree(universal, ignore_errors=True)
+        return client
 
     def close(self) -> None:
         """Leave the process group in step with the other ranks. Without this, gloo's and DeepSpeed's
