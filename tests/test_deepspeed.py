@@ -158,3 +158,15 @@ def test_a_zero3_run_resumes_on_another_number_of_ranks(tiny_model_dir, tmp_path
     assert got["a"]["losses"]["3"][2] < got["a"]["losses"]["4"][2]  # the schedule's warm-up spans the resumes
     assert json.loads((tmp_path / "c-rank1.json").read_text())["losses"] == got["c"]["losses"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("universal-")) == []  # removed once loaded
+
+
+def test_the_reference_is_sharded_and_offloaded_like_the_policy_without_optimizer_sections():
+    from agentrl.learner.deepspeed_engine import load_ds_config, reference_ds_config
+
+    root = Path(__file__).resolve().parent.parent
+    policy = load_ds_config(root / "configs" / "deepspeed" / "zero3_offload.json")
+    ref = reference_ds_config(policy)
+    assert ref["zero_optimization"]["stage"] == 3 and ref["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert "offload_optimizer" not in ref["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in ref
+    assert ref["bf16"]["enabled"] is True and "offload_optimizer" in policy["zero_optimization"]  # a copy
+    assert reference_ds_config(load_ds_config(None))["bf16"] == {"enabled": False}
