@@ -147,8 +147,15 @@ def test_zero3_reference_critic_and_proximal_passes_run_each_rank_on_its_own_row
 def test_a_zero3_run_resumes_on_another_number_of_ranks(tiny_model_dir, tmp_path, monkeypatch):
     # saved on 2 ranks, resumed on 1 (DeepSpeed's universal checkpoint), saved, resumed on 2: the losses,
     # gradient norms and warm-up lrs of the uninterrupted 2-rank run
+    files = lambda d: {p: p.read_bytes() for p in sorted((tmp_path / d).rglob("*")) if p.is_file()}  # noqa: E731
+    saved = {}
     for phase, ranks in (("a", 2), ("b", 1), ("c", 2)):
         _torchrun("ds_resume_worker.py", [phase, tiny_model_dir, tmp_path], tmp_path, monkeypatch, nproc=ranks)
+        saved[phase] = {**files("a"), **files("b")}
+    # the checkpoint resumed from is read, never written (a's by b, b's by c)
+    assert saved["a"] == {k: v for k, v in saved["b"].items() if "/a/" in str(k)}
+    assert {k: v for k, v in saved["b"].items() if "/b/" in str(k)} == {k: v for k, v in saved["c"].items()
+                                                                          if "/b/" in str(k)}
     got = {p: json.loads((tmp_path / f"{p}-rank0.json").read_text()) for p in "abc"}
     assert got["b"]["world"] == 1 and got["c"]["world"] == 2 and got["c"]["step"] == 5
     resumed = dict(got["b"]["losses"], **got["c"]["losses"])

@@ -122,7 +122,7 @@ def to_universal(tag_dir: Path, out: Path) -> None:
     out.parent.mkdir(parents=True)
     ds_to_universal.main(argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
                                             num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                            inject_missing_state=True))
+                                            inject_missing_state=False))
 
 
 def skip_cpu_shm_build() -> None:
