@@ -15,6 +15,7 @@ import datetime
 import hashlib
 import importlib
 import json
+import math
 import os
 import pickle
 import re
@@ -237,16 +238,126 @@ def _hash_all(folder: Path, names: list[str], sync: bool = False) -> list[str]:
         return list(ex.map(lambda n: _sha256(folder / n, sync), names))
 
 
-def seal(folder: Path, run_id: str, step: int) -> None:
-    """Write the manifest of a complete save: every file's size and sha256. Written last and atomically: a
-    checkpoint without it is incomplete and never resumed from."""
+_RANK_FILE = re.compile(r"rank[_-]?(\d+)")
+
+
+def share_of(names: list[str], sizes: list[int], rank: int, world: int) -> list[str]:
+    """The files ``rank`` hashes when every rank seals its share: a file named for a rank (its ZeRO shards,
+    ``rng-rankN.pt``) by that rank, which wrote it; the rest, largest first, by the rank with the fewest bytes."""
+    load, mine = [0] * world, []
+    free = []
+    for n, b in zip(names, sizes):
+        m = _RANK_FILE.search(n)
+        if m and world > 1:
+            load[int(m.group(1)) % world] += b
+            if int(m.group(1)) % world == rank:
+                mine.append(n)
+        else:
+            free.append((b, n))
+    for b, n in sorted(free, key=lambda x: (-x[0], x[1])):
+        r = min(range(world), key=lambda r: (load[r], r))
+        load[r] += b
+        if r == rank:
+            mine.append(n)
+    return sorted(mine)
+
+
+def hash_share(folder: Path, rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]]:
+    """This rank's share of a complete save (``share_of``): each file's size and sha256, its bytes and its
+    folder's entry synced to disk, so the manifest never vouches for bytes still in a page cache."""
     names = _files(folder)
-    for n in names:  # the folders too, so the files' names are durable before the manifest names them
+    mine = share_of(names, [(folder / n).stat().st_size for n in names], rank, world)
+    for n in mine:  # the folders too, so the files' names are durable before the manifest names them
         fsync_dir((folder / n).parent)
-    digests = _hash_all(folder, names, sync=True)
-    files = {n: dict(bytes=(folder / n).stat().st_size, sha256=d) for n, d in zip(names, digests)}
+    digests = _hash_all(folder, mine, sync=True)
+    return {n: dict(bytes=(folder / n).stat().st_size, sha256=d) for n, d in zip(mine, digests)}
+
+
+def seal(folder: Path, run_id: str, step: int, hashed: dict[str, dict[str, Any]] | None = None) -> None:
+    """Write the manifest of a complete save: every file's size and sha256 (from ``hashed``, the ranks'
+    shares; any file they lack is hashed here). Written last and atomically: a checkpoint without it is
+    incomplete and never resumed from."""
+    hashed = dict(hashed or {})
+    rest = [n for n in _files(folder) if n not in hashed]
+    for n in rest:
+        fsync_dir((folder / n).parent)
+    for n, d in zip(rest, _hash_all(folder, rest, sync=True)):
+        hashed[n] = dict(bytes=(folder / n).stat().st_size, sha256=d)
+    files = {n: hashed[n] for n in sorted(hashed)}
     atomic_write_text(folder / MANIFEST, json.dumps(dict(format=FORMAT, run_id=run_id, step=step, state="complete",
                                                          created_at=_now(), files=files), indent=1))
+
+
+def seal_by_ranks(folder: Path, run_id: str, step: int, rank: int, world: int, all_gather: Any) -> None:
+    """Collective, once every rank's files are written: each rank hashes its share in parallel with the
+    others (``hash_share``), rank 0 writes the manifest. ``all_gather(obj)`` returns every rank's ``obj``; an
+    OSError on any rank is raised on every rank (none waits for a rank that failed)."""
+    try:
+        share: Any = hash_share(folder, rank, world)
+    except OSError as e:
+        share = f"{e.strerror or e} ({rank=})"
+    shares = all_gather(share)
+    errors = [s for s in shares if isinstance(s, str)]
+    if errors:
+        raise OSError(errors[0])
+    if rank == 0:
+        seal(folder, run_id, step, {n: v for s in shares for n, v in s.items()})
+
+
+# ----- checkpoint sizes ------------------------------------------------------------------------------------
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ZERO_BYTES = 12  # a ZeRO-3 checkpoint per parameter, all ranks' shards together: fp32 master copy + Adam's 2 moments
+
+
+def safetensors_params(folder: Path) -> int:
+    """Parameters in a model folder's safetensors files, read from their headers (nothing loaded); an LM head
+    tied to the embeddings (``tie_word_embeddings``) is one parameter, however often a file stores it."""
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        shapes.update((k, v["shape"]) for k, v in header.items() if k != "__metadata__")
+    try:
+        tied = bool(json.loads((Path(folder) / "config.json").read_text()).get("tie_word_embeddings"))
+    except (OSError, ValueError, AttributeError):
+        tied = False
+    if tied and any(k.endswith("embed_tokens.weight") for k in shapes):
+        shapes.pop("lm_head.weight", None)
+    return sum(math.prod(s) for s in shapes.values())
+
+
+def checkpoint_bytes(params: int, engine: str, dtype: str = "float32", export_dtype: str | None = None,
+                     critic_params: int = 0, lora: bool = False) -> int:
+    """One checkpoint's size on disk. ``deepspeed``: the ZeRO-3 optimizer shards, ``ZERO_BYTES`` a parameter
+    (the module files hold no weights under ZeRO-3); ``torch``: the weights in ``dtype`` and Adam's two
+    moments in it too (LoRA: the adapters only, left out as small). Plus the exported HF folder in
+    ``export_dtype`` (default: ``dtype``); a separate critic (``critic_params``) is saved like the policy,
+    without an export."""
+    w = DTYPE_BYTES.get(dtype, 4)
+    per = ZERO_BYTES if engine == "deepspeed" else 3 * w
+    trained = 0 if lora and engine != "deepspeed" else params
+    return per * (trained + critic_params) + DTYPE_BYTES.get(export_dtype or dtype, 4) * params
+
+
+def engine_checkpoint_bytes(model_dir: Path, engine: str, ecfg: Any) -> int:
+    """``checkpoint_bytes`` of a run: the policy in ``model_dir`` trained by ``engine`` as ``ecfg`` (the
+    engine's ``EngineConfig``) says: its dtype, LoRA, and a separate critic from ``critic_path``."""
+    critic = 0
+    if ecfg.value_head and ecfg.critic == "separate":
+        critic = safetensors_params(Path(ecfg.critic_path or model_dir))
+    return checkpoint_bytes(safetensors_params(Path(model_dir)), engine, ecfg.dtype, critic_params=critic,
+                            lora=ecfg.lora is not None)
+
+
+def check_free_space(out_dir: Path, one_checkpoint: int, keep: int) -> None:
+    """Room for ``keep`` + 1 checkpoints (the kept ones stay until the new one is sealed): a full disk is an
+    error before any work, not at a save."""
+    need = (keep + 1) * one_checkpoint
+    free = shutil.disk_usage(out_dir).free
+    if need and free < need:
+        raise RunError(f"{out_dir}: {free / 2**30:.2f} GiB free, a run of this model needs about {need / 2**30:.2f} "
+                       f"GiB for its checkpoints ({keep} kept + the one being written, {one_checkpoint / 2**30:.2f} "
+                       "GiB each); free space, lower trainer.keep_checkpoints or choose another trainer.out_dir")
 
 
 def verify(folder: Path) -> str | None:

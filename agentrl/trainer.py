@@ -530,14 +530,10 @@ class Trainer:
 
     # ----- checkpoints -------------------------------------------------------------------------
     def _check_free_space(self) -> None:
-        """Before any work: room for ``keep_checkpoints`` + 1 checkpoints (weights and Adam's two moments each;
-        the kept ones stay until the new one is sealed), so a full disk is an error now, not at a save."""
-        weights = sum(f.stat().st_size for f in Path(self.model_dir).glob("*.safetensors"))
-        need = (self.cfg.trainer.keep_checkpoints + 1) * 3 * weights
-        free = shutil.disk_usage(self.out_dir).free
-        if need and free < need:
-            raise RunError(f"{self.out_dir}: {free / 2**30:.2f} GiB free, a run of this model needs about "
-                           f"{need / 2**30:.2f} GiB for its checkpoints; free space or choose another trainer.out_dir")
+        """Before any work: room for ``keep_checkpoints`` + 1 checkpoints of their real size (the kept ones stay
+        until the new one is sealed), so a full disk is an error now, not at a save."""
+        one = ckpt.engine_checkpoint_bytes(Path(self.model_dir), self.cfg.trainer.engine, self.engine.cfg)
+        ckpt.check_free_space(self.out_dir, one, self.cfg.trainer.keep_checkpoints)
 
     def save_checkpoint(self) -> Path:
         """Collective. Every rank writes its part (ZeRO shards, its RNG) into ``checkpoints/step-N``, rank 0
@@ -572,8 +568,7 @@ class Trainer:
                                 engine=self.cfg.trainer.engine, config=self.cfg.to_dict(), **self._in_flight()),
                            folder / "trainer.pt")
             dist.barrier()
-            if self.is_main:
-                ckpt.seal(folder, self.run_id, self.step)
+            ckpt.seal_by_ranks(folder, self.run_id, self.step, self.rank, self.world, dist.all_gather_object)
         except OSError as e:  # a full disk: drop the partial save (this run's), keep the previous checkpoint, say so
             if self.is_main:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -644,7 +639,8 @@ class Trainer:
             state = ckpt.load_plain(folder / "trainer.pt")
             saved_world = state.get("world", 1)
             saved_engine = state.get("engine") or ("deepspeed" if (folder / "deepspeed").exists() else "torch")
-            if saved_world != self.world or saved_engine != self.cfg.trainer.engine:
+            # DeepSpeed re-shards a checkpoint for another number of ranks (a universal checkpoint)
+            if saved_engine != self.cfg.trainer.engine or (saved_world != self.world and saved_engine != "deepspeed"):
                 raise ConfigError(f"{folder} was written by {saved_world} rank(s) with trainer.engine={saved_engine}; "
                                   f"this run has {self.world} with trainer.engine={self.cfg.trainer.engine}. Resume "
                                   "with the same launch, or start a new run (another trainer.out_dir)")

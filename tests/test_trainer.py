@@ -883,13 +883,18 @@ def test_free_space_is_checked_before_any_work(tmp_path, monkeypatch):
 
     from agentrl.trainer import RunError, Trainer
 
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
-    fake = SimpleNamespace(model_dir=tmp_path, out_dir=tmp_path,
-                           cfg=SimpleNamespace(trainer=SimpleNamespace(keep_checkpoints=2)))
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=8000, total=10**9, used=0))
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(250)}, str(tmp_path / "model.safetensors"))  # 250 fp32 parameters
+    ecfg = SimpleNamespace(value_head=False, critic="shared", critic_path="", dtype="float32", lora=None)
+    fake = SimpleNamespace(model_dir=tmp_path, out_dir=tmp_path, engine=SimpleNamespace(cfg=ecfg),
+                           cfg=SimpleNamespace(trainer=SimpleNamespace(keep_checkpoints=2, engine="torch")))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=11000, total=10**9, used=0))
     with pytest.raises(RunError, match="GiB free, a run of this model needs about"):
-        Trainer._check_free_space(fake)  # (2 kept + 1 being written) x (weights + 2 Adam moments) = 9000 bytes
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=9500, total=10**9, used=0))
+        # (2 kept + 1 being written) x 250 x (4 weights + 8 Adam moments + 4 the export) = 12000 bytes
+        Trainer._check_free_space(fake)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=12500, total=10**9, used=0))
     Trainer._check_free_space(fake)
 
 

@@ -193,3 +193,24 @@ def micro_batches(batch: TokenBatch, token_budget: int, block: int = 1) -> list[
     if cur:
         out.append(cur)
     return out
+
+
+def deal_rows(lengths: Sequence[int], world: int, block: int = 1) -> list[list[int]]:
+    """Row blocks dealt to ``world`` ranks balanced by tokens: the longest block first, each to the rank
+    holding the fewest tokens so far (ties: the lower rank); each rank's rows in ascending order. The same
+    on every rank (it reads only ``lengths``), so no rank needs to be told its share."""
+    blocks = row_blocks(len(lengths), block)
+    size = [sum(lengths[i] for i in b) for b in blocks]
+    load, dealt = [0] * world, [[] for _ in range(world)]
+    for k in sorted(range(len(blocks)), key=lambda k: (-size[k], k)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        load[r] += size[k]
+        dealt[r] += blocks[k]
+    return [sorted(rows) for rows in dealt]
+
+
+def stand_in_rows(lengths: Sequence[int], block: int = 1) -> list[int]:
+    """The shortest row block: what a rank with fewer micro-batches than another runs, with weight 0, so
+    every rank takes part in the same number of collective passes at the least cost."""
+    blocks = row_blocks(len(lengths), block)
+    return min(blocks, key=lambda b: (max(lengths[i] for i in b), b[0]))

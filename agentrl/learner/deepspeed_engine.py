@@ -2,8 +2,9 @@
 
 Launch with ``deepspeed`` or ``torchrun`` on GPU nodes (NCCL); on CPU it runs for real with gloo
 (``DS_ACCELERATOR=cpu``), which is how the test suite covers it. Every rank is handed the same global
-batch and trains on its share (row blocks rank, rank + world, ...); losses are weighted so the averaged
-gradient equals that of the whole batch. A torch AdamW is handed to DeepSpeed (no cpu_adam build
+batch and trains on its share (row blocks dealt by tokens); losses are weighted so the averaged
+gradient equals that of the whole batch; the passes without gradient (the KL reference's, a ZeRO-3
+engine of its own, too) run each rank's rows only. A torch AdamW is handed to DeepSpeed (no cpu_adam build
 needed); ``export_weights`` gathers the sharded parameters and rank 0 writes an HF folder;
 ``copy_weights_to`` gathers one parameter at a time into each rank's generator copy. A separate critic
 (``EngineConfig.critic="separate"``) is a DeepSpeed engine of its own: its weights and optimizer sharded
@@ -13,17 +14,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from agentrl.checkpoint import load_plain
-from agentrl.learner.batch import TokenBatch, micro_batches, row_blocks
+from agentrl.learner.batch import TokenBatch, deal_rows, micro_batches, stand_in_rows
 from agentrl.learner.critic import load_critic
-from agentrl.learner.engine import (EngineConfig, FrozenReference, ValueHead, _OptimizerOf, batch_prefix_len,
-                                    batched_forward, critic_optimizer, forward_batch, memory_hint, rng_state,
-                                    set_rng_state)
+from agentrl.learner.engine import (EngineConfig, ValueHead, _OptimizerOf, batch_prefix_len, critic_optimizer,
+                                    forward_batch, memory_hint, rng_state, set_rng_state)
 from agentrl.learner.finite import StepGuard
 from agentrl.learner.protocol import LossFn
 
@@ -85,6 +86,17 @@ def load_ds_config(spec: str | Path | dict | None) -> dict[str, Any]:
     return ds
 
 
+def reference_ds_config(ds: dict[str, Any]) -> dict[str, Any]:
+    """The policy's DeepSpeed config for a frozen model (the KL reference): its parameters sharded, offloaded
+    and in the dtype the policy's are, without the optimizer's sections (it has none)."""
+    ref = json.loads(json.dumps(ds))
+    ref.setdefault("zero_optimization", {}).pop("offload_optimizer", None)
+    for key in ("zero_force_ds_cpu_optimizer", "gradient_clipping"):
+        ref.pop(key, None)
+    ref["bf16"] = dict(ref.get("bf16") or {}, enabled=bool((ref.get("bf16") or {}).get("enabled")))
+    return ref
+
+
 def _load_ds_file(path: str, map_location: Any = None) -> Any:
     """A DeepSpeed checkpoint file, loaded with ``weights_only`` (the ZeRO stage enum and loss scaler
     allowed, plain classes of DeepSpeed's): a tampered file is refused, not run."""
@@ -92,6 +104,25 @@ def _load_ds_file(path: str, map_location: Any = None) -> Any:
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
     return load_plain(path, map_location=map_location, safe_globals=(ZeroStageEnum, LossScaler))
+
+
+def saved_world(tag_dir: Path) -> int:
+    """The number of ranks that wrote a ZeRO-3 checkpoint: one optimizer shard file each."""
+    return len(list(Path(tag_dir).glob("zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+
+
+def to_universal(tag_dir: Path, out: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` in this process: ``tag_dir`` (one ZeRO checkpoint, any number of ranks)
+    as a universal checkpoint in ``out`` (``out.parent`` gets its ``latest_universal``)."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    shutil.rmtree(out.parent, ignore_errors=True)  # a conversion killed half-way: this engine's own folder
+    out.parent.mkdir(parents=True)
+    ds_to_universal.main(argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
+                                            num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                            inject_missing_state=False))
 
 
 def skip_cpu_shm_build() -> None:
@@ -171,8 +202,52 @@ class DeepSpeedEngine:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def local_rows(self, batch: TokenBatch, row_block: int = 1) -> list[int]:
-        """This rank's rows: blocks rank, rank + world, ... (a block is never split across ranks)."""
-        return [i for b in row_blocks(len(batch), row_block)[self.rank::self.world] for i in b]
+        """This rank's rows, dealt by tokens (``deal_rows``: a block is never split across ranks)."""
+        return deal_rows(batch.attention_mask.sum(-1).tolist(), self.world, row_block)[self.rank]
+
+    def _plan(self, batch: TokenBatch, row_block: int = 1
+              ) -> tuple[list[int], list[list[int]], list[TokenBatch], list[bool]]:
+        """Collective. This rank's rows, its micro-batches (indices into its rows), the batches it runs and,
+        for each, whether it may take the shared-prefix pass. Ranks must run the same number of collective
+        passes: a rank with fewer micro-batches (or no rows) runs the missing ones on the batch's shortest
+        row block (``stand_in_rows``), whose outputs count for nothing. The shared-prefix pass calls the
+        decoder twice and ZeRO-3 ranks must gather the same layers in step, so micro-batch k takes it only
+        where every rank's k-th does."""
+        import torch.distributed as dist
+
+        rows = self.local_rows(batch, row_block)
+        local = batch.select(rows) if rows else None
+        parts = micro_batches(local, self.cfg.token_budget, row_block) if local is not None else []
+        n_parts = torch.tensor([len(parts)], device=self.device)
+        dist.all_reduce(n_parts, op=dist.ReduceOp.MAX)
+        stand_in = batch.select(stand_in_rows(batch.attention_mask.sum(-1).tolist(), row_block))
+        mbs = [(local.select(parts[k]) if k < len(parts) else stand_in) for k in range(int(n_parts))]
+        has_prefix = torch.tensor([int(batch_prefix_len(m.input_ids, m.attention_mask) > 0) for m in mbs],
+                                  device=self.device)
+        dist.all_reduce(has_prefix, op=dist.ReduceOp.MIN)
+        return rows, parts, mbs, [bool(x) for x in has_prefix.tolist()]
+
+    def _own_rows_forward(self, forward: Any, batch: TokenBatch, temperature: float, values: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collective, no gradient: (log-probs, values) of the whole batch shaped like its targets, each rank
+        running only its own rows; the rows are disjoint, so a sum over ranks all-gathers them exactly."""
+        import torch.distributed as dist
+
+        rows, parts, mbs, has_prefix = self._plan(batch)
+        logp = torch.zeros_like(batch.old_logprobs, device=self.device)
+        vals = torch.zeros_like(batch.old_logprobs, device=self.device)
+        for k, mb in enumerate(mbs):
+            with memory_hint(mb, self.cfg.token_budget, self.device):
+                out = forward(mb.to(self.device), temperature, need_values=values, shared_prefix=has_prefix[k])
+            if k < len(parts):
+                idx = torch.tensor([rows[i] for i in parts[k]], device=self.device)
+                w = out["logp"].shape[1]
+                logp[idx, :w] = out["logp"].float()
+                if "values" in out:
+                    vals[idx, :w] = out["values"].float()
+        both = torch.stack([logp, vals])
+        dist.all_reduce(both)
+        return both[0].cpu(), both[1].cpu()
 
     def partition_numel(self) -> int:
         """Parameter elements this rank holds (ZeRO-3 shards parameters across ranks)."""
@@ -199,48 +274,49 @@ class DeepSpeedEngine:
     @torch.no_grad()
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0, values: bool = False
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Every rank computes the whole batch (a ZeRO-3 forward is collective: all ranks take part, and
-        all get the same numbers)."""
+        """Collective: each rank computes its own rows, and every rank gets the whole batch's numbers."""
         self._train_mode(False)
-        logp, vals = batched_forward(self.forward, batch, self.cfg.token_budget, temperature,
-                                     values and (self.value_head is not None or self.critic_ds is not None),
-                                     self.device)
+        logp, vals = self._own_rows_forward(self.forward, batch, temperature,
+                                            values and (self.value_head is not None or self.critic_ds is not None))
         return (logp, vals) if values else logp
 
     def set_reference(self, folder: str | Path | None) -> None:
-        """Freeze the reference policy: the weights in ``folder``, one full copy per rank (like the
-        embedded generator's), not sharded: its memory is the model's on every rank."""
+        """Collective. Freeze the reference policy: the weights in ``folder`` as a ZeRO-3 engine without an
+        optimizer, sharded over the ranks like the policy (and offloaded where the policy's parameters are),
+        in the training dtype (bf16 when the DeepSpeed config enables it)."""
+        import deepspeed
+
+        from agentrl.learner.models import load_model
+
         if folder is None:
             raise ValueError("trainer.engine=deepspeed needs a weights folder for the reference policy")
-        self.reference = FrozenReference(folder, self.cfg.dtype, self.device, self.cfg.token_budget)
+        ds = reference_ds_config(self.ds.config)
+        dtype = "bfloat16" if ds["bf16"]["enabled"] else self.cfg.dtype
+        model = load_model(folder, dtype, "cpu").eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.reference, *_ = deepspeed.initialize(model=_WithValueHead(model, None), config=ds)
+        self.reference.eval()
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
-        """Every rank computes the whole batch on its own copy (the same numbers on every rank)."""
+        """Collective: each rank runs its own rows through the sharded reference; every rank gets them all."""
         if self.reference is None:
             raise RuntimeError("no reference policy: a KL term needs set_reference() first")
-        return self.reference.logprobs(batch, temperature)
+
+        def forward(mb: TokenBatch, t: float, need_values: bool = False, shared_prefix: bool = True) -> Any:
+            return self.reference(mb, temperature=t, shared_prefix=shared_prefix)
+
+        return self._own_rows_forward(forward, batch, temperature, False)[0]
 
     def step(self, batch: TokenBatch, loss_fn: LossFn, temperature: float = 1.0, need_entropy: bool = False,
              need_values: bool = False, weight_by: str = "tokens", row_block: int = 1) -> dict[str, float]:
         import torch.distributed as dist
 
         self._train_mode(True)
-        rows = self.local_rows(batch, row_block)
-        local = batch.select(rows) if rows else None
         total = float(batch.num_targets if weight_by == "tokens" else len(batch)) or 1.0
-        parts = micro_batches(local, self.cfg.token_budget, row_block) if local is not None else []
-        # Ranks must run the same number of collective forward/backward passes: a rank with fewer
-        # micro-batches (or no rows at all) runs the missing ones on a stand-in row with weight 0.
-        n_parts = torch.tensor([len(parts)], device=self.device)
-        dist.all_reduce(n_parts, op=dist.ReduceOp.MAX)
-        stand_in = list(range(row_block))
-        mbs = [(local.select(parts[k]) if k < len(parts) else batch.select(stand_in)) for k in range(int(n_parts))]
-        # The shared-prefix pass calls the decoder twice; ZeRO-3 ranks must gather the same layers in step,
-        # so micro-batch k takes it only where every rank's k-th micro-batch has a shared prefix.
-        has_prefix = torch.tensor([int(batch_prefix_len(m.input_ids, m.attention_mask) > 0) for m in mbs],
-                                  device=self.device)
-        dist.all_reduce(has_prefix, op=dist.ReduceOp.MIN)
+        _, parts, mbs, has_prefix = self._plan(batch, row_block)  # stand-ins (weight 0) past this rank's own
+        n_parts = len(mbs)
         stats: dict[str, float] = {}
         loss_sum = 0.0
         policy_grad, critic_grad = True, False  # which engines this step's loss reaches
@@ -251,7 +327,7 @@ class DeepSpeedEngine:
             # DeepSpeed averages gradients over ranks: scale by world so the sum over all ranks' shares is 1.
             w = share * self.world / total
             with memory_hint(mbs[k], self.cfg.token_budget, self.device):
-                out = self.forward(mb, temperature, need_entropy, need_values, bool(has_prefix[k]))
+                out = self.forward(mb, temperature, need_entropy, need_values, has_prefix[k])
                 last = k == int(n_parts) - 1
                 if self.critic_ds is not None and "values" in out:
                     # two engines, two backward passes: the loss again with the other network's outputs
@@ -383,16 +459,48 @@ class DeepSpeedEngine:
         if self.critic_ds is not None and not (folder / "critic").is_dir():
             raise ValueError(f"{folder} holds no critic/: it was saved without a separate critic "
                              "(algo.critic=shared); resume with algo.critic=shared")
-        # DeepSpeed's own reader unpickles anything; its files hold tensors, containers and two plain classes
-        self.ds.checkpoint_engine.load = _load_ds_file
-        _, client = self.ds.load_checkpoint(str(folder / "deepspeed"))
+        client = self._load_engine(self.ds, folder / "deepspeed")
         self.global_step = (client or {}).get("global_step", 0)
         if self.critic_ds is not None:
-            self.critic_ds.checkpoint_engine.load = _load_ds_file
-            self.critic_ds.load_checkpoint(str(folder / "critic"))
+            self._load_engine(self.critic_ds, folder / "critic")
         rng = folder / f"rng-rank{self.rank}.pt"
         if rng.exists():
             set_rng_state(load_plain(rng))
+
+    def _load_engine(self, engine: Any, ds_dir: Path) -> Any:
+        """Collective: load one DeepSpeed engine's checkpoint (its client state back). Saved by another number
+        of ranks, it is first converted to DeepSpeed's universal checkpoint (rank 0, beside the checkpoint
+        folder, removed once loaded), which any number of ranks loads: the same weights, Adam moments, step
+        and schedule, re-sharded."""
+        import torch.distributed as dist
+
+        # DeepSpeed's own reader unpickles anything; its files hold tensors, containers and two plain classes
+        engine.checkpoint_engine.load = _load_ds_file
+        tag = (ds_dir / "latest").read_text().strip() if (ds_dir / "latest").is_file() else None
+        saved = saved_world(ds_dir / tag) if tag else self.world
+        if saved == self.world:
+            _, client = engine.load_checkpoint(str(ds_dir))
+            return client
+        universal = ds_dir.parent.with_name(f"universal-{ds_dir.parent.name}-{ds_dir.name}")
+        error = None
+        if self.rank == 0:
+            try:
+                to_universal(ds_dir / tag, universal / tag)
+            except Exception as e:  # every rank must hear of it, not wait in the barrier below
+                error = f"converting {ds_dir} (saved by {saved} ranks) for {self.world}: {type(e).__name__}: {e}"
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise RuntimeError(box[0])
+        engine._config.load_universal_checkpoint = True
+        try:
+            _, client = engine.load_checkpoint(str(universal), tag=tag)
+        finally:
+            engine._config.load_universal_checkpoint = False
+            dist.barrier()
+            if self.rank == 0:
+                shutil.rmtree(universal, ignore_errors=True)
+        return client
 
     def close(self) -> None:
         """Leave the process group in step with the other ranks. Without this, gloo's and DeepSpeed's

@@ -174,7 +174,7 @@ def batched_forward(forward: Callable[..., dict[str, torch.Tensor]], batch: Toke
 
 class FrozenReference:
     """The frozen reference policy that KL terms measure against: a copy of some weights held in memory,
-    evaluated without gradient (DeepSpeed: one full copy per rank, as its embedded generator holds)."""
+    evaluated without gradient (the torch engine's; DeepSpeed's is a ZeRO-3 engine of its own)."""
 
     def __init__(self, folder: str | Path, dtype: str, device: str, token_budget: int):
         from agentrl.learner.models import load_model
