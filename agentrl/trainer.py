@@ -242,7 +242,7 @@ class Trainer:
             from agentrl.generation.vllm_fleet import VLLMFleet
 
             fleet = VLLMFleet(self.cfg.trainer, self.model_dir, self.device, self.out_dir,
-                              lora=bool(self.cfg.model.lora_r))
+                              lora=self.cfg.model.lora_r, vcfg=self.cfg.vllm)
             try:  # before any work: a server of another model, or one that cannot take weights in place
                 if self.cfg.trainer.check_sync:
                     fleet.verify(self.engine)  # serves what the learner starts from
