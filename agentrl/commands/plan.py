@@ -49,12 +49,17 @@ def zero_settings(cfg: Any) -> tuple[int, bool]:
     return int(z.get("stage", 0)), off
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 10**8 else f"{n / 1e6:.1f}M"
+
+
 def _gib(n: float) -> str:
     return f"{n / gm.GIB:.1f} GiB"
 
 
 def build(cfg: Any, nodes: int, gpus_per_node: int, gpu_gib: float) -> tuple[list[str], list[str]]:
     """(plan lines, error lines) of ``cfg`` on ``nodes`` x ``gpus_per_node`` GPUs of ``gpu_gib`` GiB each."""
+    from agentrl.generation.client import GenerationServerError
     from agentrl.generation.vllm import vllm_command
     from agentrl.generation.vllm_fleet import sync_mode
 
@@ -78,11 +83,14 @@ def build(cfg: Any, nodes: int, gpus_per_node: int, gpu_gib: float) -> tuple[lis
     T = cfg.optim.token_budget
     est = gm.learner(shape, ranks, stage, T, int(T * GENERATED_SHARE), offload, reference, ckpt)
     srv = gm.server(shape, card, share, v.tensor_parallel_size)
-    mode = sync_mode(t.vllm_sync, "cuda", v.colocate) if p.servers else ""
+    try:
+        mode = sync_mode(t.vllm_sync, "cuda", v.colocate) if p.servers else ""
+    except GenerationServerError:  # NCCL asked for colocated servers: the placement's errors name it
+        mode = ""
     multi = nodes > 1
     master = "MASTER_ADDR (node 0's address)" if multi else "127.0.0.1"
     out = [f"launch plan: {nodes} node(s) x {gpus_per_node} GPU(s) of {gpu_gib:g} GiB; model {cfg.model.name} "
-           f"({gm.param_count(shape) / 1e9:.2f}B parameters, from its config.json); learner: {ranks} rank(s), "
+           f"({_count(gm.param_count(shape))} parameters, from its config.json); learner: {ranks} rank(s), "
            f"{'ZeRO-' + str(stage) + (' offload' if offload else '') if t.engine == 'deepspeed' else 'torch engine'}; "
            f"{len(p.servers)} vLLM server(s) started by rank 0"]
     servers_of = {g: k for k, gs in enumerate(p.servers) for g in gs}
