@@ -138,3 +138,23 @@ def test_two_ranks_drop_a_killed_and_a_wedged_server_alike_then_stop_alike(tmp_p
     assert len([x for x in lines if " pass 4 error: " in x]) == 2 and len(stops) == 1, out + err
     assert next(iter(stops)).startswith("no generation server is left to take the weights")
     assert len((tmp_path / "a.log").read_text().splitlines()) == 3
+
+
+def test_server_flags_follow_the_config(tmp_path):
+    from agentrl.generation.vllm import vllm_command
+
+    opts = VLLMCfg(tensor_parallel_size=2, gpu_memory_utilization=0.85, max_model_len=8192, max_num_seqs=64,
+                   enable_prefix_caching=False, host="0.0.0.0", extra_args=["--kv-cache-dtype", "fp8"])
+    cmd = " ".join(vllm_command(tmp_path, 8000, cpu=False, opts=opts, lora=24, sync="nccl", python="python"))
+    for flag in ("--host 0.0.0.0", "--tensor-parallel-size 2", "--gpu-memory-utilization 0.85",
+                 "--max-model-len 8192", "--max-num-seqs 64", "--no-enable-prefix-caching",
+                 "--enable-lora --max-lora-rank 32", "--kv-cache-dtype fp8", "--weight-transfer-config"):
+        assert flag in cmd, flag
+    # defaults: vLLM's own on a GPU (no memory flag), 0.3 of RAM on CPU, the bind address loopback
+    gpu = vllm_command(tmp_path, 8000, cpu=False, python="python")
+    assert "--gpu-memory-utilization" not in gpu and "127.0.0.1" in gpu and "--max-lora-rank" not in gpu
+    cpu = vllm_command(tmp_path, 8000, cpu=True, python="python")
+    assert cpu[cpu.index("--gpu-memory-utilization") + 1] == "0.3"
+    colo = vllm_command(tmp_path, 8000, cpu=False, opts=VLLMCfg(colocate=True, gpu_memory_utilization=0.3),
+                        sync="ipc", python="python")
+    assert "--enable-sleep-mode" in colo and '{"backend": "ipc"}' in colo

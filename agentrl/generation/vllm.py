@@ -50,6 +50,18 @@ CHOICE_FLAGS = ["--logits-processors", "agentrl.generation.vllm_choices:ChoiceLo
                 "--logprobs-mode", "processed_logprobs"]
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM 0.32 takes for --max-lora-rank (config/lora.py)
+
+
+def max_lora_rank(r: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds adapters of rank ``r`` (its default, 16, refuses
+    a larger adapter)."""
+    for allowed in LORA_RANKS:
+        if allowed >= r:
+            return allowed
+    raise ValueError(f"model.lora_r={r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
+
+
 def server_flags(opts: Any = None, lora_rank: int = 0, cpu: bool = False) -> list[str]:
     """The ``vllm serve`` flags of ``opts`` (a ``VLLMCfg``: vLLM's own option names), ``--max-lora-rank``
     from the LoRA rank, and the sleep mode colocated servers need. Flags left at 0 take vLLM's defaults."""
@@ -69,7 +81,7 @@ def server_flags(opts: Any = None, lora_rank: int = 0, cpu: bool = False) -> lis
         out += ["--max-num-seqs", str(o.max_num_seqs)]
     out += ["--enable-prefix-caching" if o.enable_prefix_caching else "--no-enable-prefix-caching"]
     if lora_rank:
-        out += ["--enable-lora", "--max-lora-rank", str(lora_rank)]  # vLLM's default rank cap is 16
+        out += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_rank))]
     if o.colocate:
         out += ["--enable-sleep-mode"]  # /sleep frees the KV cache (and weights) while the learner trains
     return out + [str(a) for a in o.extra_args]
