@@ -288,9 +288,9 @@ class VLLMCfg:
     # the servers sleep (KV cache and weights freed) while the learner trains; gpu_memory_utilization is
     # then the share the server takes (e.g. 0.3), the rest is the learner's
     colocate: bool = False
-    # NCCL weight transfer: the rendezvous port on rank 0's node and its address (empty: the launcher's
-    # MASTER_ADDR, else this node's address; 127.0.0.1 only when every server is on this node)
-    nccl_port: int = 29700
+    nccl_port: int = 29700  # NCCL weight transfer: the rendezvous port on rank 0's node
+    # NCCL weight transfer: the rendezvous address (empty: 127.0.0.1 when every rank and server is on one
+    # node, else the launcher's MASTER_ADDR, else this node's address)
     nccl_address: str = ""
     sync_timeout_s: float = 300.0  # one weight sync to one server; past it the server counts as dead
 
