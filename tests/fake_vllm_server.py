@@ -1,6 +1,6 @@
 """A stand-in for a vLLM server's weight-sync routes, as its own process (tests/test_vllm_sync.py): the
 routes the fleet's shared-memory sync calls (/health, /v1/models, /get_world_size, /collective_rpc,
-/reset_prefix_cache). It checks the weights file it is handed and logs each load; with --hang-on N its
+/reset_prefix_cache, /sleep, /wake_up; POSTs logged in order to LOG.calls). It checks the weights file it is handed and logs each load; with --hang-on N its
 N-th load never answers (a wedged server), after writing HANG_FILE so the test can kill it there.
 
     python tests/fake_vllm_server.py --host 0.0.0.0 --port-file F --log L [--hang-on N] [--world-size W]
@@ -45,7 +45,9 @@ def main() -> None:
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-            if self.path == "/reset_prefix_cache":
+            with open(a.log + ".calls", "a") as f:  # every POST in order (sleep, wake-up, loads)
+                f.write(self.path + "\n")
+            if self.path == "/reset_prefix_cache" or self.path.startswith(("/sleep", "/wake_up")):
                 return self._send({})
             if self.path != "/collective_rpc":
                 return self.send_error(404)

@@ -158,3 +158,36 @@ def test_server_flags_follow_the_config(tmp_path):
     colo = vllm_command(tmp_path, 8000, cpu=False, opts=VLLMCfg(colocate=True, gpu_memory_utilization=0.3),
                         sync="ipc", python="python")
     assert "--enable-sleep-mode" in colo and '{"backend": "ipc"}' in colo
+
+
+@pytest.mark.timeout(60)
+def test_colocated_servers_sleep_and_wake_around_the_weights(tmp_path):
+    """release() puts colocated servers to sleep; the next sync wakes their weights, loads, then wakes the
+    KV cache (the order vLLM's sleep mode needs). Against a stand-in server: /sleep is a GPU feature."""
+    import torch
+
+    from agentrl.generation.vllm_fleet import VLLMFleet
+
+    proc, url = _server(tmp_path, "s")
+    try:
+        t = TrainerCfg(generator="vllm", generator_url=url, vllm_sync="shm", check_sync=False)
+        fleet = VLLMFleet(t, tmp_path, "cpu", tmp_path, vcfg=VLLMCfg(colocate=True, gpu_memory_utilization=0.3))
+
+        class Engine:
+            model = torch.nn.Linear(4, 4)
+
+            def merged_model(self):
+                return self.model
+
+            def iter_weights(self):
+                yield from self.model.named_parameters()
+
+        fleet.release()
+        fleet.receive(Engine(), tmp_path)
+        fleet.receive(Engine(), tmp_path)  # awake: no wake-up calls
+        assert (tmp_path / "s.log.calls").read_text().split() == [
+            "/sleep?level=1", "/wake_up?tags=weights", "/collective_rpc", "/reset_prefix_cache",
+            "/wake_up?tags=kv_cache", "/collective_rpc", "/reset_prefix_cache"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -77,6 +77,7 @@ class VLLMFleet:
                 raise GenerationServerError(f"generation server {url} does not answer: {e}") from None
         self.pool = ServerPool(clients)
         self.sync: Any = None
+        self.asleep = False  # colocated servers put to sleep by release()
         self.check_sync, self.sync_atol = tcfg.check_sync, tcfg.sync_atol
         # the pass's decisions travel on a group of their own with a bound: a rank never waits on rank 0
         # longer than rank 0 may wait on its servers (probe, then one sync, each bounded)
@@ -92,7 +93,12 @@ class VLLMFleet:
         """The weights pushed in place to every live server, then (``trainer.check_sync``) each server's
         log-probs checked against the learner's."""
         t = time.perf_counter()
+        if self.asleep:  # colocated: the weights' memory back first, then the KV cache once they are in
+            self.wake_up("weights")
         self.push(engine)
+        if self.asleep:
+            self.wake_up("kv_cache")
+            self.asleep = False
         out = dict(time_sync_s=time.perf_counter() - t)
         if self.check_sync:
             out.update(self.verify(engine))
@@ -165,12 +171,17 @@ class VLLMFleet:
             raise GenerationServerError(f"no generation server took {what}: " +
                                         "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
 
-    def sleep(self) -> None:
-        """Colocated servers: free their KV cache and weights (vLLM's /sleep, level 1: weights to host
-        memory) so the learner has the GPU; rank 0 asks, every live server."""
+    def release(self) -> None:
+        """Colocated servers (``vllm.colocate``): free their KV cache and weights while the learner trains
+        (vLLM's /sleep, level 1: weights to host memory); the next ``receive`` wakes them. Collective. The
+        trainer does not call it yet: colocated servers keep their vllm.gpu_memory_utilization share
+        through the update, which the launch plan's learner budget already leaves out."""
+        if not self.vcfg.colocate or self.asleep:
+            return
         if dist.is_main():
             for n in self.pool.live:
                 self.pool.clients[n]._request("POST", "/sleep?level=1")
+        self.asleep = True
 
     def wake_up(self, tags: str = "") -> None:
         """Colocated servers back on the GPU (vLLM's /wake_up; ``tags``: "weights" or "kv_cache" alone)."""
