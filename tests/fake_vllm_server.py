@@ -1,7 +1,8 @@
 """A stand-in for a vLLM server's weight-sync routes, as its own process (tests/test_vllm_sync.py): the
 routes the fleet's shared-memory sync calls (/health, /v1/models, /get_world_size, /collective_rpc,
-/reset_prefix_cache, /sleep, /wake_up; POSTs logged in order to LOG.calls). It checks the weights file it is handed and logs each load; with --hang-on N its
-N-th load never answers (a wedged server), after writing HANG_FILE so the test can kill it there.
+/reset_prefix_cache, /sleep, /wake_up; POSTs logged in order to LOG.calls). It checks the weights file
+it is handed and logs each load; with --hang-on N its N-th load never answers (a wedged server), after
+writing LOG.hanging so the test can kill it there.
 
     python tests/fake_vllm_server.py --host 0.0.0.0 --port-file F --log L [--hang-on N] [--world-size W]
 """

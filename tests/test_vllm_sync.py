@@ -71,6 +71,20 @@ def test_a_server_on_a_learner_gpu_is_refused_in_one_line(monkeypatch):
     assert "tensor_parallel_size=2" in server_gpu_conflict(t, VLLMCfg(tensor_parallel_size=2), "cuda:0", 6)
 
 
+def test_a_transfer_past_its_timeout_ends_the_rank_with_one_line():
+    # an NCCL call whose peer died never returns: the watchdog ends the process, the launcher the others
+    code = ("import time\nfrom agentrl.generation.vllm_sync import watchdog\n"
+            "with watchdog(5, 'quick'):\n    pass\n"
+            "with watchdog(1, 'the weight transfer to the vLLM servers'):\n    time.sleep(60)\n")
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 1 and time.monotonic() - t < 30
+    assert r.stderr.strip().splitlines() == [
+        "error: the weight transfer to the vLLM servers did not finish in 1 s (vllm.sync_timeout_s): a server is "
+        "gone or stuck inside the transfer; stopping this rank"]
+
+
 def _server(tmp_path: Path, name: str, hang_on: int = 0) -> tuple[subprocess.Popen, str]:
     port_file = tmp_path / f"{name}.port"
     # bound to every interface, reached at 127.0.0.2: nothing on the way assumes 127.0.0.1

@@ -145,24 +145,33 @@ class VLLMFleet:
             if self.sync is not None:
                 self.sync.close()  # the group of the servers of before; the next one joins those left
             self.sync = self._make_sync(engine)
-        weights: Iterable[tuple[str, torch.Tensor | None]] = engine.iter_weights()
         timeout = self.vcfg.sync_timeout_s
-        if dist.is_main() or self.mode != "shm":
-            self.pool.push_weights(self.sync, weights, timeout)
-        else:
-            for _ in weights:  # this rank's part of each gather
-                pass
-        if self.mode != "shm" and self.pool.dead.keys() & set(self.sync.names):
-            failed = {n: self.pool.dead[n] for n in self.sync.names if n in self.pool.dead}
-            with dist.collectives_on(self.group):
-                failed = dist.broadcast_object(failed)
-            # a peer stopped inside an NCCL call leaves the group unusable on every member: stop everywhere
-            raise GenerationServerError("the weight broadcast to the vLLM servers failed: " +
-                                        "; ".join(f"{n}: {w}" for n, w in failed.items()))
+        live = {n: self.pool.clients[n] for n in self.pool.live}
+        failed: dict[str, str] = {}
+        broken = ""
+        if self.mode == "shm":
+            weights: Iterable[tuple[str, torch.Tensor | None]] = engine.iter_weights()
+            if dist.is_main():
+                failed = self.sync.push(live, weights, timeout)
+            else:
+                for _ in weights:  # this rank's part of each gather
+                    pass
+        else:  # every rank takes part in the transfer engine's pass; rank 0 alone talks to the servers
+            try:
+                failed = self.sync.push(live, None, timeout)
+            except vllm_sync.SyncError as e:
+                broken = str(e)
         with dist.collectives_on(self.group):
-            self._agree_on_servers(
-                "the weight sync (in-place sync needs a vLLM with the RL/dev routes, started with "
-                f"VLLM_SERVER_DEV_MODE=1 and the flags of agentrl.generation.vllm.vllm_command(sync='{self.mode}'))")
+            failed, broken = dist.broadcast_object((failed, broken) if dist.is_main() else None)
+        self.pool.mark({n: f"missed a weight sync ({w})" for n, w in failed.items()})
+        if broken:
+            # a peer stopped inside an NCCL call leaves the group unusable on every member: stop everywhere
+            raise GenerationServerError(f"the weight transfer to the vLLM servers failed: {broken}")
+        if not self.pool.live:
+            raise GenerationServerError(
+                "no generation server took the weight sync (in-place sync needs a vLLM with the RL/dev routes, "
+                "started with VLLM_SERVER_DEV_MODE=1 and the flags of agentrl.generation.vllm.vllm_command("
+                f"sync='{self.mode}')): " + "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
 
     def _agree_on_servers(self, what: str) -> None:
         """Every rank takes rank 0's view of the servers that missed the push; none left is an error."""

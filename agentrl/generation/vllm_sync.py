@@ -24,8 +24,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -229,21 +232,21 @@ class NcclSync:  # pragma: no cover - needs CUDA and vLLM in the trainer's envir
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=fan, source=_engine_source(engine))
 
     def push(self, clients: dict[str, Any], weights: Any = None, timeout_s: float = 300.0) -> dict[str, str]:
-        """Every rank walks the gathers; rank 0 broadcasts once to every server. A failure here leaves the
-        group unusable (a peer stopped inside an NCCL call): it is reported for every server of the group,
-        and the fleet stops the run on every rank."""
-        try:
-            self.engine.send_weights()
-        except Exception as e:
-            return {n: f"{type(e).__name__}: {e}" for n in self.names}
-        return _each({n: clients[n] for n in self.names if n in clients}, lambda c: c.reset_prefix_cache(),
-                     timeout_s)
+        """Every rank walks the gathers; rank 0 broadcasts once to every server. A failure in the transfer
+        leaves the group unusable (a peer stopped inside an NCCL call): SyncError, and the fleet stops the
+        run on every rank; a transfer that hangs (NCCL has no timeout) ends the process (``watchdog``)."""
+        return _send(self.engine, self.names, clients, timeout_s)
 
     def close(self) -> None:
-        try:
-            self.engine.shutdown()
-        except Exception:  # the group may already be broken
-            pass
+        """The group's end on both sides: the servers' workers leave it (those still alive), then ours."""
+        from agentrl import dist
+
+        steps = [self.engine.client.shutdown_weight_transfer_engine] if dist.is_main() else []
+        for step in steps + [self.engine.shutdown]:
+            try:
+                step()
+            except Exception:  # a dead server, or a group already broken
+                pass
 
 
 class IpcSync:  # pragma: no cover - needs CUDA (CUDA IPC handles) and vLLM in the trainer's environment
@@ -263,15 +266,44 @@ class IpcSync:  # pragma: no cover - needs CUDA (CUDA IPC handles) and vLLM in t
                                                                 source=_engine_source(engine))
 
     def push(self, clients: dict[str, Any], weights: Any = None, timeout_s: float = 300.0) -> dict[str, str]:
-        try:
-            self.engine.send_weights()
-        except Exception as e:
-            return {n: f"{type(e).__name__}: {e}" for n in self.names}
-        return _each({n: clients[n] for n in self.names if n in clients}, lambda c: c.reset_prefix_cache(),
-                     timeout_s)
+        return _send(self.engine, self.names, clients, timeout_s)
 
     def close(self) -> None:
         pass
+
+
+def _send(engine: Any, names: list[str], clients: dict[str, Any], timeout_s: float
+          ) -> dict[str, str]:  # pragma: no cover - GPU path
+    """One transfer-engine pass under the watchdog; then rank 0 resets every server's prefix cache."""
+    from agentrl import dist
+
+    try:
+        with watchdog(timeout_s, "the weight transfer to the vLLM servers"):
+            engine.send_weights()
+    except Exception as e:
+        raise SyncError(f"{type(e).__name__}: {e}") from None
+    if not dist.is_main():
+        return {}
+    return _each({n: clients[n] for n in names if n in clients}, lambda c: c.reset_prefix_cache(), timeout_s)
+
+
+@contextmanager
+def watchdog(timeout_s: float, what: str) -> Iterator[None]:
+    """Ends this process with one ``error:`` line when the block runs past ``timeout_s``: an NCCL call whose
+    peer died never returns and has no timeout of its own. The launcher then stops the other ranks."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(timeout_s):
+            print(f"error: {what} did not finish in {timeout_s:.0f} s (vllm.sync_timeout_s): a server is gone or "
+                  "stuck inside the transfer; stopping this rank", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="agentrl-sync-watchdog").start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _engine_source(engine: Any) -> Any:  # pragma: no cover - GPU path
