@@ -208,6 +208,11 @@ class Trainer:
             raise ConfigError("trainer.generator=remote needs trainer.generator_url")
         if c.trainer.generator == "vllm" and not c.trainer.generator_url and c.trainer.vllm_servers < 1:
             raise ConfigError("trainer.generator=vllm needs trainer.generator_url or trainer.vllm_servers >= 1")
+        if c.trainer.generator == "vllm" and not c.trainer.generator_url:  # a server on a learner GPU: refused now
+            from agentrl.generation.layout import server_gpu_conflict
+
+            if why := server_gpu_conflict(c.trainer, c.vllm, self.device, n):
+                raise ConfigError(why)
         if n <= 1:
             return
         if c.trainer.engine != "deepspeed":

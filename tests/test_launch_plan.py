@@ -124,3 +124,13 @@ def test_the_cli_prints_the_plan_and_exits_without_a_gpu(qwen7b, capsys):
         "and would share learner GPU 0: list its GPUs in trainer.vllm_gpus or set vllm.colocate=true",
         "error: vLLM server 1 has no GPU of its own (trainer.vllm_gpus has 0 entries for trainer.vllm_servers=2) "
         "and would share learner GPU 0: list its GPUs in trainer.vllm_gpus or set vllm.colocate=true"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the default shape on a machine without GPUs")
+def test_without_gpus_here_the_plan_asks_for_the_nodes_shape(qwen7b, capsys):
+    from agentrl.cli import main
+
+    assert main(["train", "grpo", "--model", qwen7b, "--dry-run", *DS]) == 2
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "error: --nodes 1 --gpus-per-node 0: a plan needs at least one GPU (this machine has none visible: give "
+        "the nodes' shape, e.g. --nodes 1 --gpus-per-node 8)"]

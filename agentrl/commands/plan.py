@@ -67,7 +67,8 @@ def build(cfg: Any, nodes: int, gpus_per_node: int, gpu_gib: float) -> tuple[lis
     p: Placement = place(t, v, nodes, gpus_per_node)
     errors = list(p.errors)
     if nodes < 1 or gpus_per_node < 1:
-        return [], [f"--nodes {nodes} --gpus-per-node {gpus_per_node}: a plan needs at least one GPU"]
+        return [], [f"--nodes {nodes} --gpus-per-node {gpus_per_node}: a plan needs at least one GPU (this machine "
+                     "has none visible: give the nodes' shape, e.g. --nodes 1 --gpus-per-node 8)"]
     try:
         shape = gm.ModelShape.from_config(model_config(cfg.model.name))
     except (FileNotFoundError, KeyError, ValueError) as e:
