@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS="${2:?--wheels needs a folder}"; shift ;;
     --out) OUT="${2:?--out needs a folder}"; shift ;;
     --python) PY="${2:?--python needs an interpreter}"; shift ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
