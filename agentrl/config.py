@@ -271,6 +271,35 @@ class TrainerCfg:
 
 
 @dataclass
+class VLLMCfg:
+    """The vLLM servers' own options, under vLLM's names: for the servers the trainer starts
+    (trainer.vllm_servers) and in the command agentrl.generation.vllm.vllm_command prints for servers
+    started by hand. --max-lora-rank follows model.lora_r."""
+    tensor_parallel_size: int = 1  # GPUs per server (vLLM's --tensor-parallel-size)
+    # the share of its GPU's memory a server reserves for weights and KV cache (vLLM's
+    # --gpu-memory-utilization); 0: vLLM's own default on a GPU of its own (0.92), 0.3 of RAM on CPU
+    gpu_memory_utilization: float = 0.0
+    max_model_len: int = 0  # longest context a server holds (prompt + response); 0: the model's own
+    max_num_seqs: int = 0  # sequences a server runs at once; 0: vLLM's default
+    enable_prefix_caching: bool = True  # a group's G rollouts share their prompt's KV cache
+    # the address the servers bind: 127.0.0.1 (one node), 0.0.0.0 (every interface: ranks on other nodes)
+    host: str = "127.0.0.1"
+    # the address the ranks reach the servers by; empty: `host`, or this node's own address when host
+    # binds every interface
+    advertise_host: str = ""
+    extra_args: list[str] = field(default_factory=list)  # more `vllm serve` flags, passed as they are
+    # the servers share the learner's GPUs (trainer.vllm_gpus may name them): weights go over CUDA IPC, and
+    # the servers sleep (KV cache and weights freed) while the learner trains; gpu_memory_utilization is
+    # then the share the server takes (e.g. 0.3), the rest is the learner's
+    colocate: bool = False
+    nccl_port: int = 29700  # NCCL weight transfer: the rendezvous port on rank 0's node
+    # NCCL weight transfer: the rendezvous address (empty: 127.0.0.1 when every rank and server is on one
+    # node, else the launcher's MASTER_ADDR, else this node's address)
+    nccl_address: str = ""
+    sync_timeout_s: float = 300.0  # one weight sync to one server; past it the server counts as dead
+
+
+@dataclass
 class RecipeCfg:
     recipe: str = "grpo"  # the recipe's name: a YAML in recipes/ (set from the file the run loads; not set by hand)
     method: str = ""  # the registered recipe class implementing it (default: the recipe's own name)
@@ -286,6 +315,7 @@ class RecipeCfg:
     sft: SFTCfg = field(default_factory=SFTCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     trainer: TrainerCfg = field(default_factory=TrainerCfg)
+    vllm: VLLMCfg = field(default_factory=VLLMCfg)  # the vLLM servers' options (trainer.generator=vllm)
     extra: dict[str, Any] = field(default_factory=dict)  # recipe-specific knobs, validated by the recipe
 
     def to_dict(self) -> dict[str, Any]:

@@ -210,6 +210,11 @@ class Trainer:
             raise ConfigError("trainer.generator=remote needs trainer.generator_url")
         if c.trainer.generator == "vllm" and not c.trainer.generator_url and c.trainer.vllm_servers < 1:
             raise ConfigError("trainer.generator=vllm needs trainer.generator_url or trainer.vllm_servers >= 1")
+        if c.trainer.generator == "vllm" and not c.trainer.generator_url:  # a server on a learner GPU: refused now
+            from agentrl.generation.layout import server_gpu_conflict
+
+            if why := server_gpu_conflict(c.trainer, c.vllm, self.device, n):
+                raise ConfigError(why)
         if n <= 1:
             return
         if c.trainer.engine != "deepspeed":
@@ -244,7 +249,7 @@ class Trainer:
             from agentrl.generation.vllm_fleet import VLLMFleet
 
             fleet = VLLMFleet(self.cfg.trainer, self.model_dir, self.device, self.out_dir,
-                              lora=bool(self.cfg.model.lora_r))
+                              lora=self.cfg.model.lora_r, vcfg=self.cfg.vllm)
             try:  # before any work: a server of another model, or one that cannot take weights in place
                 if self.cfg.trainer.check_sync:
                     fleet.verify(self.engine)  # serves what the learner starts from

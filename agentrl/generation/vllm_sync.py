@@ -6,16 +6,29 @@
   reload through the worker extension ``agentrl.generation.vllm_ext.SharedMemoryWeights`` (vLLM's
   ``/collective_rpc``: a reload is per whole model, its post-processing runs once all layers are in),
   then the server's prefix cache is reset (cached keys and values came from the old weights).
-* ``NcclSync`` (GPU servers on other devices): vLLM's own weight-transfer engine
-  (``--weight-transfer-config '{"backend": "nccl"}'``): rank 0 broadcasts over NCCL, parameters gathered
-  layer by layer by the source below. Built on vLLM's trainer-side API; it needs CUDA and was not run
-  on the CPU machines this project is tested on.
+* ``NcclSync`` (GPU servers on other devices, on this node or others): vLLM's own weight-transfer engine
+  (``--weight-transfer-config '{"backend": "nccl"}'``) over ONE group reaching every server: rank 0 is
+  NCCL rank 0, server k's workers (its ``GET /get_world_size``: TP x PP x DP) follow at their offset, so
+  one pass of gathers feeds one broadcast that every server receives. The rendezvous is on rank 0's
+  routable address (``rendezvous_address``). Needs CUDA; not run on the CPU machines this project is
+  tested on.
+* ``IpcSync`` (servers colocated on the learner's GPUs, ``vllm.colocate``): vLLM's CUDA-IPC engine; every
+  rank shares handles of its GPU's tensors, every server opens those of its own GPU. Needs CUDA; not run.
+
+Failure handling is the fleet's (``agentrl.generation.vllm_fleet``): rank 0 decides before each pass which
+servers take it (``probe_live``) and whether it can run (``shm_space_error``), every rank takes that
+decision, and a server that fails during the pass is reported to every rank after it.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -49,53 +62,248 @@ class SharedMemorySync:
                 off += int(raw.nbytes)
         return path, json.dumps(dict(path=str(path), size=off, tensors=tensors))
 
-    def push(self, clients: dict[str, Any], weights: Iterable[tuple[str, torch.Tensor | None]]
-             ) -> dict[str, str]:
-        """Load ``weights`` into every client's server; returns {server name: error} for those that failed
-        (they hold a mix of old and new weights and must not be sampled from until synced again)."""
-        failed: dict[str, str] = {}
+    def push(self, clients: dict[str, Any], weights: Iterable[tuple[str, torch.Tensor | None]],
+             timeout_s: float = 300.0) -> dict[str, str]:
+        """Load ``weights`` into every client's server, all at once, each within ``timeout_s``; returns
+        {server name: error} for those that failed (they hold a mix of old and new weights and must not be
+        sampled from until synced again)."""
         path, manifest = self.write(weights)
         try:
-            for name, client in clients.items():
-                try:
-                    client.collective_rpc("agentrl_load_shm", [manifest])
-                    client.reset_prefix_cache()
-                except Exception as e:  # reported by name; the others still get the weights
-                    failed[name] = f"{type(e).__name__}: {e}"
+            return _each(clients, lambda c: (c.collective_rpc("agentrl_load_shm", [manifest]),
+                                             c.reset_prefix_cache()), timeout_s)
         finally:
             path.unlink(missing_ok=True)
-        return failed
+
+
+def _each(clients: dict[str, Any], call: Any, timeout_s: float) -> dict[str, str]:
+    """``call(client)`` on every client at once, each bounded by ``timeout_s`` (the HTTP read timeout:
+    a server that was killed answers at once with a reset, a stopped one stops being waited for);
+    returns {name: error} of those that failed."""
+    def one(item: tuple[str, Any]) -> tuple[str, str]:
+        name, client = item
+        before = getattr(client, "timeout", None)
+        if before is not None:
+            client.timeout = timeout_s
+        try:
+            call(client)
+            return name, ""
+        except Exception as e:  # reported by name; the others still get the weights
+            return name, f"{type(e).__name__}: {e}"
+        finally:
+            if before is not None:
+                client.timeout = before
+
+    if not clients:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(clients)) as ex:
+        return {n: why for n, why in ex.map(one, clients.items()) if why}
+
+
+def probe_live(clients: dict[str, Any], timeout_s: float = 10.0) -> dict[str, str]:
+    """{name: why} of the servers that do not answer ``/health`` within ``timeout_s`` (rank 0 asks before a
+    pass; the fleet broadcasts the answer, so every rank drops the same servers)."""
+    return _each(clients, lambda c: c._request("GET", "/health"), timeout_s)
+
+
+def weights_nbytes(named_params: Iterable[tuple[str, Any]]) -> int:
+    """Bytes of the full (unsharded) tensors: what one shm sync writes."""
+    total = 0
+    for _, p in named_params:
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n * p.element_size()
+    return total
+
+
+def shm_space_error(needed: int, shm_dir: str | Path = SHM_DIR) -> str:
+    """One line when ``shm_dir`` cannot hold ``needed`` bytes of weights (Docker's default /dev/shm is
+    64 MB), naming the size and the fixes; empty when it can."""
+    try:
+        free = shutil.disk_usage(shm_dir).free
+    except OSError as e:
+        return f"the shared-memory weight sync cannot use {shm_dir} ({e}); set trainer.vllm_sync=nccl"
+    if free >= needed * 1.05:  # the page cache of the file itself needs a little more
+        return ""
+    return (f"the shared-memory weight sync needs {_gib(needed * 1.05)} free in {shm_dir}, which has "
+            f"{_gib(free)}: start the container with --shm-size={max(1, int(needed * 1.05 / 2**30) + 1)}g "
+            "(or mount a larger tmpfs there), or set trainer.vllm_sync=nccl")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.0f} MiB"
+
+
+def server_worlds(clients: dict[str, Any]) -> dict[str, int]:
+    """Each server's worker count (vLLM's ``GET /get_world_size``: TP x PP x DP), the ranks it takes in
+    an NCCL weight-transfer group."""
+    return {n: int(c._request("GET", "/get_world_size")["world_size"]) for n, c in clients.items()}
+
+
+def group_layout(worlds: dict[str, int]) -> tuple[int, dict[str, int]]:
+    """One NCCL group for every server: the trainer's sender is rank 0, each server's workers follow in
+    name order. Returns the group's world size and each server's rank offset."""
+    offsets, nxt = {}, 1
+    for name in sorted(worlds):
+        offsets[name] = nxt
+        nxt += worlds[name]
+    return nxt, offsets
+
+
+def rendezvous_address(nodes_one: bool, configured: str = "") -> str:
+    """Where the weight-transfer group meets (rank 0 listens there): ``vllm.nccl_address`` when set, else
+    loopback when rank 0 and every server share one node, else the launcher's MASTER_ADDR (rank 0's node
+    as the other ranks know it), else this node's address."""
+    if configured:
+        return configured
+    if nodes_one:
+        return "127.0.0.1"
+    from agentrl.generation.vllm import node_address
+
+    master = os.environ.get("MASTER_ADDR", "")
+    return master if master and not master.startswith("127.") and master != "localhost" else node_address()
+
+
+class FanOutClient:  # pragma: no cover - the calls are vLLM's weight-transfer routes (GPU servers)
+    """vLLM's ``VLLMWeightSyncClient`` over several servers: each call goes to every server at once, so one
+    trainer-side engine (one gather pass, one broadcast) drives them all. The NCCL init is rewritten per
+    server: its workers' rank offset in the shared group."""
+
+    def __init__(self, urls: dict[str, str], offsets: dict[str, int] | None = None, world: int = 0,
+                 timeout_s: float = 300.0):
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self.clients = {n: HTTPVLLMWeightSyncClient(u, timeout=timeout_s) for n, u in urls.items()}
+        self.offsets, self.world = offsets or {}, world
+
+    def _all(self, fn: Any) -> None:
+        with ThreadPoolExecutor(max_workers=len(self.clients)) as ex:
+            errors = [f"{n}: {e}" for n, e in ex.map(lambda kv: (kv[0], _err(fn, kv)), self.clients.items()) if e]
+        if errors:
+            raise SyncError("; ".join(errors))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        def one(kv: tuple[str, Any]) -> None:
+            info = dict(init_info)
+            if "rank_offset" in info:
+                info.update(rank_offset=self.offsets[kv[0]], world_size=self.world)
+            kv[1].init_weight_transfer_engine(info)
+        self._all(one)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._all(lambda kv: kv[1].shutdown_weight_transfer_engine())
+
+    def start_weight_update(self) -> None:
+        self._all(lambda kv: kv[1].start_weight_update())
+
+    def update_weights(self, update_info: Any) -> None:
+        self._all(lambda kv: kv[1].update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all(lambda kv: kv[1].finish_weight_update(weight_version))
+
+
+def _err(fn: Any, kv: tuple[str, Any]) -> str:
+    try:
+        fn(kv)
+        return ""
+    except Exception as e:  # collected per server, raised as one error
+        return f"{type(e).__name__}: {e}"
 
 
 class NcclSync:  # pragma: no cover - needs CUDA and vLLM in the trainer's environment
+    """One NCCL group: rank 0 (sender) + every live server's workers; rebuilt when the live set changes."""
     name = "nccl"
 
-    def __init__(self, engine: Any, urls: dict[str, str], master_address: str = "127.0.0.1",
-                 base_port: int = 29700, server_world: int = 1):
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    def __init__(self, engine: Any, clients: dict[str, Any], address: str, port: int, timeout_s: float = 300.0):
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         from agentrl import dist
 
-        source = _engine_source(engine)
-        self.engines = {}
-        for k, (name, url) in enumerate(sorted(urls.items())):
-            info = NCCLTrainerInitInfo(master_address, base_port + k, 1 + server_world, rank=dist.rank())
-            self.engines[name] = WeightTransferTrainerFactory.trainer_init(
-                info, client=HTTPVLLMWeightSyncClient(url), source=source)
+        self.names, self.timeout_s = sorted(clients), timeout_s
+        world, offsets = 0, {}
+        if dist.is_main():
+            world, offsets = group_layout(server_worlds(clients))
+        fan = FanOutClient({n: clients[n].base_url for n in self.names}, offsets, world, timeout_s)
+        info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world or 2,
+                                   rank=dist.rank())
+        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=fan, source=_engine_source(engine))
 
-    def push(self, clients: dict[str, Any], weights: Any = None) -> dict[str, str]:
-        failed = {}
-        for name, eng in self.engines.items():
-            if name not in clients:
-                continue
+    def push(self, clients: dict[str, Any], weights: Any = None, timeout_s: float = 300.0) -> dict[str, str]:
+        """Every rank walks the gathers; rank 0 broadcasts once to every server. A failure in the transfer
+        leaves the group unusable (a peer stopped inside an NCCL call): SyncError, and the fleet stops the
+        run on every rank; a transfer that hangs (NCCL has no timeout) ends the process (``watchdog``)."""
+        return _send(self.engine, self.names, clients, timeout_s)
+
+    def close(self) -> None:
+        """The group's end on both sides: the servers' workers leave it (those still alive), then ours."""
+        from agentrl import dist
+
+        steps = [self.engine.client.shutdown_weight_transfer_engine] if dist.is_main() else []
+        for step in steps + [self.engine.shutdown]:
             try:
-                eng.send_weights()
-                clients[name].reset_prefix_cache()
-            except Exception as e:
-                failed[name] = f"{type(e).__name__}: {e}"
-        return failed
+                step()
+            except Exception:  # a dead server, or a group already broken
+                pass
+
+
+class IpcSync:  # pragma: no cover - needs CUDA (CUDA IPC handles) and vLLM in the trainer's environment
+    """Colocated servers: every rank shares CUDA IPC handles of its gathered tensors (vLLM's ``ipc``
+    engine all-gathers them), rank 0 hands the merged handles to every server, each opens those of its GPU."""
+    name = "ipc"
+
+    def __init__(self, engine: Any, clients: dict[str, Any], timeout_s: float = 300.0):
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        from agentrl import dist
+
+        self.names = sorted(clients)
+        fan = FanOutClient({n: clients[n].base_url for n in self.names}, timeout_s=timeout_s)
+        self.engine = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(rank=dist.rank()), client=fan,
+                                                                source=_engine_source(engine))
+
+    def push(self, clients: dict[str, Any], weights: Any = None, timeout_s: float = 300.0) -> dict[str, str]:
+        return _send(self.engine, self.names, clients, timeout_s)
+
+    def close(self) -> None:
+        pass
+
+
+def _send(engine: Any, names: list[str], clients: dict[str, Any], timeout_s: float
+          ) -> dict[str, str]:  # pragma: no cover - GPU path
+    """One transfer-engine pass under the watchdog; then rank 0 resets every server's prefix cache."""
+    from agentrl import dist
+
+    try:
+        with watchdog(timeout_s, "the weight transfer to the vLLM servers"):
+            engine.send_weights()
+    except Exception as e:
+        raise SyncError(f"{type(e).__name__}: {e}") from None
+    if not dist.is_main():
+        return {}
+    return _each({n: clients[n] for n in names if n in clients}, lambda c: c.reset_prefix_cache(), timeout_s)
+
+
+@contextmanager
+def watchdog(timeout_s: float, what: str) -> Iterator[None]:
+    """Ends this process with one ``error:`` line when the block runs past ``timeout_s``: an NCCL call whose
+    peer died never returns and has no timeout of its own. The launcher then stops the other ranks."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(timeout_s):
+            print(f"error: {what} did not finish in {timeout_s:.0f} s (vllm.sync_timeout_s): a server is gone or "
+                  "stuck inside the transfer; stopping this rank", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="agentrl-sync-watchdog").start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _engine_source(engine: Any) -> Any:  # pragma: no cover - GPU path

@@ -1,0 +1,169 @@
+"""``agentrl train ... --dry-run``: the launch plan of a run, on any machine, no GPU needed.
+
+Per node and GPU what would run there (learner rank; vLLM server with its whole command line and
+CUDA_VISIBLE_DEVICES), each NCCL group (world size, rendezvous address and port), and per GPU the memory
+estimate (``agentrl.gpu_memory``, from the model folder's config.json alone); then one ``error:`` line per
+thing that cannot work. The placement is ``agentrl.generation.layout``'s, the one the trainer runs.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from agentrl import gpu_memory as gm
+from agentrl.generation.layout import Placement, place
+
+RESERVE_GIB = 4.5  # per GPU: CUDA context, NCCL buffers, allocator fragmentation (docs/guides/gpu.md)
+VLLM_DEFAULT_SHARE = 0.92  # vLLM 0.32's --gpu-memory-utilization default
+GENERATED_SHARE = 0.2  # generated tokens per micro-batch token (R/T), the papers' settings in docs/guides/gpu.md
+LEARNER_PORT = 29500  # the launchers' MASTER_PORT default
+
+
+def model_config(spec: str) -> dict[str, Any]:
+    """The policy's config.json as a dict, without reading any weights (``tiny:`` sizes from the model zoo)."""
+    if spec == "tiny" or spec.startswith("tiny:"):
+        from agentrl.model_zoo import TINY, tiny_overrides
+
+        return dict(TINY, **tiny_overrides(spec), tie_word_embeddings=True, model_type="llama")
+    path = Path(spec).expanduser()
+    if spec == "smollm2":
+        from agentrl.model_zoo import smollm2_folder
+
+        path = smollm2_folder()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.name={spec}: no config.json in that folder (the plan reads only it)")
+    return json.loads((path / "config.json").read_text())
+
+
+def zero_settings(cfg: Any) -> tuple[int, bool]:
+    """(ZeRO stage, optimizer states offloaded) of the learner: the DeepSpeed JSON's, ZeRO-3 without one,
+    stage 0 (every rank holds everything) for the torch engine."""
+    if cfg.trainer.engine != "deepspeed":
+        return 0, False
+    if not cfg.trainer.deepspeed_config:
+        return 3, False
+    z = json.loads(Path(cfg.trainer.deepspeed_config).read_text()).get("zero_optimization", {})
+    off = (z.get("offload_optimizer") or {}).get("device", "none") == "cpu"
+    return int(z.get("stage", 0)), off
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 10**8 else f"{n / 1e6:.1f}M"
+
+
+def _gib(n: float) -> str:
+    return f"{n / gm.GIB:.1f} GiB"
+
+
+def build(cfg: Any, nodes: int, gpus_per_node: int, gpu_gib: float) -> tuple[list[str], list[str]]:
+    """(plan lines, error lines) of ``cfg`` on ``nodes`` x ``gpus_per_node`` GPUs of ``gpu_gib`` GiB each."""
+    from agentrl.generation.client import GenerationServerError
+    from agentrl.generation.vllm import vllm_command
+    from agentrl.generation.vllm_fleet import sync_mode
+
+    t, v = cfg.trainer, cfg.vllm
+    p: Placement = place(t, v, nodes, gpus_per_node)
+    errors = list(p.errors)
+    if nodes < 1 or gpus_per_node < 1:
+        return [], [f"--nodes {nodes} --gpus-per-node {gpus_per_node}: a plan needs at least one GPU (this machine "
+                     "has none visible: give the nodes' shape, e.g. --nodes 1 --gpus-per-node 8)"]
+    try:
+        shape = gm.ModelShape.from_config(model_config(cfg.model.name))
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        return [], [str(e)]
+    stage, offload = zero_settings(cfg)
+    ranks = p.learner_ranks
+    card = int(gpu_gib * gm.GIB)
+    usable = card - int(RESERVE_GIB * gm.GIB)
+    share = v.gpu_memory_utilization or VLLM_DEFAULT_SHARE
+    learner_room = usable - (int(card * share) if v.colocate and p.servers else 0)
+    ckpt = bool(getattr(cfg.model, "gradient_checkpointing", False))
+    reference = cfg.algo.kl != "none" or cfg.algo.kl_coef > 0 or cfg.algo.kl_reward_coef > 0
+    T = cfg.optim.token_budget
+    est = gm.learner(shape, ranks, stage, T, int(T * GENERATED_SHARE), offload, reference, ckpt)
+    srv = gm.server(shape, card, share, v.tensor_parallel_size)
+    try:
+        mode = sync_mode(t.vllm_sync, "cuda", v.colocate) if p.servers else ""
+    except GenerationServerError:  # NCCL asked for colocated servers: the placement's errors name it
+        mode = ""
+    multi = nodes > 1
+    master = "MASTER_ADDR (node 0's address)" if multi else "127.0.0.1"
+    out = [f"launch plan: {nodes} node(s) x {gpus_per_node} GPU(s) of {gpu_gib:g} GiB; model {cfg.model.name} "
+           f"({_count(gm.param_count(shape))} parameters, from its config.json); learner: {ranks} rank(s), "
+           f"{'ZeRO-' + str(stage) + (' offload' if offload else '') if t.engine == 'deepspeed' else 'torch engine'}; "
+           f"{len(p.servers)} vLLM server(s) started by rank 0"]
+    servers_of = {g: k for k, gs in enumerate(p.servers) for g in gs}
+    for node in range(nodes):
+        out.append(f"node {node}:")
+        for g in range(gpus_per_node):
+            what = []
+            if (node, g) in p.learner:
+                what.append(f"learner rank {p.learner[(node, g)]}")
+            if (node, g) in servers_of:
+                what.append(f"vLLM server {servers_of[(node, g)]}")
+            out.append(f"  GPU {g}: {' + '.join(what) or 'idle'}")
+    for k, gs in enumerate(p.servers):
+        devices = ",".join(str(g) for _, g in gs)
+        cmd = vllm_command(cfg.model.name, port=t.vllm_port + k, opts=v, cpu=False, lora=cfg.model.lora_r,
+                           sync=mode or None, python="python")
+        out.append(f"vLLM server {k} (node 0, GPU {devices}): CUDA_VISIBLE_DEVICES={devices} "
+                   f"VLLM_SERVER_DEV_MODE=1 PYTHONPATH=. {shlex.join(cmd)}")
+    out.append("NCCL groups:")
+    out.append(f"  learner: world {ranks}, rendezvous {master}:{LEARNER_PORT} (the launcher's MASTER_ADDR/PORT)")
+    if mode == "nccl":
+        world = 1 + sum(len(gs) for gs in p.servers)
+        addr = v.nccl_address or ("127.0.0.1" if not multi else "MASTER_ADDR (rank 0's node)")
+        out.append(f"  weight transfer: world {world} (rank 0 + {world - 1} server worker(s), each server's "
+                   f"GET /get_world_size), rendezvous {addr}:{v.nccl_port}")
+    elif mode == "ipc":
+        out.append("  weight transfer: CUDA IPC on each GPU (no NCCL group; handles all-gathered over the learner's)")
+    elif mode == "shm":
+        out.append("  weight transfer: shared memory on node 0 (no NCCL group)")
+    out.append("memory per GPU (estimates, docs/guides/gpu.md):")
+    out.append(f"  learner rank: model states {_gib(est.states)} + working set {_gib(est.working_set)} + reference "
+               f"{_gib(est.reference)} + activations at optim.token_budget={T}: {_gib(est.activations)} without "
+               f"checkpointing, {_gib(est.activations_ckpt)} with (model.gradient_checkpointing={str(ckpt).lower()}) "
+               f"+ logits {_gib(est.logits)} = {_gib(est.total)} of {_gib(learner_room)} usable")
+    if p.servers:
+        out.append(f"  vLLM server GPU: weights {_gib(srv.weights)} of its {_gib(srv.share)} share "
+                   f"(gpu_memory_utilization={share:g}) leaves {srv.kv_tokens:,} KV-cache tokens "
+                   f"({gm.kv_bytes_per_token(shape, v.tensor_parallel_size):,} bytes a token)")
+    if ranks and est.total > learner_room:
+        fit = gm.largest_token_budget(shape, learner_room, ranks, stage, GENERATED_SHARE, offload, reference, ckpt)
+        more = next((n for n in (2, 4, 8, 16, 32, 64, 128, 256) if n > ranks and gm.learner(
+            shape, n, stage, T, int(T * GENERATED_SHARE), offload, reference, ckpt).total <= learner_room), None)
+        fixes = [f"optim.token_budget={fit}" if fit >= 1024 else ""]
+        fixes += [f"{more} learner ranks" if more and stage >= 2 else ""]
+        fixes += ["model.gradient_checkpointing=true" if not ckpt and gm.learner(
+            shape, ranks, stage, T, int(T * GENERATED_SHARE), offload, reference, True).total <= learner_room else ""]
+        fixes = [f for f in fixes if f] or ["a larger GPU, or configs/deepspeed/zero3_offload.json"]
+        errors.append(f"a learner rank needs {_gib(est.total)} but has {_gib(learner_room)} of its GPU "
+                      f"({ranks} rank(s), ZeRO stage {stage}): use {' or '.join(fixes)}")
+    if p.servers and srv.weights >= srv.share:
+        errors.append(f"a vLLM server's weights ({_gib(srv.weights)} a GPU) do not fit its share "
+                      f"{_gib(srv.share)} (vllm.gpu_memory_utilization={share:g}): raise it, or "
+                      "vllm.tensor_parallel_size")
+    elif p.servers and v.max_model_len and srv.kv_tokens < v.max_model_len:
+        errors.append(f"a vLLM server's KV cache holds {srv.kv_tokens} tokens, less than one sequence of "
+                      f"vllm.max_model_len={v.max_model_len}: raise vllm.gpu_memory_utilization or TP")
+    if multi and p.servers and v.host.startswith("127."):
+        errors.append(f"ranks on nodes 1-{nodes - 1} cannot reach servers bound to vllm.host={v.host}: set "
+                      "vllm.host=0.0.0.0 (and vllm.advertise_host to node 0's address if its hostname does not "
+                      "resolve to it)")
+    return out, errors
+
+
+def run(cfg: Any, nodes: int | None, gpus_per_node: int | None, gpu_gib: float | None) -> int:
+    """Print the plan and its errors; 0 when the layout can run, 2 otherwise."""
+    import torch
+
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpu_gib is None:
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / gm.GIB if here else 74.5  # 80 GB cards
+    lines, errors = build(cfg, nodes or 1, gpus_per_node or here or 0, gpu_gib)
+    print("\n".join(lines))
+    for e in errors:
+        print(f"error: {e}")
+    return 2 if errors else 0

@@ -1,0 +1,74 @@
+"""A stand-in for a vLLM server's weight-sync routes, as its own process (tests/test_vllm_sync.py): the
+routes the fleet's shared-memory sync calls (/health, /v1/models, /get_world_size, /collective_rpc,
+/reset_prefix_cache, /sleep, /wake_up; POSTs logged in order to LOG.calls). It checks the weights file
+it is handed and logs each load; with --hang-on N its N-th load never answers (a wedged server), after
+writing LOG.hanging so the test can kill it there.
+
+    python tests/fake_vllm_server.py --host 0.0.0.0 --port-file F --log L [--hang-on N] [--world-size W]
+"""
+import argparse
+import json
+import os
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port-file", required=True)
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--hang-on", type=int, default=0)
+    ap.add_argument("--world-size", type=int, default=1)
+    a = ap.parse_args()
+    loads = [0]
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _send(self, body: dict) -> None:
+            raw = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):
+            if self.path == "/health":
+                return self._send({})
+            if self.path == "/v1/models":
+                return self._send({"data": [{"id": "policy"}]})
+            if self.path.startswith("/get_world_size"):
+                return self._send({"world_size": a.world_size})
+            self.send_error(404)
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            with open(a.log + ".calls", "a") as f:  # every POST in order (sleep, wake-up, loads)
+                f.write(self.path + "\n")
+            if self.path == "/reset_prefix_cache" or self.path.startswith(("/sleep", "/wake_up")):
+                return self._send({})
+            if self.path != "/collective_rpc":
+                return self.send_error(404)
+            m = json.loads(body["args"][0])
+            assert os.path.getsize(m["path"]) == m["size"]  # the whole file is there when we are called
+            loads[0] += 1
+            if loads[0] == a.hang_on:
+                open(a.log + ".hanging", "w").close()
+                time.sleep(3600)
+            with open(a.log, "a") as f:
+                f.write(json.dumps({"path": m["path"], "tensors": len(m["tensors"])}) + "\n")
+            self._send({"results": [{"loaded": len(m["tensors"])}]})
+
+    srv = ThreadingHTTPServer((a.host, 0), H)
+    srv.daemon_threads = True
+    with open(a.port_file + ".tmp", "w") as f:
+        f.write(str(srv.server_address[1]))
+    os.replace(a.port_file + ".tmp", a.port_file)
+    srv.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The memory formulas of docs/guides/gpu.md, as code: parameter counts equal the models' own (built on the
+meta device, no weights), and the guide's worked numbers come out of them."""
+import pytest
+
+from agentrl import gpu_memory as gm
+
+QWEN = {  # the published Qwen2.5 configs' sizes (docs/guides/gpu.md's table)
+    "0.5B": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5B": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7B": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def shape(name):
+    return gm.ModelShape.from_config(QWEN[name])
+
+
+@pytest.mark.parametrize("name,psi", [("0.5B", 494_032_768), ("1.5B", 1_543_714_304), ("7B", 7_615_616_512)])
+def test_parameter_counts_are_the_guides(name, psi):
+    assert gm.param_count(shape(name)) == psi
+
+
+@pytest.mark.slow
+def test_parameter_count_equals_the_built_models():
+    """Against transformers' own modules on the meta device: a Llama (no biases, tied) and a Qwen2."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for cfg in (dict(model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=4, vocab_size=4096, tie_word_embeddings=True),
+                dict(QWEN["0.5B"], num_hidden_layers=2, vocab_size=1000)):
+        hf = AutoConfig.for_model(**cfg)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf)
+        assert gm.param_count(gm.ModelShape.from_config(cfg)) == sum(p.numel() for p in model.parameters())
+
+
+def test_activation_and_kv_numbers_are_the_guides():
+    assert [gm.activation_bytes_per_token(shape(n), False) // shape(n).layers for n in QWEN] == [53_760, 97_280,
+                                                                                                 210_944]
+    assert [gm.activation_bytes_per_token(shape(n), True) for n in QWEN] == [96_768, 183_296, 411_648]
+    assert [gm.kv_bytes_per_token(shape(n)) for n in QWEN] == [12 * 1024, 28 * 1024, 56 * 1024]
+    assert gm.kv_bytes_per_token(shape("7B"), tensor_parallel=2) == 28 * 1024
+    assert gm.logits_bytes_per_token(shape("7B")) == 10 * 152064
+
+
+def test_model_states_by_zero_stage():
+    psi = 1000
+    assert gm.model_states_bytes(psi, 4, 3) == 4000 and gm.model_states_bytes(psi, 4, 3, offload=True) == 0
+    assert gm.model_states_bytes(psi, 4, 2) == 2000 + 3500
+    assert gm.model_states_bytes(psi, 4, 1) == 4000 + 3000
+    assert gm.model_states_bytes(psi, 4, 0) == 16000
+
+
+def test_the_guides_7b_rows():
+    s = shape("7B")
+    # 7B, 4 ranks, ZeRO-3, the paper's micro-batch: 148 GiB (no checkpointing), 43.1 GiB with it
+    est = gm.learner(s, 4, 3, 20480, 4096)
+    assert est.total / gm.GIB == pytest.approx(148, abs=0.5)
+    assert gm.learner(s, 4, 3, 20480, 4096, checkpointing=True).total / gm.GIB == pytest.approx(43.1, abs=0.1)
+    # the budget that fits 70 GiB (R = T/5): 7,006 tokens, so the guide's 6,144
+    assert gm.largest_token_budget(s, 70 * gm.GIB, 4, 3) == pytest.approx(7006, abs=5)
+    # a server: 14.19 GiB of bf16 weights; an 80 GB card at vLLM's 0.92 leaves ~1M tokens of KV cache
+    srv = gm.server(s, int(74.5 * gm.GIB), 0.92)
+    assert srv.weights / gm.GIB == pytest.approx(14.19, abs=0.01)
+    assert srv.kv_tokens == (srv.share - srv.weights) // (56 * 1024)

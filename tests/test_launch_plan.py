@@ -1,0 +1,136 @@
+"""`agentrl train ... --dry-run`: the launch plan of the layouts docs/guides/gpu.md gives, and one error line
+for each layout that cannot work. Only the model folder's config.json is read."""
+import json
+
+import pytest
+
+from agentrl.commands.plan import build
+from agentrl.config_loader import load_config
+
+QWEN7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+              num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+DS = ["trainer.engine=deepspeed", "trainer.deepspeed_config=configs/deepspeed/zero3.json", "trainer.generator=vllm"]
+
+
+@pytest.fixture(scope="module")
+def qwen7b(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen7b")
+    (folder / "config.json").write_text(json.dumps(QWEN7B))  # no weights: the plan must not need them
+    return str(folder)
+
+
+def plan(model, overrides, nodes=1, gpus=8, gib=74.5):
+    return build(load_config("grpo", model=model, overrides=overrides), nodes, gpus, gib)
+
+
+def test_one_node_six_learner_ranks_and_two_servers(qwen7b):
+    out, errors = plan(qwen7b, DS + ["trainer.vllm_servers=2", "trainer.vllm_gpus=[6,7]", "optim.token_budget=6144",
+                                     "vllm.max_model_len=8192", "vllm.max_num_seqs=128"])
+    assert errors == []
+    text = "\n".join(out)
+    assert [f"  GPU {g}: learner rank {g}" for g in range(6)] == out[2:8]
+    assert out[8:10] == ["  GPU 6: vLLM server 0", "  GPU 7: vLLM server 1"]
+    server0 = next(x for x in out if x.startswith("vLLM server 0 "))
+    assert "CUDA_VISIBLE_DEVICES=6 " in server0 and "--port 8100" in server0 and f"--model {qwen7b}" in server0
+    assert "--max-model-len 8192" in server0 and "--max-num-seqs 128" in server0
+    assert "--weight-transfer-config '{\"backend\": \"nccl\"}'" in server0
+    assert "learner: world 6, rendezvous 127.0.0.1:29500" in text
+    assert "weight transfer: world 3 (rank 0 + 2 server worker(s)" in text and "127.0.0.1:29700" in text
+    assert "model states 18.9 GiB" in text  # 16 x 7.62e9 / 6 ranks
+    assert "without checkpointing" in text and " with (model.gradient_checkpointing=false)" in text
+
+
+def test_two_nodes_with_tensor_parallel_servers(qwen7b):
+    out, errors = plan(qwen7b, DS + ["trainer.vllm_servers=2", "trainer.vllm_gpus=['4,5','6,7']",
+                                     "vllm.tensor_parallel_size=2", "vllm.host=0.0.0.0", "optim.token_budget=6144"],
+                       nodes=2)
+    assert errors == []
+    text = "\n".join(out)
+    assert "learner: 12 rank(s)" in out[0]
+    assert out.index("node 1:") and "  GPU 7: learner rank 11" in out
+    assert "  GPU 4: vLLM server 0" in out and "  GPU 7: vLLM server 1" in out  # node 0's
+    server1 = next(x for x in out if x.startswith("vLLM server 1 "))
+    assert "CUDA_VISIBLE_DEVICES=6,7 " in server1 and "--tensor-parallel-size 2" in server1
+    assert "--host 0.0.0.0" in server1
+    assert "learner: world 12, rendezvous MASTER_ADDR" in text
+    assert "weight transfer: world 5 (rank 0 + 4 server worker(s)" in text and ":29700" in text
+    assert "127.0.0.1" not in text  # nothing on loopback across nodes
+    assert "(28,672 bytes a token)" in text  # KV heads split over TP=2
+
+
+def test_colocated_on_one_gpu(tmp_path):
+    out, errors = plan("tiny", ["trainer.generator=vllm", "vllm.colocate=true", "vllm.gpu_memory_utilization=0.3"],
+                       gpus=1, gib=22)
+    assert errors == [], errors
+    assert out[2] == "  GPU 0: learner rank 0 + vLLM server 0"
+    server = next(x for x in out if x.startswith("vLLM server 0 "))
+    assert "--enable-sleep-mode" in server and "--gpu-memory-utilization 0.3" in server
+    assert "'{\"backend\": \"ipc\"}'" in server
+    assert any("CUDA IPC" in x for x in out)
+    assert "of 10.9 GiB usable" in "\n".join(out)  # 22 x (1 - 0.3) - 4.5
+
+
+@pytest.mark.parametrize("overrides,nodes,error", [
+    (["trainer.vllm_servers=1"], 1,
+     "vLLM server 0 has no GPU of its own (trainer.vllm_gpus has 0 entries for trainer.vllm_servers=1) and would "
+     "share learner GPU 0: list its GPUs in trainer.vllm_gpus or set vllm.colocate=true"),
+    (["trainer.vllm_servers=1", "trainer.vllm_gpus=[7]", "vllm.tensor_parallel_size=2"], 1,
+     "vLLM server 0 has 1 GPU(s) (7) but vllm.tensor_parallel_size=2: give each server exactly 2 in "
+     "trainer.vllm_gpus"),
+    (["trainer.vllm_servers=1", "trainer.vllm_gpus=[8]"], 1,
+     "vLLM server 0 names GPU 8, but a node has GPUs 0-7"),
+    (["trainer.vllm_servers=1", "trainer.vllm_gpus=[7]", "vllm.gpu_memory_utilization=0.15"], 1,
+     "a vLLM server's weights (14.2 GiB a GPU) do not fit its share 11.2 GiB (vllm.gpu_memory_utilization=0.15): "
+     "raise it, or vllm.tensor_parallel_size"),
+    (["trainer.vllm_servers=1", "trainer.vllm_gpus=[7]"], 2,
+     "ranks on nodes 1-1 cannot reach servers bound to vllm.host=127.0.0.1: set vllm.host=0.0.0.0 (and "
+     "vllm.advertise_host to node 0's address if its hostname does not resolve to it)"),
+    (["vllm.colocate=true", "trainer.vllm_servers=1"], 1,
+     "vllm.colocate=true needs vllm.gpu_memory_utilization, the share of each GPU a server takes (e.g. 0.3), "
+     "below 1: the rest is the learner's"),
+    (["vllm.colocate=true", "vllm.gpu_memory_utilization=0.3", "trainer.vllm_sync=nccl"], 1,
+     "trainer.vllm_sync=nccl cannot reach servers on the learner's GPUs (vllm.colocate=true): NCCL refuses two "
+     "ranks on one GPU; use trainer.vllm_sync=auto (CUDA IPC)"),
+])
+def test_a_layout_that_cannot_work_is_one_error_line(qwen7b, overrides, nodes, error):
+    _, errors = plan(qwen7b, DS + ["optim.token_budget=4096"] + overrides, nodes=nodes)
+    assert error in errors, errors
+
+
+def test_a_learner_over_its_gpu_names_the_budget_and_the_ranks_that_fit(qwen7b):
+    # 7B at the paper's micro-batch on 4 ZeRO-3 ranks: 148 GiB a rank (the guide's row); 43 with checkpointing
+    _, errors = plan(qwen7b, DS + ["trainer.vllm_servers=1", "trainer.vllm_gpus=[4]", "optim.token_budget=20480"],
+                     gpus=5)
+    assert errors == ["a learner rank needs 147.9 GiB but has 70.0 GiB of its GPU (4 rank(s), ZeRO stage 3): use "
+                      "optim.token_budget=7005 or model.gradient_checkpointing=true"]
+    # one rank of the torch engine (16 psi = 113 GiB): no budget, no ranks under stage 0 help
+    _, errors = plan(qwen7b, ["trainer.generator=embedded"], gpus=1)
+    assert errors == ["a learner rank needs " + errors[0].split("needs ", 1)[1]]
+    assert "a larger GPU, or configs/deepspeed/zero3_offload.json" in errors[0]
+
+
+def test_the_cli_prints_the_plan_and_exits_without_a_gpu(qwen7b, capsys):
+    from agentrl.cli import main
+
+    rc = main(["train", "grpo", "--model", qwen7b, "--dry-run", "--nodes", "1", "--gpus-per-node", "8",
+               *DS, "trainer.vllm_servers=2", "trainer.vllm_gpus=[6,7]", "optim.token_budget=6144"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("launch plan: 1 node(s) x 8 GPU(s) of 74.5 GiB") and "error:" not in out
+    rc = main(["train", "grpo", "--model", qwen7b, "--dry-run", "--gpus-per-node", "8", *DS, "trainer.vllm_servers=2",
+               "optim.token_budget=6144"])
+    out = capsys.readouterr().out
+    assert rc == 2 and [x for x in out.splitlines() if x.startswith("error: ")] == [
+        "error: vLLM server 0 has no GPU of its own (trainer.vllm_gpus has 0 entries for trainer.vllm_servers=2) "
+        "and would share learner GPU 0: list its GPUs in trainer.vllm_gpus or set vllm.colocate=true",
+        "error: vLLM server 1 has no GPU of its own (trainer.vllm_gpus has 0 entries for trainer.vllm_servers=2) "
+        "and would share learner GPU 0: list its GPUs in trainer.vllm_gpus or set vllm.colocate=true"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the default shape on a machine without GPUs")
+def test_without_gpus_here_the_plan_asks_for_the_nodes_shape(qwen7b, capsys):
+    from agentrl.cli import main
+
+    assert main(["train", "grpo", "--model", qwen7b, "--dry-run", *DS]) == 2
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "error: --nodes 1 --gpus-per-node 0: a plan needs at least one GPU (this machine has none visible: give "
+        "the nodes' shape, e.g. --nodes 1 --gpus-per-node 8)"]
