@@ -40,9 +40,9 @@ from agentrl.learner.finite import StepGuard, params_finite
 from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, peak_rss_gib, read_metrics,
                              truncate_metrics)
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+from agentrl.rollout.episode import RolloutConfig, Start
 from agentrl.rollout.overlap import Producer
-from agentrl.seeds import mix_seed
+from agentrl.rollout.sampler import RolloutSampler
 from agentrl.types import Completion, Episode, SamplingParams
 
 if TYPE_CHECKING:
@@ -161,11 +161,13 @@ class Trainer:
         self.generator: Generator = self._make_generator()
         self.envs: EnvSlots = self._make_envs()
         self._pool_seen: dict[str, int] = dict(self.envs.stats)
+        # the rollout side of the run (rollout, generate, task draws), on the run's own random stream
+        self.sampler = RolloutSampler(cfg, self.generator, self.tokenizer, self.envs, self.rng, lambda: self.step,
+                                      world=self.world, rank=self.rank)
         self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict()) \
             if self.is_main else None
         self._tasks = None
         self.eval_episodes: list[Episode] = []
-        self._rollout_stats: dict[str, float] = {}
         self._sync_stats: dict[str, float] = {}  # the last server weight sync (time, check), logged per step
 
     def _claim_run_folder(self) -> str:
@@ -278,76 +280,27 @@ class Trainer:
             if r.pool == "ray" else {}
         return make_pool(r.pool, self.cfg.env, r.slots, self.cfg.env_kwargs, **opts)
 
+    # ----- the rollout side, delegated to the run's sampler (agentrl.rollout.sampler) ---------------
     def rollout_config(self, temperature: float | None = None, max_turns: int | None = None) -> RolloutConfig:
-        r = self.cfg.rollout
-        spec = self.envs.call(0, "prompt_spec")
-        stops = [f"</{spec.answer_tag}>"]
-        return RolloutConfig(max_turns=max_turns or r.max_turns, history_len=r.history_len, chat_mode=r.chat_mode,
-                             require_think=r.require_think, format_penalty=r.format_penalty,
-                             ineffective_penalty=r.ineffective_penalty,
-                             max_actions_per_turn=r.max_actions_per_turn or None,
-                             max_episode_actions=r.max_episode_actions,
-                             show_admissible=r.show_admissible, constrain_actions=r.constrain_actions,
-                             prompt=r.prompt, refill=r.refill, mode=r.mode,
-                             sampling=SamplingParams(temperature=r.temperature if temperature is None else temperature,
-                                                     top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=stops,
-                                                     seed=self.rng.randrange(2**31)))
+        return self.sampler.rollout_config(temperature, max_turns)
 
-    # ----- services the recipes use ----------------------------------------------------------------
     def task_ids(self, split: str) -> list[str]:
-        return [t.task_id for t in self.envs.call(0, "tasks", split)]
+        return self.sampler.task_ids(split)
 
     def sample_tasks(self, n: int, split: str | None = None) -> list[tuple[str, int]]:
-        ids = self.task_ids(split or self.cfg.rollout.split)
-        return [(self.rng.choice(ids), self.rng.randrange(2**31)) for _ in range(n)]
+        return self.sampler.sample_tasks(n, split)
+
+    def rollout(self, starts: list[Start], temperature: float | None = None, max_turns: int | None = None
+                ) -> list[Episode]:
+        return self.sampler.rollout(starts, temperature, max_turns)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        return self.sampler.generate(prompts, sampling)
 
     def echo(self, text: str) -> None:
         """A line for the user (rank 0 only)."""
         if self.is_main:
             print(text, flush=True)
-
-    def rollout(self, starts: list[Start], temperature: float | None = None, max_turns: int | None = None
-                ) -> list[Episode]:
-        """Episodes for ``starts``, in order, on every rank. Each rank rolls out its share (whole groups,
-        ``dist.shard_groups``) and the shares are all-gathered. Each start samples from its own stream
-        (rollout seed, start index), so an episode's tokens do not depend on which rank ran it."""
-        cfg = self.rollout_config(temperature, max_turns)
-        streams = [mix_seed(cfg.sampling.seed, i) for i in range(len(starts))]
-        mine = dist.shard_groups([s.group_id or f"#{i}" for i, s in enumerate(starts)], self.world)[self.rank]
-        engine = RolloutEngine(self.generator, self.tokenizer, self.envs, self.cfg.env, cfg)
-        local, error = [], None
-        try:
-            local = engine.run([starts[i] for i in mine], [streams[i] for i in mine])
-        except Exception as e:  # raised at the gather, on every rank (the others would wait there for this one)
-            error = e
-        eps, stats = dist.all_gather_ordered(len(starts), mine, local, engine.stats, error=error)
-        for e in eps:  # the weights they were drawn with: the overlap's producer samples a step behind
-            for turn in e.turns:
-                turn.policy_version = self.policy_version
-        # summed over the step's rollout calls (reset in ``train``); counts summed over ranks, times (``*_s``)
-        # the slowest rank's, since the ranks wait for each other at the gather
-        for k in engine.stats:
-            vals = [st[k] for st in stats]
-            self._rollout_stats[k] = self._rollout_stats.get(k, 0.0) + (max(vals) if k.endswith("_s") else sum(vals))
-        return eps
-
-    @property
-    def policy_version(self) -> int:
-        """The updates the generator's weights have seen: the step (the producer's view says its own)."""
-        return self.step
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        """Plain completions (LEAFE's reflections), sharded over the ranks like ``rollout``; row i samples
-        from stream (sampling.seed, i)."""
-        seed = sampling.seed if sampling.seed is not None else self.rng.randrange(2**31)
-        seeds = [mix_seed(seed, i) for i in range(len(prompts))]
-        mine = list(range(self.rank, len(prompts), self.world))
-        local, error = [], None
-        try:
-            local = self.generator.generate([prompts[i] for i in mine], sampling, seeds=[seeds[i] for i in mine])
-        except Exception as e:  # as in ``rollout``
-            error = e
-        return dist.all_gather_ordered(len(prompts), mine, local, error=error)[0]
 
     @property
     def needs_reference(self) -> bool:
@@ -427,11 +380,11 @@ class Trainer:
         this one learns. The new weights reach the generator once that collect is done, so a sample is one
         update old when trained on (the first step's, collected now, none)."""
         p = self._producer
-        got = p.take(self, self.recipe.collect, self.step)
+        got = p.take(self.sampler, self.recipe.collect, self.step)
         # also on the last step: its checkpoint carries the collect, so a run trained on later goes on exactly
-        p.start(self, self.recipe.collect, self.step + 1, self.policy_version)
+        p.start(self.sampler, self.recipe.collect, self.step + 1, self.step)
         gaps = [self.step - t.policy_version for e in got.episodes for t in e.turns if t.gen_ids]
-        self._rollout_stats, self._stale = got.rollout_stats, any(gaps)
+        self.sampler.stats, self._stale = got.rollout_stats, any(gaps)
         try:
             metrics = self.recipe.learn(self, got.episodes, got.stats)
         except BaseException:
@@ -487,7 +440,7 @@ class Trainer:
         """Collective (every rank calls it in ``Recipe.step``): episode statistics, timings, and the env
         workers' restarts, timeouts, crashes, replays and dropped episodes this step, summed over ranks."""
         d = episode_diagnostics(episodes, recipe.reward)
-        st = self._rollout_stats
+        st = self.sampler.stats
         d.update(time_generate_s=st.get("generate_s", 0.0), time_env_s=st.get("env_s", 0.0))
         now = dict(self.envs.stats)
         delta = {k: v - self._pool_seen.get(k, 0) for k, v in now.items()}
@@ -705,7 +658,7 @@ class Trainer:
         try:
             while not self.finished():
                 t = time.perf_counter()
-                self._rollout_stats, self._sync_stats = {}, {}
+                self.sampler.stats, self._sync_stats = {}, {}
                 o = self.cfg.optim
                 if o.schedule != "constant":
                     set_lr(self.engine, o.lr * lr_factor(self.step, self.cfg.trainer.steps, o.schedule))
