@@ -17,11 +17,9 @@ update old (``_overlapped_step``, ``agentrl.rollout.overlap``, docs/guides/async
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,8 +30,7 @@ import torch
 from agentrl import checkpoint as ckpt
 from agentrl import dist
 from agentrl.checkpoint import RunError
-from agentrl.config import ConfigError, RecipeCfg, dump, warm_start_folder
-from agentrl.io_atomic import atomic_write_text
+from agentrl.config import ConfigError, RecipeCfg, warm_start_folder
 from agentrl.learner.batch import Sample, collate
 from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
 from agentrl.learner.finite import StepGuard, params_finite
@@ -43,6 +40,7 @@ from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics
 from agentrl.rollout.episode import RolloutConfig, Start
 from agentrl.rollout.overlap import Producer
 from agentrl.rollout.sampler import RolloutSampler
+from agentrl.run_folder import RunFolder, check_free_space, check_run_folder
 from agentrl.types import Completion, Episode, SamplingParams
 
 if TYPE_CHECKING:
@@ -51,55 +49,7 @@ if TYPE_CHECKING:
     from agentrl.recipe import Recipe
     from agentrl.envs.slots import EnvSlots
 
-CHECKPOINT_LINK = ckpt.LINK  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
 __all__ = ["RunError", "Trainer", "check_run_folder"]  # RunError lives in agentrl.checkpoint; the CLI imports it here
-
-
-# what may change when a run resumes (how long it trains, how it is evaluated and logged, where servers
-# are); any other difference from the config its checkpoint was written with makes it another run
-RESUMABLE = ("trainer.steps", "trainer.env_steps", "trainer.progress", "trainer.tensorboard", "trainer.wandb",
-             "trainer.checkpoint_every", "trainer.time_limit_s", "trainer.out_dir", "trainer.generator_url", "eval.")
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v and k != "env_kwargs" and k != "extra":
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def check_run_folder(out_dir: Path, cfg: RecipeCfg) -> None:
-    """Refuse to resume a checkpoint written with another config (anything but ``RESUMABLE`` keys)."""
-    saved = _saved_config(out_dir)
-    if not saved:  # no checkpoint, or one from before configs were stored in it
-        return
-    was, now = _flat(saved), _flat(cfg.to_dict())
-    # keys only one side has come from a code change (a new option at its default), not from the user
-    diff = [f"{k}: {was[k]!r} there, {now[k]!r} here" for k in sorted(set(was) & set(now))
-            if was[k] != now[k] and not k.startswith(RESUMABLE)]
-    if diff:
-        shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
-        raise ConfigError(f"{out_dir} holds a checkpoint of another run ({shown}): resuming it would mix the two. "
-                          "Start a new run with another trainer.out_dir (--out), or delete that folder; only the "
-                          "budgets (trainer.steps, trainer.env_steps, trainer.time_limit_s), evaluation and "
-                          "logging settings may change on resume")
-
-
-def _saved_config(out_dir: Path) -> dict | None:
-    """The config of the checkpoint a resume would start from: the link's, else the newest complete one's.
-    Unreadable ones are passed over here; the resume itself verifies and says why."""
-    target, _ = ckpt.link_target(out_dir)
-    for folder in ([target] if target is not None else []) + ckpt.sealed_checkpoints(out_dir / "checkpoints"):
-        if (folder / "trainer.pt").is_file():
-            try:
-                state = ckpt.load_plain(folder / "trainer.pt")
-            except ckpt.CheckpointCorrupt:
-                continue
-            return state.get("config") if isinstance(state, dict) else None
-    return None
 
 
 def seed_everything(seed: int) -> None:
@@ -137,15 +87,7 @@ class Trainer:
         self.is_main = self.rank == 0
         # a bad model spec fails before the run folder is touched; sft.warm_start's weights replace model.name's
         self.model_dir = resolve_model(str(warm_start_folder(cfg)) if cfg.sft.warm_start else cfg.model.name)
-        try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.run_id = self._claim_run_folder()  # a folder that is not this run's is refused before any write
-            check_run_folder(self.out_dir, cfg)  # before config.yaml is rewritten: another run's folder is refused
-            if self.is_main:
-                dump(cfg, self.out_dir / "config.yaml")
-        except OSError as e:
-            raise RunError(f"cannot write the run folder {self.out_dir}: {e.strerror or e}; choose another "
-                           "trainer.out_dir (--out)") from None
+        self.folder = RunFolder(cfg, self.world, self.is_main)  # claimed: another run's folder is refused here
         seed_everything(cfg.trainer.seed)
         self.rng = random.Random(cfg.trainer.seed)  # the same stream on every rank: same decisions
         self.step = 0
@@ -169,24 +111,6 @@ class Trainer:
         self._tasks = None
         self.eval_episodes: list[Episode] = []
         self._sync_stats: dict[str, float] = {}  # the last server weight sync (time, check), logged per step
-
-    def _claim_run_folder(self) -> str:
-        """Rank 0 reads or writes the run folder's marker (``agentrl.checkpoint.claim_run_folder``); every
-        rank gets its run id, or the same one-line error."""
-        found: tuple[str | None, str | None] = (None, None)
-        if self.is_main:
-            about = dict(recipe=self.cfg.recipe, env=self.cfg.env, model=str(self.cfg.model.name))
-            try:
-                found = (ckpt.claim_run_folder(self.out_dir, about), None)
-            except RunError as e:
-                found = (None, str(e))
-            except OSError as e:
-                found = (None, f"cannot write the run folder {self.out_dir}: {e.strerror or e}; choose another "
-                               "trainer.out_dir (--out)")
-        run_id, error = dist.broadcast_object(found)
-        if error:
-            raise RunError(error)
-        return str(run_id)
 
     def _resolve_device(self) -> str:
         try:
@@ -356,7 +280,7 @@ class Trainer:
             stats["nonfinite_skipped"] = float(skipped)
         if not params_finite(self.engine):  # one max-abs reduction: finite gradients can still overflow a weight
             raise RunError(f"step {self.step + 1}: the weights hold non-finite values after this update; the run "
-                           f"stops without saving them (the last checkpoint is {self.out_dir / CHECKPOINT_LINK}). "
+                           f"stops without saving them (the last checkpoint is {self.folder.link}). "
                            "Lower optim.lr (or optim.grad_clip) and resume with the same command")
         self.sync_weights()
         stats["time_learn_s"] = time.perf_counter() - t
@@ -409,7 +333,7 @@ class Trainer:
             return True
         shown = ", ".join(f"{k} {v}" for k, v in vals.items())
         raise RunError(f"step {self.step + 1}: non-finite {shown} (trainer.nan_policy=stop): the run stops and this "
-                       f"update is neither applied nor saved; the last checkpoint is {self.out_dir / CHECKPOINT_LINK}. "
+                       f"update is neither applied nor saved; the last checkpoint is {self.folder.link}. "
                        "Lower optim.lr or check the rewards and resume with the same command, or set "
                        "trainer.nan_policy=skip to drop such updates and count them (nonfinite_skipped)")
 
@@ -479,62 +403,13 @@ class Trainer:
         return out
 
     # ----- checkpoints -------------------------------------------------------------------------
-    def _check_free_space(self) -> None:
-        """Before any work: room for ``keep_checkpoints`` + 1 checkpoints (weights and Adam's two moments each;
-        the kept ones stay until the new one is sealed), so a full disk is an error now, not at a save."""
-        weights = sum(f.stat().st_size for f in Path(self.model_dir).glob("*.safetensors"))
-        need = (self.cfg.trainer.keep_checkpoints + 1) * 3 * weights
-        free = shutil.disk_usage(self.out_dir).free
-        if need and free < need:
-            raise RunError(f"{self.out_dir}: {free / 2**30:.2f} GiB free, a run of this model needs about "
-                           f"{need / 2**30:.2f} GiB for its checkpoints; free space or choose another trainer.out_dir")
-
     def save_checkpoint(self) -> Path:
-        """Collective. Every rank writes its part (ZeRO shards, its RNG) into ``checkpoints/step-N``, rank 0
-        the trainer and recipe state; then rank 0 seals it (a manifest with every file's sha256, written last),
-        switches the ``checkpoint`` link to it (an atomic rename) and removes this run's checkpoints beyond
-        ``trainer.keep_checkpoints``: a kill at any point leaves the previous complete checkpoints, and nothing
-        the run did not write is ever removed (``agentrl.checkpoint``)."""
-        root = self.out_dir / "checkpoints"
-        folder = root / f"step-{self.step:06d}"
-        if not params_finite(self.engine):
-            raise RunError(f"step {self.step}: the weights hold non-finite values; they are not saved (the last "
-                           f"checkpoint is {self.out_dir / CHECKPOINT_LINK}). Lower optim.lr and resume with the "
-                           "same command")
-        error = None
-        if self.is_main:
-            try:
-                ckpt.clear_for_save(folder, self.run_id)  # only a save of this step by this run
-                ckpt.begin(folder, self.run_id, self.step)
-            except RunError as e:
-                error = str(e)
-            except OSError as e:
-                error = (f"checkpoint at step {self.step} could not start ({e.strerror or e}); the last complete one "
-                         f"is {self.out_dir / CHECKPOINT_LINK}. Free space and run the same command to resume")
-        error = dist.broadcast_object(error)
-        if error:
-            raise RunError(error)
-        try:
-            self.engine.save(folder)
-            if self.is_main:
-                torch.save(dict(step=self.step, env_steps=self.env_steps, rng=self.rng.getstate(),
-                                recipe=ckpt.to_plain(self.recipe.state_dict(), "recipe state"), world=self.world,
-                                engine=self.cfg.trainer.engine, config=self.cfg.to_dict(), **self._in_flight()),
-                           folder / "trainer.pt")
-            dist.barrier()
-            if self.is_main:
-                ckpt.seal(folder, self.run_id, self.step)
-        except OSError as e:  # a full disk: drop the partial save (this run's), keep the previous checkpoint, say so
-            if self.is_main:
-                shutil.rmtree(folder, ignore_errors=True)
-            raise RunError(f"checkpoint at step {self.step} failed ({e.strerror or e}) and was removed; the last "
-                           f"complete one is {self.out_dir / CHECKPOINT_LINK}. Free space and run the same command "
-                           "to resume") from None
-        if self.is_main:
-            ckpt.point_link(self.out_dir, folder)
-            ckpt.rotate(root, self.cfg.trainer.keep_checkpoints, self.run_id, folder)
-        dist.barrier()
-        return folder
+        """Collective: this step's checkpoint (``RunFolder.save``): the engine's state on every rank; the step,
+        env steps, random stream, the recipe's state and the overlap's collected step from rank 0."""
+        state = dict(step=self.step, env_steps=self.env_steps, rng=self.rng.getstate(),
+                     recipe=ckpt.to_plain(self.recipe.state_dict(), "recipe state"), **self._in_flight()) \
+            if self.is_main else {}
+        return self.folder.save(self.step, self.engine, state)
 
     def _in_flight(self) -> dict[str, Any]:
         """The overlap's collected step not yet trained on (its episodes with their versions), as plain
@@ -543,89 +418,17 @@ class Trainer:
         return dict(collected=ckpt.to_plain(got, "collected step")) if got is not None else {}
 
     def load_checkpoint(self) -> bool:
-        """Resume from the newest intact checkpoint: rank 0 verifies each complete one (newest first) against
-        its manifest, every rank loads the first that passes (weights_only, finite weights). Falling back says
-        so in one line and renames the corrupt ones ``corrupt-step-N``; with none intact the run stops with one
-        line and nothing changed. False: nothing to resume (a new run)."""
-        root = self.out_dir / "checkpoints"
-        target, dangling = ckpt.link_target(self.out_dir)
-        folders = [Path(f) for f in dist.broadcast_object(
-            [str(f) for f in ckpt.sealed_checkpoints(root)] if self.is_main else None)]
-        skipped: list[tuple[Path, str]] = []
-        for folder in folders:
-            why = dist.broadcast_object(ckpt.verify(folder) if self.is_main else None)
-            if why is None:
-                why = self._load_from(folder)
-            if why is None:
-                self._after_resume(folder, target, dangling, skipped)
-                return True
-            skipped.append((folder, why))
-        if skipped or dangling or (target is not None and (target / "trainer.pt").exists()):
-            raise RunError(self._nothing_to_resume(root, target, dangling, skipped))
-        return False
-
-    def _load_from(self, folder: Path) -> str | None:
-        """Load ``folder`` into the trainer, engine and recipe; None, or why it cannot be (on any rank)."""
-        why = None
-        try:
-            state = ckpt.load_plain(folder / "trainer.pt")
-            saved_world = state.get("world", 1)
-            saved_engine = state.get("engine") or ("deepspeed" if (folder / "deepspeed").exists() else "torch")
-            if saved_world != self.world or saved_engine != self.cfg.trainer.engine:
-                raise ConfigError(f"{folder} was written by {saved_world} rank(s) with trainer.engine={saved_engine}; "
-                                  f"this run has {self.world} with trainer.engine={self.cfg.trainer.engine}. Resume "
-                                  "with the same launch, or start a new run (another trainer.out_dir)")
-            recipe_state = ckpt.from_plain(state["recipe"])
-            self.engine.load(folder)
-            if not params_finite(self.engine):  # checksums vouch for the bytes, not for what was saved
-                raise ckpt.CheckpointCorrupt("its weights hold non-finite values (NaN or infinity)")
-        except ckpt.CheckpointCorrupt as e:
-            why = str(e)
-        except (KeyError, AttributeError) as e:
-            why = f"trainer.pt lacks {e}"
-        whys = [w for w in dist.all_gather_object(why) if w]
-        if whys:
-            return whys[0]
-        self.step = state["step"]
-        # checkpoints from before the budget existed: the steps are in the metrics logged up to this one
-        self.env_steps = state["env_steps"] if "env_steps" in state else int(sum(
-            r.get("env_steps", 0) for r in read_metrics(self.out_dir) if 0 < r.get("step", 0) <= self.step))
-        self.rng.setstate(state["rng"])
-        self.recipe.load_state_dict(recipe_state)
+        """Resume from the run folder's newest intact checkpoint (``RunFolder.resume``); False: a new run."""
+        got = self.folder.resume(self.engine, self.echo)
+        if got is None:
+            return False
+        self.step, self.env_steps = got.step, got.env_steps
+        self.rng.setstate(got.rng)
+        self.recipe.load_state_dict(got.recipe)
         if self._producer is not None:
-            self._producer.pending = ckpt.from_plain(state["collected"]) if "collected" in state else None
+            self._producer.pending = got.collected
         self.sync_weights()
-        return None
-
-    def _after_resume(self, folder: Path, target: Path | None, dangling: bool,
-                      skipped: list[tuple[Path, str]]) -> None:
-        """Point the link at the checkpoint resumed from; say why it is not the newest, if it is not."""
-        notes = []
-        if dangling and target is not None:
-            notes.append(f"{self.out_dir / CHECKPOINT_LINK} pointed to {target.name}, which is missing")
-        if self.is_main:
-            if target is None or target.resolve() != folder.resolve():
-                ckpt.point_link(self.out_dir, folder)
-            for bad, why in skipped:
-                kept = ckpt.quarantine(bad)
-                notes.append(f"checkpoint {bad.name} is corrupt ({why}; kept as checkpoints/{kept.name})")
-        if notes:
-            self.echo("; ".join(notes) + f": resumed from {folder.name} (step {self.step}) instead")
-        dist.barrier()
-
-    def _nothing_to_resume(self, root: Path, target: Path | None, dangling: bool,
-                           skipped: list[tuple[Path, str]]) -> str:
-        link = self.out_dir / CHECKPOINT_LINK
-        if skipped:
-            what = "; ".join(f"{f.name}: {why}" for f, why in skipped)
-            head = f"no intact checkpoint to resume in {root} ({what})"
-        elif dangling and target is not None:
-            head = f"{link} points to {target.name}, which is missing, and {root} holds no other complete checkpoint"
-        else:
-            head = (f"{target} has no manifest (written by an agentrl from before checkpoints carried checksums): "
-                    "it cannot be verified, so it is not resumed")
-        return (head + ". Nothing was changed or deleted; to start over, choose another trainer.out_dir (--out) "
-                "or move this run folder away")
+        return True
 
     # ----- the run -----------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -638,9 +441,9 @@ class Trainer:
                       "trainer.env_steps) to train on, or use another trainer.out_dir")
         else:
             if resumed:
-                self.echo(f"resumed from {self.out_dir / CHECKPOINT_LINK} at step {self.step}")
+                self.echo(f"resumed from {self.folder.link} at step {self.step}")
             else:
-                self._check_free_space()
+                check_free_space(self.out_dir, self.model_dir, self.cfg.trainer.keep_checkpoints)
             if self.is_main:  # rows logged after the checkpoint (and a torn last line) are redone, not repeated;
                 truncate_metrics(self.out_dir, self.step if resumed else -1)  # a new start redoes step 0 too
         if self.step == 0 and not resumed:
@@ -692,22 +495,7 @@ class Trainer:
                 why = self.envs.last_error
                 logging.getLogger(__name__).warning("env workers: %s%s", ", ".join(
                     f"{v} {k}" for k, v in sorted(trouble.items())), f" (last: {why})" if why else "")
-        if not final:  # a finished run started again: nothing new
-            final = self._last_final()
-        if self.is_main:
-            atomic_write_text(self.out_dir / "final.json", json.dumps(final, indent=1))
-        return final
-
-    def _last_final(self) -> dict[str, float]:
-        """The run's last evaluation: final.json, or where an older version tore it, the last logged one."""
-        try:
-            final = json.loads((self.out_dir / "final.json").read_text())
-            if isinstance(final, dict):
-                return final
-        except (OSError, ValueError):
-            pass
-        rows = [r for r in read_metrics(self.out_dir) if any(k.startswith("eval/") for k in r)]
-        return {k: v for k, v in rows[-1].items() if k.startswith("eval/")} if rows else {}
+        return self.folder.write_final(final)  # a finished run started again: its last one
 
     def finished(self) -> bool:
         """Every rank agrees: the step count and the env steps (summed over the gathered episodes) are global."""

@@ -881,16 +881,17 @@ def test_free_space_is_checked_before_any_work(tmp_path, monkeypatch):
     import shutil
     from types import SimpleNamespace
 
-    from agentrl.trainer import RunError, Trainer
+    from agentrl.run_folder import check_free_space
+    from agentrl.trainer import RunError
 
     (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
-    fake = SimpleNamespace(model_dir=tmp_path, out_dir=tmp_path,
-                           cfg=SimpleNamespace(trainer=SimpleNamespace(keep_checkpoints=2)))
+    fake = SimpleNamespace(model_dir=tmp_path, out_dir=tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=8000, total=10**9, used=0))
     with pytest.raises(RunError, match="GiB free, a run of this model needs about"):
-        Trainer._check_free_space(fake)  # (2 kept + 1 being written) x (weights + 2 Adam moments) = 9000 bytes
+        # (2 kept + 1 being written) x (weights + 2 Adam moments) = 9000 bytes
+        check_free_space(fake.out_dir, fake.model_dir, 2)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=9500, total=10**9, used=0))
-    Trainer._check_free_space(fake)
+    check_free_space(fake.out_dir, fake.model_dir, 2)
 
 
 @pytest.mark.parametrize("sft_warm_start,made,expected", [
