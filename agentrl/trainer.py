@@ -32,7 +32,7 @@ from agentrl import dist
 from agentrl.checkpoint import RunError
 from agentrl.config import ConfigError, RecipeCfg, warm_start_folder
 from agentrl.learner.batch import Sample, collate
-from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
+from agentrl.learner.engine import EngineConfig, TorchEngine
 from agentrl.learner.finite import StepGuard, params_finite
 from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, peak_rss_gib, read_metrics,
@@ -146,14 +146,7 @@ class Trainer:
     # ----- parts -------------------------------------------------------------------------------
     def _make_engine(self) -> "LearnerEngine":
         c = self.cfg
-        ecfg = EngineConfig(optim=OptimConfig(lr=c.optim.lr, weight_decay=c.optim.weight_decay,
-                                              grad_clip=c.optim.grad_clip, warmup_steps=c.optim.warmup_steps),
-                            lora=LoraSettings(r=c.model.lora_r, alpha=c.model.lora_alpha) if c.model.lora_r else None,
-                            value_head=self.recipe.estimator().needs_values, critic=c.algo.critic,
-                            critic_path=c.algo.critic_path, critic_lr=c.optim.critic_lr,
-                            token_budget=c.optim.token_budget,
-                            dtype=c.model.dtype, seed=c.trainer.seed, device=self.device, autocast=c.model.autocast,
-                            compile=c.model.compile)
+        ecfg = EngineConfig.of(c, self.device, self.recipe.estimator().needs_values)
         if c.trainer.engine == "deepspeed":
             from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, DeepSpeedEngine
 

@@ -9,55 +9,58 @@ seeded start rolls out the same episode in either mode. ``Start`` (where an epis
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from agentrl.config import RolloutCfg
 from agentrl.generation.base import chat_ids
 from agentrl.rollout.parsing import parse_turn
-from agentrl.rollout.prompts import PROMPTS, followup_user, numbered_actions, step_messages
+from agentrl.rollout.prompts import followup_user, numbered_actions, step_messages
 from agentrl.seeds import mix_seed
 from agentrl.types import Episode, SamplingParams, Turn
 from agentrl.envs.base import PromptSpec
 from agentrl.envs.replay import Trace
 
 SENTINEL = "\u2063agentrl-split\u2063"
-MODES = ("lockstep", "async")
+
+
+_R = RolloutCfg  # where every rollout.* key below has its one default
 
 
 @dataclass
 class RolloutConfig:
-    max_turns: int = 10
-    history_len: int = 2
-    chat_mode: str = "window"  # "window" | "full"
-    require_think: bool = False
-    format_penalty: float = 0.0  # added to a turn's reward when its output has no valid action format
+    """How one rollout call drives and prompts its episodes: the ``rollout.*`` keys the steps read, with
+    their defaults from ``agentrl.config.RolloutCfg`` (checked when a config is loaded), and the call's
+    sampling. ``of`` takes them from a run's config."""
+
+    max_turns: int = _R.max_turns
+    history_len: int = _R.history_len
+    chat_mode: str = _R.chat_mode  # "window" | "full"
+    require_think: bool = _R.require_think
+    format_penalty: float = _R.format_penalty  # added to a turn's reward when its output has no valid action format
     # added to a turn's reward when its actions left the env state (fingerprint) unchanged: walking into
     # a wall, "Nothing happens." (RAGEN logs such actions as not effective)
-    ineffective_penalty: float = 0.0
-    max_actions_per_turn: int | None = None  # default: the env's PromptSpec
-    max_episode_actions: int = 0  # the episode is truncated once it has taken this many actions (0: no cap)
-    show_admissible: bool = True
-    # decode only answers among the env's admissible actions (trie-constrained; the embedded generator)
-    constrain_actions: bool = False
+    ineffective_penalty: float = _R.ineffective_penalty
+    max_actions_per_turn: int = _R.max_actions_per_turn  # 0: the env's PromptSpec
+    max_episode_actions: int = _R.max_episode_actions  # the episode is truncated after this many actions (0: no cap)
+    show_admissible: bool = _R.show_admissible
+    # decode only answers among the env's admissible actions (trie-constrained)
+    constrain_actions: bool = _R.constrain_actions
     # an env slot takes the next start as soon as its episode ends, instead of waves of the pool's size that
     # each wait for their longest episode (fewer generate calls when starts outnumber slots)
-    refill: bool = False
-    prompt: str = "paper"  # "paper": the env's template as its paper writes it | "compact": the same content,
-    # fewer tokens | "compact_tried": compact, with the actions tried so far listed apart | "numbered": those
-    # actions numbered, answered by number
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0, max_new_tokens=64))
+    refill: bool = _R.refill
+    prompt: str = _R.prompt  # agentrl.rollout.prompts.PROMPTS
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(
+        temperature=_R.temperature, top_p=_R.top_p, max_new_tokens=_R.max_new_tokens))
     # "lockstep": one generate call per turn of every live slot | "async": per-trajectory (same episodes)
-    mode: str = "lockstep"
+    mode: str = _R.mode
 
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"rollout.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.chat_mode not in ("window", "full"):
-            raise ValueError(f"rollout.chat_mode must be 'window' or 'full', got {self.chat_mode!r}")
-        if self.prompt not in PROMPTS:
-            raise ValueError(f"rollout.prompt must be one of {', '.join(PROMPTS)}, got {self.prompt!r}")
-        if self.constrain_actions and self.require_think:
-            raise ValueError("rollout.constrain_actions decodes the answer alone; it cannot go with require_think")
+    @classmethod
+    def of(cls, r: RolloutCfg, sampling: SamplingParams, max_turns: int | None = None) -> RolloutConfig:
+        """A rollout call's view of ``rollout`` (every key of the same name) with ``sampling`` and, where
+        given, fewer turns."""
+        keys = {f.name: getattr(r, f.name) for f in fields(cls) if f.name != "sampling"}
+        return cls(**dict(keys, max_turns=max_turns or r.max_turns), sampling=sampling)
 
 
 @dataclass

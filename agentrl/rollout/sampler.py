@@ -75,16 +75,9 @@ class RolloutSampler:
         r = self.cfg.rollout
         spec = self.envs.call(0, "prompt_spec")
         stops = [f"</{spec.answer_tag}>"]
-        return RolloutConfig(max_turns=max_turns or r.max_turns, history_len=r.history_len, chat_mode=r.chat_mode,
-                             require_think=r.require_think, format_penalty=r.format_penalty,
-                             ineffective_penalty=r.ineffective_penalty,
-                             max_actions_per_turn=r.max_actions_per_turn or None,
-                             max_episode_actions=r.max_episode_actions,
-                             show_admissible=r.show_admissible, constrain_actions=r.constrain_actions,
-                             prompt=r.prompt, refill=r.refill, mode=r.mode,
-                             sampling=SamplingParams(temperature=r.temperature if temperature is None else temperature,
-                                                     top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=stops,
-                                                     seed=self.rng.randrange(2**31)))
+        sampling = SamplingParams(temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
+                                  max_new_tokens=r.max_new_tokens, stop=stops, seed=self.rng.randrange(2**31))
+        return RolloutConfig.of(r, sampling, max_turns)
 
     def rollout(self, starts: list[Start], temperature: float | None = None, max_turns: int | None = None
                 ) -> list[Episode]:
