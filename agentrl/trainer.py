@@ -18,7 +18,6 @@ update old (``_overlapped_step``, ``agentrl.rollout.overlap``, docs/guides/async
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from pathlib import Path
@@ -33,10 +32,12 @@ from agentrl.checkpoint import RunError
 from agentrl.config import ConfigError, RecipeCfg, warm_start_folder
 from agentrl.learner.batch import Sample, collate
 from agentrl.learner.engine import EngineConfig, TorchEngine
-from agentrl.learner.finite import StepGuard, params_finite
+from agentrl.learner.finite import StepGuard
+from agentrl.learner.loop import rl_update
 from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, peak_rss_gib, read_metrics,
                              truncate_metrics)
+from agentrl.progress import Progress
 from agentrl.rollout.episode import RolloutConfig, Start
 from agentrl.rollout.overlap import Producer
 from agentrl.rollout.sampler import RolloutSampler
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from agentrl.envs.slots import EnvSlots
 
 __all__ = ["RunError", "Trainer", "check_run_folder"]  # RunError lives in agentrl.checkpoint; the CLI imports it here
+PROGRESS_KEYS = ("success", "reward_mean", "in_group_reward_std", "loss", "eval/success")  # on the progress line
 
 
 def seed_everything(seed: int) -> None:
@@ -99,7 +101,10 @@ class Trainer:
         # trainer.max_staleness > 0: the next step's collect runs in a producer thread while this step learns
         # (under several ranks its gathers go to a group of their own, apart from the engine's collectives)
         self._producer = Producer(dist.side_group()) if cfg.trainer.max_staleness > 0 else None
-        self._sync_due, self._stale = False, False
+        self._sync_due = False
+        # updates between the weights this step's episodes were drawn with and the learner's: 0 on-policy; the
+        # overlap sets it per step (1 after its first), and ``update`` then corrects for it
+        self.behind = 0
         self.generator: Generator = self._make_generator()
         self.envs: EnvSlots = self._make_envs()
         self._pool_seen: dict[str, int] = dict(self.envs.stats)
@@ -235,60 +240,15 @@ class Trainer:
         return warm if made else self.model_dir
 
     def update(self, samples: list[Sample], loss_fn: "LossFn", need_values: bool = False) -> dict[str, float]:
-        batch = collate(samples, self.engine.pad_id)
-        if self.cfg.algo.kl != "none" and self.cfg.algo.kl_coef > 0:  # only the loss's KL term reads them
-            batch.ref_logprobs = self.engine.ref_logprobs(batch, self.cfg.rollout.temperature)
+        """``agentrl.learner.loop.rl_update`` on the samples, then the new weights to the generator. While the
+        step's episodes are ``behind`` the learner's weights (the overlap) the update is decoupled."""
+        stats = rl_update(self.engine, collate(samples, self.engine.pad_id), loss_fn, self.cfg, self.rng,
+                          self.step + 1, self.folder.link, need_values, stale=self.behind > 0)
+        if "skipped_update" in stats:
+            return stats
         t = time.perf_counter()
-        stats: dict[str, float] = {}
-        a = self.cfg.algo
-        if (not need_values and not bool((batch.advantages * batch.loss_mask).abs().gt(0).any())
-                and not (a.kl != "none" and a.kl_coef) and not a.entropy_coef):
-            # Every advantage is zero (all groups all-fail or all-succeed): the gradient is exactly zero,
-            # but Adam's momentum would still move the weights. No signal, no step.
-            return dict(skipped_update=1.0, loss=0.0, grad_norm=0.0, time_learn_s=time.perf_counter() - t)
-        decoupled = self._decouple(batch) if self._stale else {}
-        order = list(range(len(batch)))
-        n_mb = -(-len(order) // a.mini_batch_samples) if a.mini_batch_samples > 0 else a.mini_batches
-        n_mb = max(1, min(n_mb, len(order)))
-        sums: dict[str, float] = {}
-        n_steps = skipped = 0
-        for _ in range(a.ppo_epochs):
-            if n_mb > 1:
-                self.rng.shuffle(order)
-            for part in (order[i::n_mb] for i in range(n_mb)):
-                mb = batch if n_mb == 1 else batch.select(sorted(part))
-                s = self.engine.step(mb, loss_fn, temperature=self.cfg.rollout.temperature,
-                                     need_entropy=True, need_values=need_values,
-                                     weight_by="tokens" if a.agg == "token-mean" else "sequences")
-                if self._nonfinite_step(s):  # not applied (StepGuard); skip policy: left out of the means
-                    skipped += 1
-                    continue
-                for k, v in s.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                n_steps += 1
-        stats = {k: v / max(1, n_steps) for k, v in sums.items()}  # means over the optimizer steps
-        stats["optim_steps"] = float(n_steps)
-        stats.update(decoupled)
-        if self.cfg.trainer.nan_policy == "skip":
-            stats["nonfinite_skipped"] = float(skipped)
-        if not params_finite(self.engine):  # one max-abs reduction: finite gradients can still overflow a weight
-            raise RunError(f"step {self.step + 1}: the weights hold non-finite values after this update; the run "
-                           f"stops without saving them (the last checkpoint is {self.folder.link}). "
-                           "Lower optim.lr (or optim.grad_clip) and resume with the same command")
         self.sync_weights()
-        stats["time_learn_s"] = time.perf_counter() - t
-        return stats
-
-    def _decouple(self, batch: Any) -> dict[str, float]:
-        """Samples drawn by older weights (the overlap): AReaL's decoupled PPO objective. The surrogate's ratio
-        is taken against the proximal policy (these weights before the update, one extra forward pass) and
-        each token's advantage is weighted by the truncated behaviour ratio pi_prox / pi_behav
-        (``behaviour_weights``); both are fixed over the update's epochs and mini-batches."""
-        from agentrl.algos.losses import behaviour_weights
-
-        prox = self.engine.logprobs(batch, self.cfg.rollout.temperature)
-        w, stats = behaviour_weights(prox, batch.old_logprobs, batch.loss_mask)
-        batch.old_logprobs, batch.advantages = prox, batch.advantages * w
+        stats["time_learn_s"] += time.perf_counter() - t
         return stats
 
     def _overlapped_step(self) -> dict[str, float]:
@@ -301,34 +261,18 @@ class Trainer:
         # also on the last step: its checkpoint carries the collect, so a run trained on later goes on exactly
         p.start(self.sampler, self.recipe.collect, self.step + 1, self.step)
         gaps = [self.step - t.policy_version for e in got.episodes for t in e.turns if t.gen_ids]
-        self.sampler.stats, self._stale = got.rollout_stats, any(gaps)
+        self.sampler.stats, self.behind = got.rollout_stats, max(gaps, default=0)
         try:
             metrics = self.recipe.learn(self, got.episodes, got.stats)
         except BaseException:
             p.join(raise_error=False)
             raise
-        finally:
-            self._stale = False
         p.join()
         if self._sync_due:
             self._sync_due = False
             self.sync_weights()
         metrics.update(staleness_mean=sum(gaps) / max(1, len(gaps)), staleness_max=float(max(gaps, default=0)))
         return metrics
-
-    def _nonfinite_step(self, s: dict[str, float]) -> bool:
-        """Whether an optimizer step's loss or gradient norm is NaN or infinite (both are global under
-        DeepSpeed, so every rank decides alike). ``trainer.nan_policy=stop`` ends the run here."""
-        vals = {k: float(s[k]) for k in ("loss", "grad_norm") if k in s}
-        if all(math.isfinite(v) for v in vals.values()):
-            return False
-        if self.cfg.trainer.nan_policy == "skip":
-            return True
-        shown = ", ".join(f"{k} {v}" for k, v in vals.items())
-        raise RunError(f"step {self.step + 1}: non-finite {shown} (trainer.nan_policy=stop): the run stops and this "
-                       f"update is neither applied nor saved; the last checkpoint is {self.folder.link}. "
-                       "Lower optim.lr or check the rewards and resume with the same command, or set "
-                       "trainer.nan_policy=skip to drop such updates and count them (nonfinite_skipped)")
 
     def values(self, samples: list[Sample]) -> list[float]:
         """Critic value at the last prompt token of each sample (PPO)."""
@@ -448,7 +392,8 @@ class Trainer:
                 self.save_checkpoint()
         if self.needs_reference:
             self.engine.set_reference(self.reference_folder())
-        progress = _Progress(self.cfg.trainer.steps, self.step, self.cfg.trainer.progress and self.is_main)
+        progress = Progress("train", self.cfg.trainer.steps, self.cfg.trainer.progress and self.is_main, every_s=0,
+                            done=self.step, line=lambda n, info: f"step {n}: {info}")
         final: dict[str, float] = {}
         history = read_metrics(self.out_dir)  # read once; the echo-trap check looks back over it
         try:
@@ -476,7 +421,8 @@ class Trainer:
                         self.rng.setstate(rng)  # run has it: a run trained on later goes on as one uninterrupted
                     final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
                 self._log(self.step, metrics)
-                progress.update(self.step, metrics)
+                progress.advance(self.step - progress.done, "  ".join(
+                    f"{k} {metrics[k]:.3f}" for k in PROGRESS_KEYS if isinstance(metrics.get(k), (int, float))))
                 if self.step % self.cfg.trainer.checkpoint_every == 0 or last:
                     self.save_checkpoint()
         finally:
@@ -538,33 +484,3 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Progress:
-    """A rich progress bar with the key metrics, or plain lines when not on a terminal."""
-
-    KEYS = ("success", "reward_mean", "in_group_reward_std", "loss", "eval/success")
-
-    def __init__(self, total: int, start: int, enabled: bool):
-        import sys
-
-        self.bar = None
-        self.plain = enabled and not sys.stdout.isatty()
-        if enabled and sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                TextColumn("{task.fields[info]}"))
-            self.bar.start()
-            self.task = self.bar.add_task("train", total=total, completed=start, info="")
-
-    def update(self, step: int, m: dict[str, Any]) -> None:
-        info = "  ".join(f"{k} {m[k]:.3f}" for k in self.KEYS if isinstance(m.get(k), (int, float)))
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, info=info)
-        elif self.plain:
-            print(f"step {step}: {info}", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
