@@ -1,8 +1,11 @@
 """The actor/learner loop: env slots -> rollouts -> batches -> learner -> weights -> generator.
 
-The trainer owns the parts (learner engine, generator, env slots, rollout engine, metric sinks,
-checkpoints); the recipe decides what one step does (``Recipe.step``). Runs resume from their last
-checkpoint with the learner, the recipe's buffers and controllers, the task sampler and every RNG.
+The trainer builds the parts (learner engine, generator, env slots, metric sinks) and runs the steps;
+the recipe decides what one step does (``Recipe.step``). The jobs it hands on: rollouts, generation and
+task draws to the run's ``RolloutSampler`` (``agentrl.rollout.sampler``), optimizer steps to
+``agentrl.learner.loop``, the run folder (checkpoints, resume, final.json) to ``RunFolder``
+(``agentrl.run_folder``). Runs resume from their last checkpoint with the learner, the recipe's buffers
+and controllers, the task sampler and every RNG.
 
 Under a launcher with N ranks every rank runs the same loop and the same recipe code on the same
 RNG: ``rollout`` and ``generate`` roll out this rank's share (whole groups) and all-gather the results,
