@@ -15,7 +15,7 @@ import torch
 
 from agentrl.algos.losses import dpo_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
-from agentrl.learner.lr import restore_lr, set_lr
+from agentrl.learner.loop import optimizer_loop
 
 if TYPE_CHECKING:
     from agentrl.run import Run
@@ -87,20 +87,17 @@ def fit_dpo(trainer: "Run", pairs: list[PreferencePair | TrajectoryPair], epochs
     rows, width = pair_rows(pairs)
     rows = with_reference(eng, rows)
     block = 2 * width
-    saved = set_lr(eng, lr)
     rng = random.Random(trainer.cfg.trainer.seed)
     loss_fn = dpo_loss_fn(beta, width)
-    stats: list[dict[str, float]] = []
-    try:
+
+    def batches() -> Any:
         for _ in range(epochs):
             order = list(range(len(pairs)))
             rng.shuffle(order)
             for i in range(0, len(order), batch_size):
-                batch = collate([rows[block * j + k] for j in order[i:i + batch_size] for k in range(block)],
-                                eng.pad_id)
-                stats.append(eng.step(batch, loss_fn, 1.0, weight_by="sequences", row_block=block))
-    finally:
-        restore_lr(eng, saved)
+                yield collate([rows[block * j + k] for j in order[i:i + batch_size] for k in range(block)], eng.pad_id)
+
+    stats = optimizer_loop(eng, batches(), loss_fn, lr=lr, temperature=1.0, weight_by="sequences", row_block=block)
     trainer.sync_weights()
     last = stats[-1]
     return {f"{prefix}_pairs": float(len(pairs)), f"{prefix}_loss_first": stats[0]["loss"],

@@ -19,7 +19,7 @@ import torch
 from agentrl.algos.advantages import ESTIMATORS, AdvantageInput, Estimator
 from agentrl.algos.filters import FILTERS, FilterContext, informative_groups
 from agentrl.algos.kl_control import KLController
-from agentrl.algos.losses import ppo_objective, value_loss
+from agentrl.algos.losses import Objective, ppo_objective, value_loss
 from agentrl.curriculum.task_sampler import TASK_SAMPLERS
 from agentrl.learner.batch import Sample, collate, episode_sample, turn_sample, with_token_targets
 from agentrl.registry import Registry
@@ -224,12 +224,9 @@ class GroupRecipe(Recipe):
         self.kl_ctl.update(mean, len(kl))
         return dict(kl_reward_coef=coef, kl_episode=mean)
 
-    def objective_config(self) -> dict[str, Any]:
+    def objective_config(self) -> Objective:
         """The ``ppo_objective`` settings from ``algo``, shared by every recipe's loss."""
-        a = self.cfg.algo
-        return dict(loss=a.loss, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, agg=a.agg, kl=a.kl,
-                    kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, clip_cov_ratio=a.clip_cov_ratio,
-                    kl_cov_ratio=a.kl_cov_ratio, kl_cov_coef=a.kl_cov_coef, norm_len=self.cfg.rollout.max_new_tokens)
+        return Objective.of(self.cfg.algo, norm_len=self.cfg.rollout.max_new_tokens)
 
     def loss_fn(self, trainer: "Run") -> Any:
         a = self.cfg.algo

@@ -2,8 +2,10 @@
 
 Recipes, SFT, DPO and the task samplers are written against this protocol, not against ``Trainer``, so
 they never import the trainer (imports point down) and a test may hand them a small stand-in. The
-trainer (``agentrl.trainer.Trainer``) is the one implementation. Under several ranks every method marked
-collective is called by every rank with the same arguments.
+trainer (``agentrl.trainer.Trainer``) is the one implementation of ``Run``. ``RolloutSide`` is the part a
+recipe's ``collect`` needs (rollouts, task draws, the step and its random stream): the trainer, or under
+the overlap (``trainer.max_staleness``) a step's ``agentrl.rollout.sampler.RolloutSampler``. Under several
+ranks every method marked collective is called by every rank with the same arguments.
 """
 from __future__ import annotations
 
@@ -15,29 +17,26 @@ if TYPE_CHECKING:
     from agentrl.config import RecipeCfg
     from agentrl.learner.batch import Sample
     from agentrl.learner.protocol import LearnerEngine, LossFn
-    from agentrl.rollout.engine import RolloutConfig, Start
+    from agentrl.rollout.episode import RolloutConfig, Start
     from agentrl.types import Completion, Episode, SamplingParams
 
 
-class Run(Protocol):
-    """One training run as the recipes see it."""
+class RolloutSide(Protocol):
+    """The rollout side of a run: what a recipe's ``collect`` (starts, task draws, rollouts) may use."""
 
     cfg: RecipeCfg
     """The run's resolved configuration (read-only by convention)."""
-    step: int
-    """Training steps done so far (0 during the warm start)."""
     rng: random.Random
     """The run's random stream: the same on every rank, so decisions drawn from it agree; checkpointed."""
-    engine: LearnerEngine
-    """The learner (weights, optimizer); SFT, DPO and KL terms call it directly."""
     tokenizer: Any
     """The policy's tokenizer (Hugging Face)."""
-    out_dir: Path
-    """The run folder (checkpoints, metrics, the warm start's copy)."""
-    model_dir: Path
-    """The model folder the run started from (``sft.warm_start``'s when given)."""
     is_main: bool
     """True on rank 0, which alone writes files shared by the ranks."""
+
+    @property
+    def step(self) -> int:
+        """Training steps done so far (0 during the warm start): the step being collected for."""
+        ...
 
     def rollout(self, starts: list[Start], temperature: float | None = None, max_turns: int | None = None
                 ) -> list[Episode]:
@@ -47,6 +46,35 @@ class Run(Protocol):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         """Collective: plain completions of token-id prompts (no env), in order, on every rank."""
         ...
+
+    def task_ids(self, split: str) -> list[str]:
+        """The env's task ids of a split, in the env's order."""
+        ...
+
+    def sample_tasks(self, n: int, split: str | None = None) -> list[tuple[str, int]]:
+        """``n`` (task id, reset seed) drawn from ``rng`` (from ``rollout.split`` unless given)."""
+        ...
+
+    def rollout_config(self, temperature: float | None = None, max_turns: int | None = None) -> RolloutConfig:
+        """How rollouts are driven and prompted (``rollout.*``), with a fresh sampling seed from ``rng``."""
+        ...
+
+    def echo(self, text: str) -> None:
+        """A progress line for the user (rank 0 only)."""
+        ...
+
+
+class Run(RolloutSide, Protocol):
+    """One training run as the recipes see it."""
+
+    step: int
+    """Training steps done so far (0 during the warm start)."""
+    engine: LearnerEngine
+    """The learner (weights, optimizer); SFT, DPO and KL terms call it directly."""
+    out_dir: Path
+    """The run folder (checkpoints, metrics, the warm start's copy)."""
+    model_dir: Path
+    """The model folder the run started from (``sft.warm_start``'s when given)."""
 
     def update(self, samples: list[Sample], loss_fn: LossFn, need_values: bool = False) -> dict[str, float]:
         """Collective: train on the samples with ``loss_fn`` (``algo``'s epochs and mini-batches), then hand
@@ -73,20 +101,4 @@ class Run(Protocol):
 
     def diagnostics(self, episodes: list[Episode], recipe: Any) -> dict[str, float]:
         """Collective: a step's episode statistics, timings and env-worker counts for the metrics."""
-        ...
-
-    def task_ids(self, split: str) -> list[str]:
-        """The env's task ids of a split, in the env's order."""
-        ...
-
-    def sample_tasks(self, n: int, split: str | None = None) -> list[tuple[str, int]]:
-        """``n`` (task id, reset seed) drawn from ``rng`` (from ``rollout.split`` unless given)."""
-        ...
-
-    def rollout_config(self, temperature: float | None = None, max_turns: int | None = None) -> RolloutConfig:
-        """How rollouts are driven and prompted (``rollout.*``), with a fresh sampling seed from ``rng``."""
-        ...
-
-    def echo(self, text: str) -> None:
-        """A progress line for the user (rank 0 only)."""
         ...

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from agentrl import dist
 from agentrl.algos.losses import sft_loss
 from agentrl.learner.batch import Sample, collate, turn_sample
-from agentrl.learner.lr import lr_factor, restore_lr, set_lr
+from agentrl.learner.loop import optimizer_loop
+from agentrl.learner.lr import lr_factor
 from agentrl.progress import Progress
 from agentrl.generation.embedded import along_choices
 from agentrl.rollout.engine import RolloutConfig, answer_choices, first_prompt_ids
@@ -243,7 +244,6 @@ def fit_sft(trainer: "Run", samples: list[Sample], epochs: int, batch_size: int,
     prompts' tokens are targets too (``with_prompt_loss``)."""
     eng = trainer.engine
     base_lr = lr if lr is not None else eng.optimizer.param_groups[0]["lr"]
-    saved = set_lr(eng, base_lr) if lr is not None or schedule != "constant" else None
     seed = _seed_or_runs(trainer, trainer.cfg.sft.order_seed)
     prompt_weight = trainer.cfg.sft.prompt_weight
     rng = random.Random(f"{seed}{stage}" if stage else seed)
@@ -252,39 +252,45 @@ def fit_sft(trainer: "Run", samples: list[Sample], epochs: int, batch_size: int,
         # a sample's advantages weigh its tokens (1.0 for plain SFT; LEAFE's rehearsal uses beta)
         return sft_loss(out["logp"] * mb.advantages, mb.loss_mask), {}
 
-    losses = []
+    losses: list[float] = []
     n_batches = (len(samples) + batch_size - 1) // batch_size
-    t0 = shown = time.perf_counter()  # shown: when the last progress line was printed
-    done = 0  # batches made
+    t0 = time.perf_counter()
+    shown = [t0]  # when the last progress line was printed
     last = max(epochs, max_epochs) if keep_going else epochs
     of = f"{epochs}-{last}" if last > epochs else str(epochs)
     asking = keep_going is not None and last > epochs
     every = max(1, round(check_every * n_batches))  # batches between readings after pass `epochs`
-    # lazily, pass by pass: each pass is shuffled when it starts, so stopping mid-pass draws nothing more
-    batches = ((epoch, b, rows) for epoch in range(last)
-               for b, rows in enumerate(sft_batches(samples, batch_size, rng, by_length), start=1))
-    for epoch, b, rows in batches:
-        if schedule != "constant":
-            set_lr(eng, base_lr * lr_factor(epoch * n_batches + b - 1, epochs * n_batches, schedule))
-        chosen = [samples[j] for j in rows]
-        weighted = term_weighted(chosen, term_weights) if term_weights else chosen
-        if prompt_weight:
-            weighted = [with_prompt_loss(r, prompt_weight) for r in weighted]
-        batch = collate(weighted, eng.pad_id)
-        losses.append(eng.step(batch, loss)["loss"])
-        done += 1
-        if b == n_batches or time.perf_counter() - shown >= SFT_LINE_EVERY_S:  # a long warm start is never silent
-            shown = time.perf_counter()
+
+    def batches() -> Any:
+        # lazily, pass by pass: each pass is shuffled when it starts, so stopping mid-pass draws nothing more
+        for _ in range(last):
+            for rows in sft_batches(samples, batch_size, rng, by_length):
+                chosen = [samples[j] for j in rows]
+                weighted = term_weighted(chosen, term_weights) if term_weights else chosen
+                if prompt_weight:
+                    weighted = [with_prompt_loss(r, prompt_weight) for r in weighted]
+                yield collate(weighted, eng.pad_id)
+
+    def after(k: int, s: dict[str, float]) -> bool:
+        """Batch k done (``k + 1`` made): a progress line now and then, and the pass selection's reading."""
+        losses.append(s["loss"])
+        done, epoch, b = k + 1, k // n_batches, k % n_batches + 1
+        if b == n_batches or time.perf_counter() - shown[0] >= SFT_LINE_EVERY_S:  # a long warm start is never silent
+            shown[0] = time.perf_counter()
             trainer.echo(f"sft {stage + ' ' if stage else ''}pass {epoch + 1}/{of}: batch {b}/{n_batches}, "
-                         f"loss {losses[-1]:.3f}, {shown - t0:.0f}s")
+                         f"loss {losses[-1]:.3f}, {shown[0] - t0:.0f}s")
         past = done - epochs * n_batches
         if asking and past >= 0 and (past % every == 0 or done == last * n_batches):
             trainer.sync_weights()
-            if not keep_going(passes_of(done, n_batches)):
-                break
+            return bool(keep_going(passes_of(done, n_batches)))
+        return True
+
+    scheduled = schedule != "constant"
+    optimizer_loop(eng, batches(), loss, lr=base_lr if lr is not None or scheduled else None,
+                   lr_at=(lambda k: base_lr * lr_factor(k, epochs * n_batches, schedule)) if scheduled else None,
+                   after=after)
+    done = len(losses)
     passes = passes_of(done, n_batches)
-    if saved is not None:
-        restore_lr(eng, saved)
     trainer.sync_weights()
     return {"sft_loss_first": losses[0] if losses else 0.0, "sft_loss_last": losses[-1] if losses else 0.0,
             "sft_samples": float(len(samples)), "sft_passes": float(passes)}
@@ -307,7 +313,7 @@ def warm_start(trainer: "Run", cfg: Any) -> dict[str, float]:
     the folder of ``sft.warm_start`` adopted as is; else SFT on expert demonstrations, with early stopping on
     greedy success (``sft.max_epochs``, ``select_*``), a cooldown, the optimizer reset, and the SFT-only
     policy exported as the run's ``warm_start``."""
-    from agentrl.learner.lr import lr_state
+    from agentrl.learner.lr import lr_state, restore_lr
     from agentrl.learner.optim_state import reset_optimizer_state
 
     s = cfg.sft

@@ -1,8 +1,11 @@
 """The actor/learner loop: env slots -> rollouts -> batches -> learner -> weights -> generator.
 
-The trainer owns the parts (learner engine, generator, env slots, rollout engine, metric sinks,
-checkpoints); the recipe decides what one step does (``Recipe.step``). Runs resume from their last
-checkpoint with the learner, the recipe's buffers and controllers, the task sampler and every RNG.
+The trainer builds the parts (learner engine, generator, env slots, metric sinks) and runs the steps;
+the recipe decides what one step does (``Recipe.step``). The jobs it hands on: rollouts, generation and
+task draws to the run's ``RolloutSampler`` (``agentrl.rollout.sampler``), optimizer steps to
+``agentrl.learner.loop``, the run folder (checkpoints, resume, final.json) to ``RunFolder``
+(``agentrl.run_folder``). Runs resume from their last checkpoint with the learner, the recipe's buffers
+and controllers, the task sampler and every RNG.
 
 Under a launcher with N ranks every rank runs the same loop and the same recipe code on the same
 RNG: ``rollout`` and ``generate`` roll out this rank's share (whole groups) and all-gather the results,
@@ -17,11 +20,8 @@ update old (``_overlapped_step``, ``agentrl.rollout.overlap``, docs/guides/async
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,17 +32,19 @@ import torch
 from agentrl import checkpoint as ckpt
 from agentrl import dist
 from agentrl.checkpoint import RunError
-from agentrl.config import ConfigError, RecipeCfg, dump, warm_start_folder
-from agentrl.io_atomic import atomic_write_text
+from agentrl.config import ConfigError, RecipeCfg, warm_start_folder
 from agentrl.learner.batch import Sample, collate
-from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
-from agentrl.learner.finite import StepGuard, params_finite
+from agentrl.learner.engine import EngineConfig, TorchEngine
+from agentrl.learner.finite import StepGuard
+from agentrl.learner.loop import rl_update
 from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, peak_rss_gib, read_metrics,
                              truncate_metrics)
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+from agentrl.progress import Progress
+from agentrl.rollout.episode import RolloutConfig, Start
 from agentrl.rollout.overlap import Producer
-from agentrl.seeds import mix_seed
+from agentrl.rollout.sampler import RolloutSampler
+from agentrl.run_folder import RunFolder, check_free_space, check_run_folder
 from agentrl.types import Completion, Episode, SamplingParams
 
 if TYPE_CHECKING:
@@ -51,55 +53,8 @@ if TYPE_CHECKING:
     from agentrl.recipe import Recipe
     from agentrl.envs.slots import EnvSlots
 
-CHECKPOINT_LINK = ckpt.LINK  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
 __all__ = ["RunError", "Trainer", "check_run_folder"]  # RunError lives in agentrl.checkpoint; the CLI imports it here
-
-
-# what may change when a run resumes (how long it trains, how it is evaluated and logged, where servers
-# are); any other difference from the config its checkpoint was written with makes it another run
-RESUMABLE = ("trainer.steps", "trainer.env_steps", "trainer.progress", "trainer.tensorboard", "trainer.wandb",
-             "trainer.checkpoint_every", "trainer.time_limit_s", "trainer.out_dir", "trainer.generator_url", "eval.")
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v and k != "env_kwargs" and k != "extra":
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def check_run_folder(out_dir: Path, cfg: RecipeCfg) -> None:
-    """Refuse to resume a checkpoint written with another config (anything but ``RESUMABLE`` keys)."""
-    saved = _saved_config(out_dir)
-    if not saved:  # no checkpoint, or one from before configs were stored in it
-        return
-    was, now = _flat(saved), _flat(cfg.to_dict())
-    # keys only one side has come from a code change (a new option at its default), not from the user
-    diff = [f"{k}: {was[k]!r} there, {now[k]!r} here" for k in sorted(set(was) & set(now))
-            if was[k] != now[k] and not k.startswith(RESUMABLE)]
-    if diff:
-        shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
-        raise ConfigError(f"{out_dir} holds a checkpoint of another run ({shown}): resuming it would mix the two. "
-                          "Start a new run with another trainer.out_dir (--out), or delete that folder; only the "
-                          "budgets (trainer.steps, trainer.env_steps, trainer.time_limit_s), evaluation and "
-                          "logging settings may change on resume")
-
-
-def _saved_config(out_dir: Path) -> dict | None:
-    """The config of the checkpoint a resume would start from: the link's, else the newest complete one's.
-    Unreadable ones are passed over here; the resume itself verifies and says why."""
-    target, _ = ckpt.link_target(out_dir)
-    for folder in ([target] if target is not None else []) + ckpt.sealed_checkpoints(out_dir / "checkpoints"):
-        if (folder / "trainer.pt").is_file():
-            try:
-                state = ckpt.load_plain(folder / "trainer.pt")
-            except ckpt.CheckpointCorrupt:
-                continue
-            return state.get("config") if isinstance(state, dict) else None
-    return None
+PROGRESS_KEYS = ("success", "reward_mean", "in_group_reward_std", "loss", "eval/success")  # on the progress line
 
 
 def seed_everything(seed: int) -> None:
@@ -137,17 +92,7 @@ class Trainer:
         self.is_main = self.rank == 0
         # a bad model spec fails before the run folder is touched; sft.warm_start's weights replace model.name's
         self.model_dir = resolve_model(str(warm_start_folder(cfg)) if cfg.sft.warm_start else cfg.model.name)
-        try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.run_id = self._claim_run_folder()  # a folder that is not this run's is refused before any write
-            check_run_folder(self.out_dir, cfg)  # before config.yaml is rewritten: another run's folder is refused
-            # and a folder with no intact checkpoint: its error says nothing was changed, so nothing may be yet
-            self._verdicts: dict[Path, str | None] | None = self._verify_checkpoints()
-            if self.is_main:
-                dump(cfg, self.out_dir / "config.yaml")
-        except OSError as e:
-            raise RunError(f"cannot write the run folder {self.out_dir}: {e.strerror or e}; choose another "
-                           "trainer.out_dir (--out)") from None
+        self.folder = RunFolder(cfg, self.rank, self.world)  # claimed: another run's folder is refused here
         seed_everything(cfg.trainer.seed)
         self.rng = random.Random(cfg.trainer.seed)  # the same stream on every rank: same decisions
         self.step = 0
@@ -159,34 +104,21 @@ class Trainer:
         # trainer.max_staleness > 0: the next step's collect runs in a producer thread while this step learns
         # (under several ranks its gathers go to a group of their own, apart from the engine's collectives)
         self._producer = Producer(dist.side_group()) if cfg.trainer.max_staleness > 0 else None
-        self._sync_due, self._stale = False, False
+        self._sync_due = False
+        # updates between the weights this step's episodes were drawn with and the learner's: 0 on-policy; the
+        # overlap sets it per step (1 after its first), and ``update`` then corrects for it
+        self.behind = 0
         self.generator: Generator = self._make_generator()
         self.envs: EnvSlots = self._make_envs()
         self._pool_seen: dict[str, int] = dict(self.envs.stats)
+        # the rollout side of the run (rollout, generate, task draws), on the run's own random stream
+        self.sampler = RolloutSampler(cfg, self.generator, self.tokenizer, self.envs, self.rng, lambda: self.step,
+                                      world=self.world, rank=self.rank)
         self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict()) \
             if self.is_main else None
         self._tasks = None
         self.eval_episodes: list[Episode] = []
-        self._rollout_stats: dict[str, float] = {}
         self._sync_stats: dict[str, float] = {}  # the last server weight sync (time, check), logged per step
-
-    def _claim_run_folder(self) -> str:
-        """Rank 0 reads or writes the run folder's marker (``agentrl.checkpoint.claim_run_folder``); every
-        rank gets its run id, or the same one-line error."""
-        found: tuple[str | None, str | None] = (None, None)
-        if self.is_main:
-            about = dict(recipe=self.cfg.recipe, env=self.cfg.env, model=str(self.cfg.model.name))
-            try:
-                found = (ckpt.claim_run_folder(self.out_dir, about), None)
-            except RunError as e:
-                found = (None, str(e))
-            except OSError as e:
-                found = (None, f"cannot write the run folder {self.out_dir}: {e.strerror or e}; choose another "
-                               "trainer.out_dir (--out)")
-        run_id, error = dist.broadcast_object(found)
-        if error:
-            raise RunError(error)
-        return str(run_id)
 
     def _resolve_device(self) -> str:
         try:
@@ -227,14 +159,7 @@ class Trainer:
     # ----- parts -------------------------------------------------------------------------------
     def _make_engine(self) -> "LearnerEngine":
         c = self.cfg
-        ecfg = EngineConfig(optim=OptimConfig(lr=c.optim.lr, weight_decay=c.optim.weight_decay,
-                                              grad_clip=c.optim.grad_clip, warmup_steps=c.optim.warmup_steps),
-                            lora=LoraSettings(r=c.model.lora_r, alpha=c.model.lora_alpha) if c.model.lora_r else None,
-                            value_head=self.recipe.estimator().needs_values, critic=c.algo.critic,
-                            critic_path=c.algo.critic_path, critic_lr=c.optim.critic_lr,
-                            token_budget=c.optim.token_budget,
-                            dtype=c.model.dtype, seed=c.trainer.seed, device=self.device, autocast=c.model.autocast,
-                            compile=c.model.compile)
+        ecfg = EngineConfig.of(c, self.device, self.recipe.estimator().needs_values)
         if c.trainer.engine == "deepspeed":
             from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, DeepSpeedEngine
 
@@ -285,76 +210,27 @@ class Trainer:
             if r.pool == "ray" else {}
         return make_pool(r.pool, self.cfg.env, r.slots, self.cfg.env_kwargs, **opts)
 
+    # ----- the rollout side, delegated to the run's sampler (agentrl.rollout.sampler) ---------------
     def rollout_config(self, temperature: float | None = None, max_turns: int | None = None) -> RolloutConfig:
-        r = self.cfg.rollout
-        spec = self.envs.call(0, "prompt_spec")
-        stops = [f"</{spec.answer_tag}>"]
-        return RolloutConfig(max_turns=max_turns or r.max_turns, history_len=r.history_len, chat_mode=r.chat_mode,
-                             require_think=r.require_think, format_penalty=r.format_penalty,
-                             ineffective_penalty=r.ineffective_penalty,
-                             max_actions_per_turn=r.max_actions_per_turn or None,
-                             max_episode_actions=r.max_episode_actions,
-                             show_admissible=r.show_admissible, constrain_actions=r.constrain_actions,
-                             prompt=r.prompt, refill=r.refill, mode=r.mode, context_overflow=r.context_overflow,
-                             sampling=SamplingParams(temperature=r.temperature if temperature is None else temperature,
-                                                     top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=stops,
-                                                     seed=self.rng.randrange(2**31)))
+        return self.sampler.rollout_config(temperature, max_turns)
 
-    # ----- services the recipes use ----------------------------------------------------------------
     def task_ids(self, split: str) -> list[str]:
-        return [t.task_id for t in self.envs.call(0, "tasks", split)]
+        return self.sampler.task_ids(split)
 
     def sample_tasks(self, n: int, split: str | None = None) -> list[tuple[str, int]]:
-        ids = self.task_ids(split or self.cfg.rollout.split)
-        return [(self.rng.choice(ids), self.rng.randrange(2**31)) for _ in range(n)]
+        return self.sampler.sample_tasks(n, split)
+
+    def rollout(self, starts: list[Start], temperature: float | None = None, max_turns: int | None = None
+                ) -> list[Episode]:
+        return self.sampler.rollout(starts, temperature, max_turns)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        return self.sampler.generate(prompts, sampling)
 
     def echo(self, text: str) -> None:
         """A line for the user (rank 0 only)."""
         if self.is_main:
             print(text, flush=True)
-
-    def rollout(self, starts: list[Start], temperature: float | None = None, max_turns: int | None = None
-                ) -> list[Episode]:
-        """Episodes for ``starts``, in order, on every rank. Each rank rolls out its share (whole groups,
-        ``dist.shard_groups``) and the shares are all-gathered. Each start samples from its own stream
-        (rollout seed, start index), so an episode's tokens do not depend on which rank ran it."""
-        cfg = self.rollout_config(temperature, max_turns)
-        streams = [mix_seed(cfg.sampling.seed, i) for i in range(len(starts))]
-        mine = dist.shard_groups([s.group_id or f"#{i}" for i, s in enumerate(starts)], self.world)[self.rank]
-        engine = RolloutEngine(self.generator, self.tokenizer, self.envs, self.cfg.env, cfg)
-        local, error = [], None
-        try:
-            local = engine.run([starts[i] for i in mine], [streams[i] for i in mine])
-        except Exception as e:  # raised at the gather, on every rank (the others would wait there for this one)
-            error = e
-        eps, stats = dist.all_gather_ordered(len(starts), mine, local, engine.stats, error=error)
-        for e in eps:  # the weights they were drawn with: the overlap's producer samples a step behind
-            for turn in e.turns:
-                turn.policy_version = self.policy_version
-        # summed over the step's rollout calls (reset in ``train``); counts summed over ranks, times (``*_s``)
-        # the slowest rank's, since the ranks wait for each other at the gather
-        for k in engine.stats:
-            vals = [st[k] for st in stats]
-            self._rollout_stats[k] = self._rollout_stats.get(k, 0.0) + (max(vals) if k.endswith("_s") else sum(vals))
-        return eps
-
-    @property
-    def policy_version(self) -> int:
-        """The updates the generator's weights have seen: the step (the producer's view says its own)."""
-        return self.step
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
-        """Plain completions (LEAFE's reflections), sharded over the ranks like ``rollout``; row i samples
-        from stream (sampling.seed, i)."""
-        seed = sampling.seed if sampling.seed is not None else self.rng.randrange(2**31)
-        seeds = [mix_seed(seed, i) for i in range(len(prompts))]
-        mine = list(range(self.rank, len(prompts), self.world))
-        local, error = [], None
-        try:
-            local = self.generator.generate([prompts[i] for i in mine], sampling, seeds=[seeds[i] for i in mine])
-        except Exception as e:  # as in ``rollout``
-            error = e
-        return dist.all_gather_ordered(len(prompts), mine, local, error=error)[0]
 
     @property
     def needs_reference(self) -> bool:
@@ -372,60 +248,15 @@ class Trainer:
         return warm if made else self.model_dir
 
     def update(self, samples: list[Sample], loss_fn: "LossFn", need_values: bool = False) -> dict[str, float]:
-        batch = collate(samples, self.engine.pad_id)
-        if self.cfg.algo.kl != "none" and self.cfg.algo.kl_coef > 0:  # only the loss's KL term reads them
-            batch.ref_logprobs = self.engine.ref_logprobs(batch, self.cfg.rollout.temperature)
+        """``agentrl.learner.loop.rl_update`` on the samples, then the new weights to the generator. While the
+        step's episodes are ``behind`` the learner's weights (the overlap) the update is decoupled."""
+        stats = rl_update(self.engine, collate(samples, self.engine.pad_id), loss_fn, self.cfg, self.rng,
+                          self.step + 1, self.folder.link, need_values, stale=self.behind > 0)
+        if "skipped_update" in stats:
+            return stats
         t = time.perf_counter()
-        stats: dict[str, float] = {}
-        a = self.cfg.algo
-        if (not need_values and not bool((batch.advantages * batch.loss_mask).abs().gt(0).any())
-                and not (a.kl != "none" and a.kl_coef) and not a.entropy_coef):
-            # Every advantage is zero (all groups all-fail or all-succeed): the gradient is exactly zero,
-            # but Adam's momentum would still move the weights. No signal, no step.
-            return dict(skipped_update=1.0, loss=0.0, grad_norm=0.0, time_learn_s=time.perf_counter() - t)
-        decoupled = self._decouple(batch) if self._stale else {}
-        order = list(range(len(batch)))
-        n_mb = -(-len(order) // a.mini_batch_samples) if a.mini_batch_samples > 0 else a.mini_batches
-        n_mb = max(1, min(n_mb, len(order)))
-        sums: dict[str, float] = {}
-        n_steps = skipped = 0
-        for _ in range(a.ppo_epochs):
-            if n_mb > 1:
-                self.rng.shuffle(order)
-            for part in (order[i::n_mb] for i in range(n_mb)):
-                mb = batch if n_mb == 1 else batch.select(sorted(part))
-                s = self.engine.step(mb, loss_fn, temperature=self.cfg.rollout.temperature,
-                                     need_entropy=True, need_values=need_values,
-                                     weight_by="tokens" if a.agg == "token-mean" else "sequences")
-                if self._nonfinite_step(s):  # not applied (StepGuard); skip policy: left out of the means
-                    skipped += 1
-                    continue
-                for k, v in s.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                n_steps += 1
-        stats = {k: v / max(1, n_steps) for k, v in sums.items()}  # means over the optimizer steps
-        stats["optim_steps"] = float(n_steps)
-        stats.update(decoupled)
-        if self.cfg.trainer.nan_policy == "skip":
-            stats["nonfinite_skipped"] = float(skipped)
-        if not params_finite(self.engine):  # one max-abs reduction: finite gradients can still overflow a weight
-            raise RunError(f"step {self.step + 1}: the weights hold non-finite values after this update; the run "
-                           f"stops without saving them (the last checkpoint is {self.out_dir / CHECKPOINT_LINK}). "
-                           "Lower optim.lr (or optim.grad_clip) and resume with the same command")
         self.sync_weights()
-        stats["time_learn_s"] = time.perf_counter() - t
-        return stats
-
-    def _decouple(self, batch: Any) -> dict[str, float]:
-        """Samples drawn by older weights (the overlap): AReaL's decoupled PPO objective. The surrogate's ratio
-        is taken against the proximal policy (these weights before the update, one extra forward pass) and
-        each token's advantage is weighted by the truncated behaviour ratio pi_prox / pi_behav
-        (``behaviour_weights``); both are fixed over the update's epochs and mini-batches."""
-        from agentrl.algos.losses import behaviour_weights
-
-        prox = self.engine.logprobs(batch, self.cfg.rollout.temperature)
-        w, stats = behaviour_weights(prox, batch.old_logprobs, batch.loss_mask)
-        batch.old_logprobs, batch.advantages = prox, batch.advantages * w
+        stats["time_learn_s"] += time.perf_counter() - t
         return stats
 
     def _overlapped_step(self) -> dict[str, float]:
@@ -434,38 +265,22 @@ class Trainer:
         this one learns. The new weights reach the generator once that collect is done, so a sample is one
         update old when trained on (the first step's, collected now, none)."""
         p = self._producer
-        got = p.take(self, self.recipe.collect, self.step)
+        got = p.take(self.sampler, self.recipe.collect, self.step)
         # also on the last step: its checkpoint carries the collect, so a run trained on later goes on exactly
-        p.start(self, self.recipe.collect, self.step + 1, self.policy_version)
+        p.start(self.sampler, self.recipe.collect, self.step + 1, self.step)
         gaps = [self.step - t.policy_version for e in got.episodes for t in e.turns if t.gen_ids]
-        self._rollout_stats, self._stale = got.rollout_stats, any(gaps)
+        self.sampler.stats, self.behind = got.rollout_stats, max(gaps, default=0)
         try:
             metrics = self.recipe.learn(self, got.episodes, got.stats)
         except BaseException:
             p.join(raise_error=False)
             raise
-        finally:
-            self._stale = False
         p.join()
         if self._sync_due:
             self._sync_due = False
             self.sync_weights()
         metrics.update(staleness_mean=sum(gaps) / max(1, len(gaps)), staleness_max=float(max(gaps, default=0)))
         return metrics
-
-    def _nonfinite_step(self, s: dict[str, float]) -> bool:
-        """Whether an optimizer step's loss or gradient norm is NaN or infinite (both are global under
-        DeepSpeed, so every rank decides alike). ``trainer.nan_policy=stop`` ends the run here."""
-        vals = {k: float(s[k]) for k in ("loss", "grad_norm") if k in s}
-        if all(math.isfinite(v) for v in vals.values()):
-            return False
-        if self.cfg.trainer.nan_policy == "skip":
-            return True
-        shown = ", ".join(f"{k} {v}" for k, v in vals.items())
-        raise RunError(f"step {self.step + 1}: non-finite {shown} (trainer.nan_policy=stop): the run stops and this "
-                       f"update is neither applied nor saved; the last checkpoint is {self.out_dir / CHECKPOINT_LINK}. "
-                       "Lower optim.lr or check the rewards and resume with the same command, or set "
-                       "trainer.nan_policy=skip to drop such updates and count them (nonfinite_skipped)")
 
     def values(self, samples: list[Sample]) -> list[float]:
         """Critic value at the last prompt token of each sample (PPO)."""
@@ -494,7 +309,7 @@ class Trainer:
         """Collective (every rank calls it in ``Recipe.step``): episode statistics, timings, and the env
         workers' restarts, timeouts, crashes, replays and dropped episodes this step, summed over ranks."""
         d = episode_diagnostics(episodes, recipe.reward)
-        st = self._rollout_stats
+        st = self.sampler.stats
         d.update(time_generate_s=st.get("generate_s", 0.0), time_env_s=st.get("env_s", 0.0),
                  context_trimmed=st.get("context_trimmed", 0.0), context_ended=st.get("context_ended", 0.0))
         now = dict(self.envs.stats)
@@ -534,57 +349,13 @@ class Trainer:
         return out
 
     # ----- checkpoints -------------------------------------------------------------------------
-    def _check_free_space(self) -> None:
-        """Before any work: room for ``keep_checkpoints`` + 1 checkpoints of their real size (the kept ones stay
-        until the new one is sealed), so a full disk is an error now, not at a save."""
-        one = ckpt.engine_checkpoint_bytes(Path(self.model_dir), self.cfg.trainer.engine, self.engine.cfg)
-        ckpt.check_free_space(self.out_dir, one, self.cfg.trainer.keep_checkpoints)
-
     def save_checkpoint(self) -> Path:
-        """Collective. Every rank writes its part (ZeRO shards, its RNG) into ``checkpoints/step-N``, rank 0
-        the trainer and recipe state; then rank 0 seals it (a manifest with every file's sha256, written last),
-        switches the ``checkpoint`` link to it (an atomic rename) and removes this run's checkpoints beyond
-        ``trainer.keep_checkpoints``: a kill at any point leaves the previous complete checkpoints, and nothing
-        the run did not write is ever removed (``agentrl.checkpoint``)."""
-        root = self.out_dir / "checkpoints"
-        folder = root / f"step-{self.step:06d}"
-        if not params_finite(self.engine):
-            raise RunError(f"step {self.step}: the weights hold non-finite values; they are not saved (the last "
-                           f"checkpoint is {self.out_dir / CHECKPOINT_LINK}). Lower optim.lr and resume with the "
-                           "same command")
-        error = None
-        if self.is_main:
-            try:
-                ckpt.clear_for_save(folder, self.run_id)  # only a save of this step by this run
-                ckpt.begin(folder, self.run_id, self.step)
-            except RunError as e:
-                error = str(e)
-            except OSError as e:
-                error = (f"checkpoint at step {self.step} could not start ({e.strerror or e}); the last complete one "
-                         f"is {self.out_dir / CHECKPOINT_LINK}. Free space and run the same command to resume")
-        error = dist.broadcast_object(error)
-        if error:
-            raise RunError(error)
-        try:
-            self.engine.save(folder)
-            if self.is_main:
-                torch.save(dict(step=self.step, env_steps=self.env_steps, rng=self.rng.getstate(),
-                                recipe=ckpt.to_plain(self.recipe.state_dict(), "recipe state"), world=self.world,
-                                engine=self.cfg.trainer.engine, config=self.cfg.to_dict(), **self._in_flight()),
-                           folder / "trainer.pt")
-            dist.barrier()
-            ckpt.seal_by_ranks(folder, self.run_id, self.step, self.rank, self.world, dist.all_gather_object)
-        except OSError as e:  # a full disk: drop the partial save (this run's), keep the previous checkpoint, say so
-            if self.is_main:
-                shutil.rmtree(folder, ignore_errors=True)
-            raise RunError(f"checkpoint at step {self.step} failed ({e.strerror or e}) and was removed; the last "
-                           f"complete one is {self.out_dir / CHECKPOINT_LINK}. Free space and run the same command "
-                           "to resume") from None
-        if self.is_main:
-            ckpt.point_link(self.out_dir, folder)
-            ckpt.rotate(root, self.cfg.trainer.keep_checkpoints, self.run_id, folder)
-        dist.barrier()
-        return folder
+        """Collective: this step's checkpoint (``RunFolder.save``): the engine's state on every rank; the step,
+        env steps, random stream, the recipe's state and the overlap's collected step from rank 0."""
+        state = dict(step=self.step, env_steps=self.env_steps, rng=self.rng.getstate(),
+                     recipe=ckpt.to_plain(self.recipe.state_dict(), "recipe state"), **self._in_flight()) \
+            if self.is_main else {}
+        return self.folder.save(self.step, self.engine, state)
 
     def _in_flight(self) -> dict[str, Any]:
         """The overlap's collected step not yet trained on (its episodes with their versions), as plain
@@ -612,95 +383,17 @@ class Trainer:
         return {Path(f): why for f, why in verdicts.items()}
 
     def load_checkpoint(self) -> bool:
-        """Resume from the newest intact checkpoint: rank 0 verifies each complete one (newest first) against
-        its manifest (the verdicts taken before the run folder was written are reused), every rank loads the
-        first that passes (weights_only, finite weights). Falling back says so in one line and renames the
-        corrupt ones ``corrupt-step-N``; with none intact the run stops with one line and no checkpoint
-        changed. False: nothing to resume (a new run)."""
-        root = self.out_dir / "checkpoints"
-        target, dangling = ckpt.link_target(self.out_dir)
-        verdicts, self._verdicts = self._verdicts or {}, None  # once: a second call verifies afresh
-        folders = [Path(f) for f in dist.broadcast_object(
-            [str(f) for f in ckpt.sealed_checkpoints(root)] if self.is_main else None)]
-        skipped: list[tuple[Path, str]] = []
-        for folder in folders:
-            why = verdicts[folder] if folder in verdicts else \
-                dist.broadcast_object(ckpt.verify(folder) if self.is_main else None)
-            if why is None:
-                why = self._load_from(folder)
-            if why is None:
-                self._after_resume(folder, target, dangling, skipped)
-                return True
-            skipped.append((folder, why))
-        if skipped or dangling or (target is not None and (target / "trainer.pt").exists()):
-            # found only on loading (non-finite weights, a trainer.pt without a key): config.yaml is written by now
-            raise RunError(self._nothing_to_resume(root, target, dangling, skipped, before_writes=False))
-        return False
-
-    def _load_from(self, folder: Path) -> str | None:
-        """Load ``folder`` into the trainer, engine and recipe; None, or why it cannot be (on any rank)."""
-        why = None
-        try:
-            state = ckpt.load_plain(folder / "trainer.pt")
-            saved_world = state.get("world", 1)
-            saved_engine = state.get("engine") or ("deepspeed" if (folder / "deepspeed").exists() else "torch")
-            # DeepSpeed re-shards a checkpoint for another number of ranks (a universal checkpoint)
-            if saved_engine != self.cfg.trainer.engine or (saved_world != self.world and saved_engine != "deepspeed"):
-                raise ConfigError(f"{folder} was written by {saved_world} rank(s) with trainer.engine={saved_engine}; "
-                                  f"this run has {self.world} with trainer.engine={self.cfg.trainer.engine}. Resume "
-                                  "with the same launch, or start a new run (another trainer.out_dir)")
-            recipe_state = ckpt.from_plain(state["recipe"])
-            self.engine.load(folder)
-            if not params_finite(self.engine):  # checksums vouch for the bytes, not for what was saved
-                raise ckpt.CheckpointCorrupt("its weights hold non-finite values (NaN or infinity)")
-        except ckpt.CheckpointCorrupt as e:
-            why = str(e)
-        except (KeyError, AttributeError) as e:
-            why = f"trainer.pt lacks {e}"
-        whys = [w for w in dist.all_gather_object(why) if w]
-        if whys:
-            return whys[0]
-        self.step = state["step"]
-        # checkpoints from before the budget existed: the steps are in the metrics logged up to this one
-        self.env_steps = state["env_steps"] if "env_steps" in state else int(sum(
-            r.get("env_steps", 0) for r in read_metrics(self.out_dir) if 0 < r.get("step", 0) <= self.step))
-        self.rng.setstate(state["rng"])
-        self.recipe.load_state_dict(recipe_state)
+        """Resume from the run folder's newest intact checkpoint (``RunFolder.resume``); False: a new run."""
+        got = self.folder.resume(self.engine, self.echo)
+        if got is None:
+            return False
+        self.step, self.env_steps = got.step, got.env_steps
+        self.rng.setstate(got.rng)
+        self.recipe.load_state_dict(got.recipe)
         if self._producer is not None:
-            self._producer.pending = ckpt.from_plain(state["collected"]) if "collected" in state else None
+            self._producer.pending = got.collected
         self.sync_weights()
-        return None
-
-    def _after_resume(self, folder: Path, target: Path | None, dangling: bool,
-                      skipped: list[tuple[Path, str]]) -> None:
-        """Point the link at the checkpoint resumed from; say why it is not the newest, if it is not."""
-        notes = []
-        if dangling and target is not None:
-            notes.append(f"{self.out_dir / CHECKPOINT_LINK} pointed to {target.name}, which is missing")
-        if self.is_main:
-            if target is None or target.resolve() != folder.resolve():
-                ckpt.point_link(self.out_dir, folder)
-            for bad, why in skipped:
-                kept = ckpt.quarantine(bad)
-                notes.append(f"checkpoint {bad.name} is corrupt ({why}; kept as checkpoints/{kept.name})")
-        if notes:
-            self.echo("; ".join(notes) + f": resumed from {folder.name} (step {self.step}) instead")
-        dist.barrier()
-
-    def _nothing_to_resume(self, root: Path, target: Path | None, dangling: bool,
-                           skipped: list[tuple[Path, str]], before_writes: bool = True) -> str:
-        link = self.out_dir / CHECKPOINT_LINK
-        if skipped:
-            what = "; ".join(f"{f.name}: {why}" for f, why in skipped)
-            head = f"no intact checkpoint to resume in {root} ({what})"
-        elif dangling and target is not None:
-            head = f"{link} points to {target.name}, which is missing, and {root} holds no other complete checkpoint"
-        else:
-            head = (f"{target} has no manifest (written by an agentrl from before checkpoints carried checksums): "
-                    "it cannot be verified, so it is not resumed")
-        what = "Nothing was" if before_writes else "No checkpoint was"
-        return (head + f". {what} changed or deleted; to start over, choose another trainer.out_dir (--out) "
-                "or move this run folder away")
+        return True
 
     # ----- the run -----------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -713,9 +406,10 @@ class Trainer:
                       "trainer.env_steps) to train on, or use another trainer.out_dir")
         else:
             if resumed:
-                self.echo(f"resumed from {self.out_dir / CHECKPOINT_LINK} at step {self.step}")
+                self.echo(f"resumed from {self.folder.link} at step {self.step}")
             else:
-                self._check_free_space()
+                check_free_space(self.out_dir, self.model_dir, self.cfg.trainer.keep_checkpoints,
+                                 self.cfg.trainer.engine, self.engine.cfg)
             if self.is_main:  # rows logged after the checkpoint (and a torn last line) are redone, not repeated;
                 truncate_metrics(self.out_dir, self.step if resumed else -1)  # a new start redoes step 0 too
         if self.step == 0 and not resumed:
@@ -727,13 +421,14 @@ class Trainer:
                 self.save_checkpoint()
         if self.needs_reference:
             self.engine.set_reference(self.reference_folder())
-        progress = _Progress(self.cfg.trainer.steps, self.step, self.cfg.trainer.progress and self.is_main)
+        progress = Progress("train", self.cfg.trainer.steps, self.cfg.trainer.progress and self.is_main, every_s=0,
+                            done=self.step, line=lambda n, info: f"step {n}: {info}")
         final: dict[str, float] = {}
         history = read_metrics(self.out_dir)  # read once; the echo-trap check looks back over it
         try:
             while not self.finished():
                 t = time.perf_counter()
-                self._rollout_stats, self._sync_stats = {}, {}
+                self.sampler.stats, self._sync_stats = {}, {}
                 o = self.cfg.optim
                 if o.schedule != "constant":
                     set_lr(self.engine, o.lr * lr_factor(self.step, self.cfg.trainer.steps, o.schedule))
@@ -755,7 +450,8 @@ class Trainer:
                         self.rng.setstate(rng)  # run has it: a run trained on later goes on as one uninterrupted
                     final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
                 self._log(self.step, metrics)
-                progress.update(self.step, metrics)
+                progress.advance(self.step - progress.done, "  ".join(
+                    f"{k} {metrics[k]:.3f}" for k in PROGRESS_KEYS if isinstance(metrics.get(k), (int, float))))
                 if self.step % self.cfg.trainer.checkpoint_every == 0 or last:
                     self.save_checkpoint()
         finally:
@@ -767,22 +463,7 @@ class Trainer:
                 why = self.envs.last_error
                 logging.getLogger(__name__).warning("env workers: %s%s", ", ".join(
                     f"{v} {k}" for k, v in sorted(trouble.items())), f" (last: {why})" if why else "")
-        if not final:  # a finished run started again: nothing new
-            final = self._last_final()
-        if self.is_main:
-            atomic_write_text(self.out_dir / "final.json", json.dumps(final, indent=1))
-        return final
-
-    def _last_final(self) -> dict[str, float]:
-        """The run's last evaluation: final.json, or where an older version tore it, the last logged one."""
-        try:
-            final = json.loads((self.out_dir / "final.json").read_text())
-            if isinstance(final, dict):
-                return final
-        except (OSError, ValueError):
-            pass
-        rows = [r for r in read_metrics(self.out_dir) if any(k.startswith("eval/") for k in r)]
-        return {k: v for k, v in rows[-1].items() if k.startswith("eval/")} if rows else {}
+        return self.folder.write_final(final)  # a finished run started again: its last one
 
     def finished(self) -> bool:
         """Every rank agrees: the step count and the env steps (summed over the gathered episodes) are global."""
@@ -832,33 +513,3 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Progress:
-    """A rich progress bar with the key metrics, or plain lines when not on a terminal."""
-
-    KEYS = ("success", "reward_mean", "in_group_reward_std", "loss", "eval/success")
-
-    def __init__(self, total: int, start: int, enabled: bool):
-        import sys
-
-        self.bar = None
-        self.plain = enabled and not sys.stdout.isatty()
-        if enabled and sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                TextColumn("{task.fields[info]}"))
-            self.bar.start()
-            self.task = self.bar.add_task("train", total=total, completed=start, info="")
-
-    def update(self, step: int, m: dict[str, Any]) -> None:
-        info = "  ".join(f"{k} {m[k]:.3f}" for k in self.KEYS if isinstance(m.get(k), (int, float)))
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, info=info)
-        elif self.plain:
-            print(f"step {step}: {info}", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -27,7 +27,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 64
+    max_new_tokens: int = 48  # rollout.max_new_tokens's default (agentrl.config sits above this module)
     stop: list[str] = field(default_factory=list)  # generation ends after any of these strings (kept in text)
     seed: int | None = None
 

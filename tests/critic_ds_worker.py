@@ -7,7 +7,8 @@ import deepspeed
 import torch
 from deepspeed.utils import safe_get_full_fp32_param
 
-from agentrl.algos.losses import ppo_objective
+from agentrl.algos.losses import Objective, ppo_objective
+from agentrl.config import AlgoCfg
 from agentrl.learner.batch import collate
 from agentrl.learner.deepspeed_engine import DeepSpeedEngine
 from agentrl.learner.engine import EngineConfig, OptimConfig
@@ -24,7 +25,7 @@ def gathered(module, prefix=""):
 
 
 def policy_loss(mb, out):
-    return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, dict(eps_low=0.2, eps_high=0.2))
+    return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, Objective.of(AlgoCfg()))
 
 
 def main(model_dir):

@@ -4,7 +4,8 @@ import os
 import sys
 
 
-from agentrl.algos.losses import ppo_objective
+from agentrl.algos.losses import Objective, ppo_objective
+from agentrl.config import AlgoCfg
 from agentrl.learner.batch import collate
 from agentrl.learner.deepspeed_engine import DeepSpeedEngine
 from agentrl.learner.engine import EngineConfig, OptimConfig
@@ -18,7 +19,8 @@ def data(pad_id):
 
 
 def loss_fn(mb, out):
-    return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, dict(eps_low=0.2, eps_high=0.28))
+    obj = Objective.of(AlgoCfg(eps_high=0.28))
+    return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, obj)
 
 
 def main(model_dir, out_dir, steps):

@@ -7,8 +7,9 @@ import torch
 from agentrl.algos.advantages import (ESTIMATORS, AdvantageInput, assign, discounted_returns, dr_grpo, gae, gigpo,
                                       grpo, reinforce_pp, reinforce_pp_baseline, rloo)
 from agentrl.algos.filters import FILTERS, FilterContext, variance_filter
-from agentrl.algos.losses import (aggregate, clip_cov_mask, dpo_loss, kl_penalty, policy_loss, ppo_objective,
+from agentrl.algos.losses import (Objective, aggregate, clip_cov_mask, dpo_loss, kl_penalty, policy_loss, ppo_objective,
                                   sft_loss, value_loss)
+from agentrl.config import AlgoCfg
 from agentrl.registry import RegistryError
 from agentrl.types import Episode, Turn
 
@@ -169,7 +170,8 @@ def test_clip_cov_masks_the_requested_fraction_inside_the_band():
     assert int(dropped.sum()) == 10  # 1% of 1000 valid tokens
     cov = (logp - logp.mean()) * (adv - adv.mean())
     assert bool(((cov[0][dropped] > 1.0) & (cov[0][dropped] < 5.0)).all())
-    loss, stats = ppo_objective(logp, logp.detach(), adv, mask, dict(clip_cov_ratio=0.01), generator=gen)
+    obj = Objective.of(AlgoCfg(clip_cov_ratio=0.01))
+    loss, stats = ppo_objective(logp, logp.detach(), adv, mask, obj, generator=gen)
     assert stats["clip_cov_masked"] == 10
 
 
@@ -298,7 +300,7 @@ def _loss(name, logp, old, adv, mask, **cfg):
     from agentrl.algos.losses import LOSSES
 
     logp = logp.clone().requires_grad_(True)
-    loss, stats = LOSSES.get(name)(logp, old, adv, mask, cfg)
+    loss, stats = LOSSES.get(name)(logp, old, adv, mask, Objective.of(AlgoCfg(loss=name), **cfg))
     loss.backward()
     return loss.item(), logp.grad, stats
 
@@ -347,9 +349,9 @@ def test_ppo_objective_looks_the_surrogate_up_by_name_and_k2_kl():
     adv, mask = torch.tensor([[1.0, -1.0]]), torch.tensor([[1, 1]])
     for name in ("ppo", "cispo"):
         direct, _, _ = _loss(name, logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
-        assert ppo_objective(logp, old, adv, mask, dict(loss=name))[0].item() == pytest.approx(direct)
+        assert ppo_objective(logp, old, adv, mask, Objective.of(AlgoCfg(loss=name)))[0].item() == pytest.approx(direct)
     with pytest.raises(RegistryError, match="unknown policy loss 'gpso'; allowed: cispo, gspo, kl_cov, ppo"):
-        ppo_objective(logp, old, adv, mask, dict(loss="gpso"))
+        ppo_objective(logp, old, adv, mask, Objective.of(AlgoCfg(loss="gpso")))
     ref = torch.tensor([[-1.2, -2.5]])
     assert kl_penalty(logp, ref, "k2")[0].tolist() == pytest.approx([0.5 * 0.2 ** 2, 0.5 * 0.5 ** 2])
 

@@ -33,9 +33,13 @@ def _implements_run(trainer):
     """The trainer offers everything the ``Run`` protocol promises the recipes, with compatible signatures."""
     import inspect
 
-    for name in agentrl.Run.__annotations__:
+    from agentrl.run import RolloutSide
+
+    sides = (agentrl.Run, RolloutSide)  # Run extends the rollout side a recipe's collect sees
+    for name in {k for side in sides for k in side.__annotations__}:
         assert hasattr(trainer, name), name
-    methods = [n for n, v in vars(agentrl.Run).items() if inspect.isfunction(v) and not n.startswith("_")]
+    methods = sorted({n for side in sides for n, v in vars(side).items()
+                      if inspect.isfunction(v) and not n.startswith("_")})
     assert {"rollout", "update", "evaluate", "echo", "sync_weights"} <= set(methods)
     for name in methods:
         promised = inspect.signature(getattr(agentrl.Run, name)).parameters

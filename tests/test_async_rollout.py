@@ -140,8 +140,12 @@ def test_async_raises_a_generator_error_with_nothing_left_in_flight(tiny_generat
 
 
 def test_rollout_mode_is_checked():
-    with pytest.raises(ValueError, match="rollout.mode"):
-        RolloutConfig(mode="parallel")
+    """Checked where configs are loaded (the engine's view of ``rollout`` takes a checked config)."""
+    from agentrl.config import ConfigError
+    from agentrl.config_loader import load_config
+
+    with pytest.raises(ConfigError, match="rollout.mode"):
+        load_config("grpo", env="sokoban", overrides=["rollout.mode=parallel"])
 
 
 def test_submit_steps_slots_concurrently_and_matches_the_batched_call():

@@ -292,7 +292,8 @@ def test_plain_state_round_trips_agentrl_dataclasses_only():
 _DS_SCRIPT = """
 import glob, os, sys, torch
 from agentrl import checkpoint as ckpt
-from agentrl.algos.losses import ppo_objective
+from agentrl.algos.losses import Objective, ppo_objective
+from agentrl.config import AlgoCfg
 from agentrl.learner.batch import Sample, collate
 from agentrl.learner.deepspeed_engine import DeepSpeedEngine
 from agentrl.learner.engine import EngineConfig, OptimConfig
@@ -300,7 +301,7 @@ from agentrl.learner.engine import EngineConfig, OptimConfig
 model, folder, pwned = sys.argv[1:4]
 cfg = EngineConfig(device="cpu", optim=OptimConfig(lr=1e-3))
 b = collate([Sample([1, 2, 3, 4], [0, 0, 1, 1], [-1.0] * 4, [1.0] * 4) for _ in range(2)], 0)
-loss = lambda mb, out: ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, {})
+loss = lambda mb, out: ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, Objective.of(AlgoCfg()))
 e = DeepSpeedEngine(model, cfg)
 e.step(b, loss)
 e.save(folder)

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from agentrl.algos.losses import ppo_objective, sft_loss, value_loss
+from agentrl.algos.losses import Objective, ppo_objective, sft_loss, value_loss
+from agentrl.config import AlgoCfg
 from agentrl.config import SFTCfg
 from agentrl.learner.batch import collate, episode_sample, micro_batches, turn_sample
 from agentrl.learner.engine import EngineConfig, LoraSettings, OptimConfig, TorchEngine
@@ -51,7 +52,8 @@ def test_micro_batches_respect_the_token_budget():
 
 
 def _ppo(mb, out):
-    return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, dict(eps_low=0.2, eps_high=0.28))
+    obj = Objective.of(AlgoCfg(eps_high=0.28))
+    return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, obj)
 
 
 def test_accumulation_equals_one_big_batch(tiny_model_dir):
@@ -107,7 +109,7 @@ def test_lora_trains_only_adapters_and_exports_merged(tiny_model_dir, tmp_path):
 
 
 def test_value_head_learns_returns(tiny_model_dir):
-    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-2), value_head=True))
+    eng = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-2), value_head=True, critic="shared"))
     samples = _samples()
     for s in samples:
         s.returns = [1.0] * len(s.ids)
@@ -142,7 +144,7 @@ def run_steps(model_dir, steps, save_to=None, load_from=None):
 
     def loss(mb, out):
         return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask,
-                             dict(clip_cov_ratio=0.3, clip_cov_bounds=(-1e9, 1e9)))
+                             Objective.of(AlgoCfg(clip_cov_ratio=0.3), clip_cov_bounds=(-1e9, 1e9)))
 
     losses = [eng.step(b, loss)["loss"] for _ in range(steps)]
     if save_to:
@@ -175,7 +177,7 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tiny_model_dir, 
     b = collate(_samples(seed=1), pad_id=0)
 
     def loss(mb, out):
-        return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, {})
+        return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask, Objective.of(AlgoCfg()))
 
     eng = engine()
     straight = [eng.step(b, loss)["loss"] for _ in range(3)]
@@ -427,7 +429,7 @@ def test_the_reference_policy_stays_frozen_while_the_policy_moves_and_kl_enters_
 
     def with_kl(mb, out):
         return ppo_objective(out["logp"], mb.old_logprobs, mb.advantages, mb.loss_mask,
-                             dict(kl="k3", kl_coef=0.5), mb.ref_logprobs)
+                             Objective.of(AlgoCfg(kl="k3", kl_coef=0.5)), mb.ref_logprobs)
 
     with pytest.raises(ValueError, match="no reference log-probs"):
         eng.step(b, with_kl)

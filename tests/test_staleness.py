@@ -158,3 +158,25 @@ def test_staleness_one_through_a_served_generator(tiny_model_dir, tmp_path):
     got = rows(tmp_path / "run")
     assert [r["staleness_max"] for r in got[1:]] == [0.0, 1.0, 1.0]
     assert all("behav_is_mean" in r for r in got[2:])
+
+
+def test_a_collected_steps_sampler_draws_from_its_own_stream_and_counts_its_own_stats():
+    """The overlap's producer collects on ``RolloutSampler.for_step``: the run's parts, but a stream that
+    depends on (seed, step) only, stats of its own, and the step and weights version it collects for."""
+    import random
+    from types import SimpleNamespace
+
+    from agentrl.config import RecipeCfg
+    from agentrl.rollout.sampler import RolloutSampler
+
+    tasks = [SimpleNamespace(task_id=f"t{i}") for i in range(50)]
+    envs = SimpleNamespace(call=lambda i, name, *a: tasks)
+    run_rng = random.Random(0)
+    run = RolloutSampler(RecipeCfg(), None, None, envs, run_rng, lambda: 7)
+    before = run_rng.getstate()
+    a, b = run.for_step(3, 2), run.for_step(3, 2)
+    assert (a.step, a.policy_version, run.step, run.policy_version) == (3, 2, 7, 7)
+    assert a.sample_tasks(5) == b.sample_tasks(5) != run.for_step(4, 3).sample_tasks(5)
+    assert run_rng.getstate() == before  # the run's own stream is untouched by a collect
+    a.stats["generate_s"] = 1.0
+    assert run.stats == {} and b.stats == {}

@@ -867,7 +867,7 @@ def test_env_worker_restarts_and_drops_reach_the_step_metrics():
     from agentrl.types import Episode, Turn
 
     stats = {"restarts": 0, "replayed": 0, "dropped": 0, "timeouts": 0, "crashes": 0}
-    fake = SimpleNamespace(_rollout_stats={}, envs=SimpleNamespace(stats=stats), _pool_seen=dict(stats))
+    fake = SimpleNamespace(sampler=SimpleNamespace(stats={}), envs=SimpleNamespace(stats=stats), _pool_seen=dict(stats))
     ep = Episode("e", "t", 0, group_id="g", turns=[Turn([1], [2], [0.0], "", ["a"], True, "", 0.0, True)])
     recipe = SimpleNamespace(reward=lambda e: 0.0)
     stats.update(restarts=2, crashes=1, dropped=1)
@@ -881,21 +881,20 @@ def test_free_space_is_checked_before_any_work(tmp_path, monkeypatch):
     import shutil
     from types import SimpleNamespace
 
-    from agentrl.trainer import RunError, Trainer
+    from agentrl.run_folder import check_free_space
+    from agentrl.trainer import RunError
 
     import torch
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(250)}, str(tmp_path / "model.safetensors"))  # 250 fp32 parameters
     ecfg = SimpleNamespace(value_head=False, critic="shared", critic_path="", dtype="float32", lora=None)
-    fake = SimpleNamespace(model_dir=tmp_path, out_dir=tmp_path, engine=SimpleNamespace(cfg=ecfg),
-                           cfg=SimpleNamespace(trainer=SimpleNamespace(keep_checkpoints=2, engine="torch")))
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=11000, total=10**9, used=0))
     with pytest.raises(RunError, match="GiB free, a run of this model needs about"):
         # (2 kept + 1 being written) x 250 x (4 weights + 8 Adam moments + 4 the export) = 12000 bytes
-        Trainer._check_free_space(fake)
+        check_free_space(tmp_path, tmp_path, 2, "torch", ecfg)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=12500, total=10**9, used=0))
-    Trainer._check_free_space(fake)
+    check_free_space(tmp_path, tmp_path, 2, "torch", ecfg)
 
 
 @pytest.mark.parametrize("sft_warm_start,made,expected", [

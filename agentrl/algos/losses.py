@@ -1,7 +1,7 @@
 """Losses over token tensors (B, T) with a loss mask that is 1 only on policy-generated tokens.
 
 Policy surrogates are registered in ``LOSSES`` (``algo.loss``), one signature each:
-``fn(logp, old_logp, adv, mask, cfg) -> (loss, stats)``: ``ppo`` (clipped surrogate with decoupled clip
+``fn(logp, old_logp, adv, mask, obj: Objective) -> (loss, stats)``: ``ppo`` (clipped surrogate with decoupled clip
 range eps_low/eps_high, DAPO's clip-higher, and dual clip), ``gspo`` (sequence-level ratio), ``cispo``
 (clipped, detached importance weight on a REINFORCE term), ``kl_cov`` (KL penalty on the tokens of
 highest covariance). ``ppo_objective`` adds to the chosen surrogate the Clip-Cov mask, a KL penalty
@@ -11,6 +11,7 @@ action tokens) and DPO.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -21,6 +22,33 @@ from agentrl.registry import Registry
 LOSSES = Registry("policy loss")
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| beyond this is clipped anyway (e^20 ~ 5e8)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The policy objective's settings: the ``algo.*`` keys of the same names and ``norm_len`` (the
+    rollout's ``max_new_tokens``). No defaults here: each key has its one in ``agentrl.config.AlgoCfg``,
+    and ``of`` reads them from it (by name: the losses sit below the config)."""
+
+    loss: str
+    eps_low: float
+    eps_high: float
+    dual_clip: float | None
+    agg: str
+    kl: str
+    kl_coef: float
+    entropy_coef: float
+    clip_cov_ratio: float
+    kl_cov_ratio: float
+    kl_cov_coef: float
+    norm_len: int | None = None
+    clip_cov_bounds: tuple[float, float] = (1.0, 5.0)  # Clip-Cov's covariance window (the paper's; no config key)
+
+    @classmethod
+    def of(cls, algo: Any, norm_len: int | None = None, **over: Any) -> "Objective":
+        """The objective of ``algo`` (an ``AlgoCfg``), with ``over`` replacing any setting."""
+        keys = {f.name: getattr(algo, f.name) for f in fields(cls) if f.name not in ("norm_len", "clip_cov_bounds")}
+        return cls(**dict(keys, norm_len=norm_len, **over))
 
 
 def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
@@ -107,16 +135,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
 
 @LOSSES.register("ppo")
 def ppo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                  cfg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-    return policy_loss(logp, old_logp, adv, mask, cfg.get("eps_low", 0.2), cfg.get("eps_high", 0.2),
-                       cfg.get("dual_clip"), cfg.get("agg", "token-mean"), cfg.get("norm_len"))
+                  cfg: Objective) -> tuple[torch.Tensor, dict[str, float]]:
+    return policy_loss(logp, old_logp, adv, mask, cfg.eps_low, cfg.eps_high, cfg.dual_clip, cfg.agg, cfg.norm_len)
 
 
 @LOSSES.register("gspo")
 def gspo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                   cfg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+                   cfg: Objective) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Zheng et al., 2025): one importance ratio per sequence, the geometric mean of its tokens'
-    s = exp(mean_t log(pi/pi_old)), clipped PPO-style (the paper's ranges are ~3e-4/4e-4) and averaged
+    s = exp(mean_t log(pi/pi_old)), clipped PPO-style (the paper's ranges are ~3e-4/4e-4: set algo.eps_low and
+    algo.eps_high to them, their defaults are PPO's) and averaged
     per sequence, then over sequences. Per token it is written s_t = sg[s] * pi_t / sg[pi_t], which has
     the same value and lets a per-token advantage through (GSPO-token)."""
     m = mask.to(logp.dtype)
@@ -124,7 +152,7 @@ def gspo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor
     seq = torch.where(m > 0, log_ratio, torch.zeros_like(log_ratio)).sum(-1) / m.sum(-1).clamp(min=1)
     log_s = torch.clamp(seq.detach()[:, None] + logp - logp.detach(), max=LOG_RATIO_CLAMP)
     s = torch.exp(log_s)
-    eps_low, eps_high = cfg.get("eps_low", 3e-4), cfg.get("eps_high", 4e-4)
+    eps_low, eps_high = cfg.eps_low, cfg.eps_high
     loss = -torch.min(s * adv, torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv)
     clipped = ((s < 1 - eps_low) & (adv < 0)) | ((s > 1 + eps_high) & (adv > 0))
     return aggregate(loss, mask, "seq-mean-token-mean"), _ratio_stats(s, log_s, clipped, m)
@@ -132,17 +160,17 @@ def gspo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor
 
 @LOSSES.register("cispo")
 def cispo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                    cfg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+                    cfg: Objective) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1, 2025): -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi. The importance
     weight is clipped but detached, so every token keeps a gradient (PPO's clip zeroes the clipped
     tokens'); MiniMax sets no lower bound in practice (a large eps_low)."""
     log_ratio = _log_ratio(logp, old_logp)
     ratio = torch.exp(log_ratio)
-    eps_low, eps_high = cfg.get("eps_low", 0.2), cfg.get("eps_high", 0.2)
+    eps_low, eps_high = cfg.eps_low, cfg.eps_high
     weight = torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach()
     loss = -weight * adv * logp
     clipped = (ratio < 1 - eps_low) | (ratio > 1 + eps_high)
-    return (aggregate(loss, mask, cfg.get("agg", "token-mean"), cfg.get("norm_len")),
+    return (aggregate(loss, mask, cfg.agg, cfg.norm_len),
             _ratio_stats(ratio, log_ratio, clipped, mask.to(logp.dtype)))
 
 
@@ -164,17 +192,17 @@ def top_cov_mask(logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, rati
 
 @LOSSES.register("kl_cov")
 def kl_cov_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                     cfg: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+                     cfg: Objective) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (Cui et al., 2025): the unclipped surrogate -r A, plus ``kl_cov_coef`` * |log r| on the
     ``kl_cov_ratio`` fraction of tokens whose covariance between log-prob and advantage is largest (the
     tokens that drive entropy collapse)."""
     log_ratio = _log_ratio(logp, old_logp)
     ratio = torch.exp(log_ratio)
-    chosen = top_cov_mask(logp, adv, mask, float(cfg.get("kl_cov_ratio", 2e-3)))
-    loss = -ratio * adv + chosen.to(logp.dtype) * float(cfg.get("kl_cov_coef", 1.0)) * log_ratio.abs()
+    chosen = top_cov_mask(logp, adv, mask, float(cfg.kl_cov_ratio))
+    loss = -ratio * adv + chosen.to(logp.dtype) * float(cfg.kl_cov_coef) * log_ratio.abs()
     stats = _ratio_stats(ratio, log_ratio, chosen, mask.to(logp.dtype))
     stats["kl_cov_tokens"] = float(chosen.sum())
-    return aggregate(loss, mask, cfg.get("agg", "token-mean"), cfg.get("norm_len")), stats
+    return aggregate(loss, mask, cfg.agg, cfg.norm_len), stats
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
@@ -241,25 +269,24 @@ def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: t
 
 
 def ppo_objective(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                  cfg: dict[str, Any], ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                  cfg: Objective, ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The full policy objective a recipe configures: the ``LOSSES[cfg["loss"]]`` surrogate (default
-    ``ppo``; + Clip-Cov mask) + KL + entropy bonus."""
-    agg = cfg.get("agg", "token-mean")
+    """The full policy objective a recipe configures: the ``LOSSES[cfg.loss]`` surrogate (+ Clip-Cov mask)
+    + KL + entropy bonus."""
+    agg = cfg.agg
     keep = mask
-    if cfg.get("clip_cov_ratio"):
-        keep = clip_cov_mask(logp, adv, mask, cfg["clip_cov_ratio"], tuple(cfg.get("clip_cov_bounds", (1.0, 5.0))),
-                             generator)
-    loss, stats = LOSSES.get(cfg.get("loss", "ppo"))(logp, old_logp, adv, keep, cfg)
+    if cfg.clip_cov_ratio:
+        keep = clip_cov_mask(logp, adv, mask, cfg.clip_cov_ratio, tuple(cfg.clip_cov_bounds), generator)
+    loss, stats = LOSSES.get(cfg.loss)(logp, old_logp, adv, keep, cfg)
     stats["clip_cov_masked"] = float((mask.to(keep.dtype) - keep).sum())
-    kl_coef, kind = float(cfg.get("kl_coef", 0.0)), cfg.get("kl", "none")
+    kl_coef, kind = float(cfg.kl_coef), cfg.kl
     if kl_coef and kind != "none":
         if ref_logp is None:  # a configured KL that silently did nothing was a bug once
             raise ValueError(f"algo.kl={kind} with kl_coef={kl_coef} but the batch has no reference log-probs")
         kl = aggregate(kl_penalty(logp, ref_logp, kind), mask, agg)
         loss = loss + kl_coef * kl
         stats["kl"] = float(kl.detach())
-    ent_coef = float(cfg.get("entropy_coef", 0.0))
+    ent_coef = float(cfg.entropy_coef)
     if entropy is not None:
         ent = aggregate(entropy, mask, agg)
         stats["entropy"] = float(ent.detach())

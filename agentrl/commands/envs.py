@@ -287,17 +287,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import multiprocessing as mp
     import time
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+    from agentrl.progress import Progress
 
     env = registry.make(args.env)
     jobs = [(args.env, t.task_id) for split in args.split for t in env.tasks(split)[:args.n]]
     env.close()
     t0 = time.time()
-    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns) as progress, mp.get_context("spawn").Pool(args.workers) as pool:
-        bar = progress.add_task(f"generating {args.env}", total=len(jobs))
+    with Progress(f"generating {args.env}", len(jobs)) as progress, mp.get_context("spawn").Pool(args.workers) as pool:
         for _ in pool.imap_unordered(_prepare_one, jobs):
-            progress.advance(bar)
+            progress.advance()
     print(f"{len(jobs)} {args.env} tasks ready in {time.time() - t0:.1f}s with {args.workers} workers")
     return 0
 

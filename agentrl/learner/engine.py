@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from agentrl.checkpoint import load_plain
+from agentrl.config import AlgoCfg, ModelCfg, OptimCfg, RecipeCfg, TrainerCfg
 from agentrl.learner.batch import TokenBatch, micro_batches
 from agentrl.learner.critic import Critic, ValueHead, load_critic  # noqa: F401  (ValueHead: the DeepSpeed engine's)
 from agentrl.learner.finite import StepGuard
@@ -30,12 +31,14 @@ from agentrl.learner.protocol import LossFn
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
+    """The optimizer's settings; the ``optim.*`` keys take their one default from ``agentrl.config.OptimCfg``."""
+
+    lr: float = OptimCfg.lr
+    weight_decay: float = OptimCfg.weight_decay
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    grad_clip: float | None = 1.0
-    warmup_steps: int = 0
+    grad_clip: float | None = OptimCfg.grad_clip
+    warmup_steps: int = OptimCfg.warmup_steps
 
 
 @dataclass
@@ -48,22 +51,35 @@ class LoraSettings:
 
 @dataclass
 class EngineConfig:
+    """What a learner engine is built with. Keys of the recipe config take their one default from
+    ``agentrl.config``; ``of`` builds it from a run's config."""
+
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraSettings | None = None
     value_head: bool = False  # the estimator needs values: a critic of the kind ``critic`` says
     # "separate": a critic network of its own (its optimizer, lr, checkpoint files); "shared": a value head on
     # the policy's last hidden state (the value loss trains the policy's decoder too)
-    critic: str = "shared"
-    critic_path: str = ""  # the critic's starting transformer; empty: the policy's own folder
-    critic_lr: float = 0.0  # the critic's learning rate; 0: optim.lr
-    token_budget: int = 8192
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
+    critic: str = AlgoCfg.critic
+    critic_path: str = AlgoCfg.critic_path  # the critic's starting transformer; empty: the policy's own folder
+    critic_lr: float = OptimCfg.critic_lr  # the critic's learning rate; 0: optim.lr
+    token_budget: int = OptimCfg.token_budget
+    dtype: str = ModelCfg.dtype
+    device: str = "cpu"  # the resolved device (trainer.device's "auto" already decided)
+    seed: int = TrainerCfg.seed
     # "bf16": training forward/backward under bf16 autocast (weights, optimizer and rollouts stay in
     # dtype); ~2x the learner's speed on CPUs with AVX512-BF16
-    autocast: str = ""
-    compile: bool = False  # torch.compile the decoder (see ModelCfg.compile)
+    autocast: str = ModelCfg.autocast
+    compile: bool = ModelCfg.compile  # torch.compile the decoder (see ModelCfg.compile)
+
+    @classmethod
+    def of(cls, cfg: RecipeCfg, device: str, value_head: bool) -> EngineConfig:
+        """The engine of run config ``cfg`` on ``device`` (with a critic when the estimator needs values)."""
+        o, m, a = cfg.optim, cfg.model, cfg.algo
+        return cls(optim=OptimConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
+                                     warmup_steps=o.warmup_steps),
+                   lora=LoraSettings(r=m.lora_r, alpha=m.lora_alpha) if m.lora_r else None, value_head=value_head,
+                   critic=a.critic, critic_path=a.critic_path, critic_lr=o.critic_lr, token_budget=o.token_budget,
+                   dtype=m.dtype, seed=cfg.trainer.seed, device=device, autocast=m.autocast, compile=m.compile)
 
 
 def rng_state() -> dict[str, Any]:

@@ -13,156 +13,31 @@ generated spans are exactly what was sampled).
 Two loop modes (``RolloutConfig.mode``): ``lockstep`` (above: every turn is a barrier across the slots) and
 ``async`` (``agentrl.rollout.trajectories``: each episode advances on its own, its env steps in its slot's
 thread and its next request goes to a scheduler that batches whatever is waiting). Both build prompts,
-record turns and apply steps with the same methods below, and a row's sampling seed depends only on its
-episode's stream and turn, so a seeded run gives the same episodes in either mode.
+record turns and apply steps with the same public steps (``agentrl.rollout.episode``), and a row's
+sampling seed depends only on its episode's stream and turn, so a seeded run gives the same episodes in
+either mode.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agentrl.generation.base import Generator, chat_ids
-from agentrl.rollout.context import ContextBound, context_length
-from agentrl.rollout.parsing import parse_turn
-from agentrl.rollout.prompts import PROMPTS, followup_user, numbered_actions, step_messages
+from agentrl.generation.base import Generator
+# the episode's types and helpers, re-exported where callers have always found them
+from agentrl.rollout.episode import (SENTINEL, EpisodeSteps, RolloutConfig, Slot, Start,  # noqa: F401
+                                     answer_choices, first_prompt_ids, row_seed)
+from agentrl.rollout.context import context_length
+from agentrl.rollout.trajectories import roll_async
 from agentrl.seeds import mix_seed
-from agentrl.types import Episode, SamplingParams, Turn
-from agentrl.envs.base import PromptSpec
-from agentrl.envs.replay import Trace
-
-SENTINEL = "\u2063agentrl-split\u2063"
-MODES = ("lockstep", "async")
-
-
-@dataclass
-class RolloutConfig:
-    max_turns: int = 10
-    history_len: int = 2
-    chat_mode: str = "window"  # "window" | "full"
-    require_think: bool = False
-    format_penalty: float = 0.0  # added to a turn's reward when its output has no valid action format
-    # added to a turn's reward when its actions left the env state (fingerprint) unchanged: walking into
-    # a wall, "Nothing happens." (RAGEN logs such actions as not effective)
-    ineffective_penalty: float = 0.0
-    max_actions_per_turn: int | None = None  # default: the env's PromptSpec
-    max_episode_actions: int = 0  # the episode is truncated once it has taken this many actions (0: no cap)
-    show_admissible: bool = True
-    # decode only answers among the env's admissible actions (trie-constrained; the embedded generator)
-    constrain_actions: bool = False
-    # an env slot takes the next start as soon as its episode ends, instead of waves of the pool's size that
-    # each wait for their longest episode (fewer generate calls when starts outnumber slots)
-    refill: bool = False
-    prompt: str = "paper"  # "paper": the env's template as its paper writes it | "compact": the same content,
-    # fewer tokens | "compact_tried": compact, with the actions tried so far listed apart | "numbered": those
-    # actions numbered, answered by number
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0, max_new_tokens=64))
-    # "lockstep": one generate call per turn of every live slot | "async": per-trajectory (same episodes)
-    mode: str = "lockstep"
-    context_overflow: str = "trim"  # a prompt over the model's context: trim | truncate | error (rollout/context.py)
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"rollout.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.chat_mode not in ("window", "full"):
-            raise ValueError(f"rollout.chat_mode must be 'window' or 'full', got {self.chat_mode!r}")
-        if self.prompt not in PROMPTS:
-            raise ValueError(f"rollout.prompt must be one of {', '.join(PROMPTS)}, got {self.prompt!r}")
-        if self.constrain_actions and self.require_think:
-            raise ValueError("rollout.constrain_actions decodes the answer alone; it cannot go with require_think")
-
-
-@dataclass
-class Start:
-    """Where an episode begins. With ``trace``, the env is restored to ``trace`` after ``t0`` actions;
-    ``history`` gives the (observation, action) pairs before it for the prompt's history window."""
-
-    task_id: str
-    seed: int = 0
-    group_id: str = ""
-    trace: Trace | None = None
-    t0: int = 0
-    reseed: int | None = None
-    history: list[tuple[str, str]] = field(default_factory=list)
-    max_turns: int | None = None  # a suffix replay gets the turns left of the horizon (default: all)
-    note: str = ""  # text added to the instruction of the first turn only (LEAFE's experience)
-
-
-@dataclass
-class _Slot:
-    ep: Episode
-    spec: PromptSpec
-    obs: str
-    admissible: list[str] | None
-    history: list[tuple[str, str]]
-    env_steps: int
-    prompt_ids: list[int] | None = None  # full mode: the growing conversation
-    done: bool = False
-    max_turns: int = 10**9
-    note: str = ""
-    plain_prompt: list[int] | None = None  # the first prompt without the note
-    stream: int = 0  # the episode's sampling stream (see RolloutEngine._row_seeds)
-
-
-def first_prompt_ids(tok: Any, cfg: RolloutConfig, spec: PromptSpec, instruction: str, obs: str,
-                     history: list[tuple[str, str]], env_steps: int, admissible: list[str] | None,
-                     note: str = "") -> list[int]:
-    """The prompt of a turn in window mode (and of the first turn in full mode): shared with SFT data
-    building, so demonstrations are trained on exactly the prompts the policy will see."""
-    msgs = step_messages(spec, instruction, obs, history, env_steps, admissible,
-                         cfg.history_len if cfg.chat_mode == "window" else 0, note, cfg.prompt)
-    return chat_ids(tok, msgs)
-
-
-def answer_choices(tok: Any, tag: str, admissible: list[str] | None, numbered: list[str] | None,
-                   max_new_tokens: int, cache: dict[str, list[int]] | None = None) -> list[list[int]] | None:
-    """The token ids of every answer the env accepts now (``constrain_actions``): each admissible action,
-    or its number under the ``numbered`` prompt (``numbered``: the actions as it lists them), in the answer
-    tags, tokenized as SFT tokenizes its targets; None (free decoding) where the env lists no actions.
-    Answers longer than the token budget are left out (they could not be finished)."""
-    listed = numbered if numbered is not None else admissible
-    if not listed:
-        return None
-    answers = [str(k + 1) for k in range(len(listed))] if numbered is not None else listed
-    cache = {} if cache is None else cache
-    out = []
-    for a in answers:
-        key = f"<{tag}>{a}</{tag}>"
-        if key not in cache:
-            cache[key] = tok(key, add_special_tokens=False)["input_ids"]
-        if len(cache[key]) <= max_new_tokens:
-            out.append(cache[key])
-    return out or None
-
-
-def row_seed(stream: int, turn: int) -> int:
-    """The sampling seed of an episode's turn (its stream and the turn's index): what the request carries."""
-    return mix_seed(stream, turn)
+from agentrl.types import Episode, Turn
 
 
 class RolloutEngine:
     def __init__(self, generator: Generator, tokenizer: Any, envs: Any, env_name: str, config: RolloutConfig):
         self.gen, self.tok, self.envs, self.env_name, self.cfg = generator, tokenizer, envs, env_name, config
-        self.stats = dict(generate_s=0.0, env_s=0.0, prompt_s=0.0, generated_tokens=0, env_steps=0, turns=0,
-                          generate_calls=0)
-        self._suffix_cache: dict[str, str] = {}
-        self._choice_cache: dict[str, list[int]] = {}
-        self._stop_ids = set(getattr(generator, "stop_ids", ())) | {tokenizer.eos_token_id}
-        self.bound = ContextBound(context_length(generator), config.sampling.max_new_tokens, config.context_overflow,
-                                  env_name, self.stats)
-
-    def _row_seeds(self, slots: list[_Slot], live: list[int]) -> list[int] | None:
-        """One sampling seed per (episode stream, turn). Each turn draws fresh random numbers (one seed
-        for every turn kept an episode at the same quantile of its action token, turn after turn: the
-        same move repeated into walls), and a row's draws never depend on which other rows share its
-        batch, so an episode samples the same tokens whatever the pool size or the number of ranks."""
-        if self.cfg.sampling.seed is None:
-            return None
-        return [self._seed(slots[i]) for i in live]
-
-    @staticmethod
-    def _seed(sl: _Slot) -> int:
-        return row_seed(sl.stream, len(sl.ep.turns))
+        self.steps = EpisodeSteps(tokenizer, envs, env_name, config, getattr(generator, "stop_ids", ()),
+                                  context_length(generator))
+        self.stats = self.steps.stats
 
     # ----- public ------------------------------------------------------------------------------
     def run(self, starts: list[Start], streams: list[int] | None = None) -> list[Episode]:
@@ -173,9 +48,7 @@ class RolloutEngine:
             base = self.cfg.sampling.seed or 0
             streams = [mix_seed(base, i) for i in range(len(starts))]
         if self.cfg.mode == "async":
-            from agentrl.rollout.trajectories import roll_async
-
-            return roll_async(self, starts, streams)
+            return roll_async(self.steps, self.gen, self.envs, starts, streams)
         if self.cfg.refill:
             return self._roll(starts, streams)
         n = len(self.envs)
@@ -185,38 +58,17 @@ class RolloutEngine:
         return episodes
 
     # ----- episodes in env slots ---------------------------------------------------------------
-    def _open(self, starts: dict[int, tuple[Start, int]]) -> dict[int, _Slot]:
+    def _open(self, starts: dict[int, tuple[Start, int]]) -> dict[int, Slot]:
         """Reset (or restore) env slot i to its start, with sampling stream: the episode at its first state."""
         t = time.perf_counter()
         fresh = {i: (s.task_id, s.seed) for i, (s, _) in starts.items() if s.trace is None}
         restored = {i: (s.trace, s.t0, s.reseed) for i, (s, _) in starts.items() if s.trace is not None}
         results = {**(self.envs.reset(fresh) if fresh else {}), **(self.envs.restore(restored) if restored else {})}
         self.stats["env_s"] += time.perf_counter() - t
-        return {i: self._opened(i, s, stream, results[i]) for i, (s, stream) in starts.items()}
+        return {i: self.steps.open(i, s, stream, results[i]) for i, (s, stream) in starts.items()}
 
-    def _opened(self, i: int, s: Start, stream: int, r: Any) -> _Slot:
-        """Slot i's episode at the state its reset/restore answered ``r``."""
-        spec = self.envs.call(i, "prompt_spec")
-        ep = Episode(self.env_name, s.task_id, s.seed, s.group_id, r.info.get("category", ""),
-                     self.envs.call(i, "instruction"), s.t0 if s.trace else 0,
-                     list(s.trace.actions[:s.t0]) if s.trace else [], r.obs, r.info.get("fingerprint", ""))
-        ep.dropped = r.dropped
-        return _Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
-                     done=r.dropped, max_turns=min(s.max_turns or self.cfg.max_turns, self.cfg.max_turns),
-                     note=s.note, stream=stream)
-
-    def _is_live(self, sl: _Slot) -> bool:
-        return not sl.done and len(sl.ep.turns) < sl.max_turns
-
-    @staticmethod
-    def _live(slots: list[_Slot], among: Any) -> list[int]:
-        return [i for i in among if not slots[i].done and len(slots[i].ep.turns) < slots[i].max_turns]
-
-    @staticmethod
-    def _close(sl: _Slot) -> Episode:
-        if not sl.done:
-            sl.ep.truncated = True
-        return sl.ep
+    def _live(self, slots: list[Slot], among: Any) -> list[int]:
+        return [i for i in among if self.steps.live(slots[i])]
 
     def _roll(self, starts: list[Start], streams: list[int]) -> list[Episode]:
         """Roll out ``starts`` in the env slots, one turn of every live slot per generate call; a slot whose
@@ -233,7 +85,7 @@ class RolloutEngine:
                 self._turn(slots, live)
             following: dict[int, tuple[Start, int]] = {}
             for i in sorted(active - set(self._live(slots, sorted(active)))):
-                out[holds[i]] = self._close(slots[i])
+                out[holds[i]] = self.steps.close(slots[i])
                 if nxt < len(starts):
                     following[i], holds[i], nxt = (starts[nxt], streams[nxt]), nxt, nxt + 1
                 else:
@@ -242,139 +94,25 @@ class RolloutEngine:
                 slots[i] = sl
         return [ep for ep in out if ep is not None]
 
-    def _prompt(self, sl: _Slot) -> list[int] | None:
-        """The slot's next prompt, within the model's context; None: it could not be, the episode has ended."""
-        admissible = sl.admissible if self.cfg.show_admissible else None
-        where = f"task {sl.ep.task_id} turn {len(sl.ep.turns) + 1}"
-        if self.cfg.chat_mode == "window" or sl.prompt_ids is None:
-            note = sl.note if not sl.ep.turns else ""
-            ids = first_prompt_ids(self.tok, self.cfg, sl.spec, sl.ep.instruction, sl.obs, sl.history, sl.env_steps,
-                                   admissible, note)
-            ids = self.bound.fit(ids, where, lambda h, obs: first_prompt_ids(
-                self.tok, replace(self.cfg, history_len=h), sl.spec, sl.ep.instruction, obs, sl.history,
-                sl.env_steps, admissible, note), self.cfg.history_len if self.cfg.chat_mode == "window" else 0, sl.obs)
-            if note:
-                sl.plain_prompt = first_prompt_ids(self.tok, self.cfg, sl.spec, sl.ep.instruction, sl.obs, sl.history,
-                                                   sl.env_steps, admissible)
-        else:
-            last = sl.ep.turns[-1]
-            suffix = self._followup_text(followup_user(sl.spec, sl.obs, admissible), last.finish_reason)
-            ids = self.bound.fit(sl.prompt_ids + last.gen_ids + self.tok(suffix, add_special_tokens=False)["input_ids"],
-                                 where)
-        if ids is None:  # over the model's context (rollout.context_overflow): the episode ends as truncated
-            sl.done = sl.ep.truncated = True
-            return None
-        if self.cfg.chat_mode == "full":
-            sl.prompt_ids = ids
-        return ids
-
-    def _followup_text(self, user: str, finish_reason: str) -> str:
-        """Template text between an assistant message and the next generation, for the current tokenizer."""
-        key = "eos" if finish_reason == "stop_id" else "open"
-        if key not in self._suffix_cache:
-            msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL},
-                    {"role": "user", "content": SENTINEL + "2"}]
-            text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            between = text.split(SENTINEL, 1)[1].split(SENTINEL + "2")[0]
-            after = text.split(SENTINEL + "2", 1)[1]
-            eos = self.tok.eos_token or ""
-            if key == "eos" and eos and between.startswith(eos):
-                between = between[len(eos):]  # the generated ids already end with it
-            self._suffix_cache[key] = between + "{user}" + after
-        return self._suffix_cache[key].replace("{user}", user)
-
-    def _numbered(self, sl: _Slot) -> list[str] | None:
-        """The actions as the ``numbered`` prompt numbers them (None under other prompts): what an answer
-        that is a number stands for."""
-        return numbered_actions(self.cfg, sl.admissible, sl.history)
-
-    def _choices(self, sl: _Slot, numbered: list[str] | None) -> list[list[int]] | None:
-        return answer_choices(self.tok, sl.spec.answer_tag, sl.admissible, numbered,
-                              self.cfg.sampling.max_new_tokens, self._choice_cache)
-
-    def _request(self, sl: _Slot) -> tuple[list[int] | None, list[str] | None, list[list[int]] | None]:
-        """A live slot's next generation request: (prompt ids, numbered actions, answer choices); prompt None:
-        the episode has ended (its prompt outgrew the context)."""
-        prompt = self._prompt(sl)
-        if prompt is None:
-            return None, None, None
-        numbered = self._numbered(sl)
-        return prompt, numbered, self._choices(sl, numbered) if self.cfg.constrain_actions else None
-
-    def _record(self, sl: _Slot, prompt: list[int], out: Any, numbered: list[str] | None) -> tuple[Turn, list[str]]:
-        """The turn a completion makes (not yet appended), and the actions it asks the env to take."""
-        budget = self.cfg.max_actions_per_turn or sl.spec.max_actions_per_turn
-        parsed = parse_turn(out.text, sl.spec.answer_tag, budget, sl.spec.action_separator,
-                            self.cfg.require_think, sl.admissible, numbered)
-        turn = Turn(prompt, out.ids, out.logprobs, out.text, [], parsed.valid, sl.obs, 0.0, False,
-                    out.finish_reason, info={"parse_error": parsed.error, "over_budget": parsed.over_budget,
-                                             "inadmissible": parsed.inadmissible}, gen_allowed=out.allowed)
-        if sl.plain_prompt is not None and not sl.ep.turns:
-            turn.info["plain_prompt_ids"] = sl.plain_prompt
-        if out.finish_reason == "stop" and out.ids and out.ids[-1] in self._stop_ids:
-            turn.finish_reason = "stop_id"
-        self.stats["generated_tokens"] += len(out.ids)
-        if not parsed.valid:
-            turn.reward += self.cfg.format_penalty
-            return turn, []
-        cap = self.cfg.max_episode_actions
-        return turn, list(parsed.actions)[:cap - sl.env_steps] if cap else list(parsed.actions)
-
-    def _apply(self, sl: _Slot, turn: Turn, action: str, r: Any) -> None:
-        """One env step's result into the turn (a dropped episode ends it)."""
-        if r.dropped:
-            sl.ep.dropped, turn.done = True, True
-            return
-        turn.actions.append(action)
-        if r.info.get("action_is_valid", True):  # SPEAR's tool-call count: actions the env accepted
-            turn.info["valid_actions"] = turn.info.get("valid_actions", 0) + 1
-        turn.fingerprints.append(r.info.get("fingerprint", ""))
-        turn.reward += r.reward
-        turn.observation = r.obs
-        turn.done = r.done
-        sl.admissible = r.info.get("admissible_actions")
-        sl.ep.won, sl.ep.score = bool(r.info.get("won")), float(r.info.get("score", 0.0))
-        sl.ep.progress = float(r.info.get("progress", sl.ep.score))
-        self.stats["env_steps"] += 1
-
-    def _end_turn(self, sl: _Slot, turn: Turn) -> None:
-        """Append a stepped turn to its episode and move the slot to the state after it."""
-        if turn.actions and turn.fingerprints and turn.fingerprints[-1]:
-            before = sl.ep.turns[-1].fingerprints[-1] if sl.ep.turns and sl.ep.turns[-1].fingerprints \
-                else sl.ep.initial_fingerprint
-            if turn.fingerprints[-1] == before and not turn.done:
-                turn.info["ineffective"] = True
-                turn.reward += self.cfg.ineffective_penalty
-        sl.ep.turns.append(turn)
-        self.stats["turns"] += 1
-        if turn.actions:
-            sl.history.append((sl.obs, turn.action_text))
-            sl.env_steps += len(turn.actions)
-        sl.obs = turn.observation
-        if turn.done:
-            sl.done = True
-        elif self.cfg.max_episode_actions and sl.env_steps >= self.cfg.max_episode_actions:
-            sl.done, sl.ep.truncated = True, True  # RAGEN's per-episode action budget is spent
-
-    def _turn(self, slots: list[_Slot], live: list[int]) -> None:
+    def _turn(self, slots: list[Slot], live: list[int]) -> None:
         t = time.perf_counter()
-        prompts = [self._prompt(slots[i]) for i in live]
+        prompts = [self.steps.prompt(slots[i]) for i in live]
         self.stats["prompt_s"] += time.perf_counter() - t
         live, prompts = [i for i, p in zip(live, prompts) if p is not None], [p for p in prompts if p is not None]
         if not live:  # every prompt outgrew the context: those episodes have ended
             return
         t = time.perf_counter()
-        numbered = [self._numbered(slots[i]) for i in live]
+        numbered = [self.steps.numbered(slots[i]) for i in live]
         # only constrained calls pass ``choices`` (every generator takes them; a test double may not)
-        extra = {"choices": [self._choices(slots[i], nb) for i, nb in zip(live, numbered)]} \
+        extra = {"choices": [self.steps.choices(slots[i], nb) for i, nb in zip(live, numbered)]} \
             if self.cfg.constrain_actions else {}
-        outs = self.gen.generate(prompts, self.cfg.sampling, seeds=self._row_seeds(slots, live), **extra)
+        outs = self.gen.generate(prompts, self.cfg.sampling, seeds=self.steps.seeds([slots[i] for i in live]), **extra)
         self.stats["generate_s"] += time.perf_counter() - t
         self.stats["generate_calls"] += 1
         turns: dict[int, Turn] = {}
         pending: dict[int, list[str]] = {}
         for i, prompt, out, nb in zip(live, prompts, outs, numbered):
-            turns[i], acts = self._record(slots[i], prompt, out, nb)
+            turns[i], acts = self.steps.record(slots[i], prompt, out, nb)
             if acts:
                 pending[i] = acts
         # Step action k of every slot together; a slot stops at its first terminal step.
@@ -385,8 +123,8 @@ class RolloutEngine:
             if not batch:
                 break
             for i, r in self.envs.step(batch).items():
-                self._apply(slots[i], turns[i], batch[i], r)
+                self.steps.apply(slots[i], turns[i], batch[i], r)
             k += 1
         self.stats["env_s"] += time.perf_counter() - t
         for i, turn in turns.items():
-            self._end_turn(slots[i], turn)
+            self.steps.end_turn(slots[i], turn)
