@@ -132,3 +132,49 @@ def check_model_folder(cfg: Any) -> None:
                for p in folder.glob(pat)]
     if not weights:
         raise ConfigError(f"{where}: the folder holds no weights (model.safetensors or pytorch_model.bin)")
+
+
+def resolve_device(cfg: Any) -> str:
+    """The device ``trainer.device`` names on this machine (``auto``: a GPU when there is one)."""
+    from agentrl import dist
+
+    try:
+        return dist.resolve_device(cfg.trainer.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_launch(cfg: Any, device: str) -> None:
+    """Raise ConfigError (one line, on every rank) when the launch cannot run ``cfg``: the DeepSpeed config,
+    the generator's keys, a vLLM server on a learner GPU, several ranks without DeepSpeed or with fewer
+    groups than ranks. Before any collective or model loading."""
+    from agentrl import dist
+
+    c, n = cfg, dist.launched_world()
+    if c.trainer.engine == "deepspeed":
+        from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, load_ds_config
+
+        try:
+            load_ds_config(c.trainer.deepspeed_config or None)
+        except DeepSpeedConfigError as e:
+            raise ConfigError(str(e)) from None
+        if c.model.lora_r:
+            raise ConfigError("LoRA under trainer.engine=deepspeed is not supported yet (the in-memory weight sync "
+                              "copies full weights); use trainer.engine=torch with model.lora_r")
+    if c.trainer.generator == "remote" and not c.trainer.generator_url:
+        raise ConfigError("trainer.generator=remote needs trainer.generator_url")
+    if c.trainer.generator == "vllm" and not c.trainer.generator_url and c.trainer.vllm_servers < 1:
+        raise ConfigError("trainer.generator=vllm needs trainer.generator_url or trainer.vllm_servers >= 1")
+    if c.trainer.generator == "vllm" and not c.trainer.generator_url:  # a server on a learner GPU: refused now
+        from agentrl.generation.layout import server_gpu_conflict
+
+        if why := server_gpu_conflict(c.trainer, c.vllm, device, n):
+            raise ConfigError(why)
+    if n <= 1:
+        return
+    if c.trainer.engine != "deepspeed":
+        raise ConfigError(f"{n} ranks were launched but trainer.engine={c.trainer.engine} trains in one process; "
+                          "add trainer.engine=deepspeed (ZeRO-3 over the ranks) or launch one process")
+    if c.rollout.groups < n:
+        raise ConfigError(f"rollout.groups={c.rollout.groups} is fewer than the {n} ranks: each rank rolls out "
+                          f"whole groups, so set rollout.groups >= {n} (or launch fewer ranks)")

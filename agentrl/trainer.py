@@ -40,6 +40,7 @@ from agentrl.learner.loop import rl_update
 from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, peak_rss_gib, read_metrics,
                              truncate_metrics)
+from agentrl.preflight import check_launch, resolve_device
 from agentrl.progress import Progress
 from agentrl.rollout.episode import RolloutConfig, Start
 from agentrl.rollout.overlap import Producer
@@ -85,8 +86,8 @@ class Trainer:
         self._t0 = time.monotonic()  # trainer.time_limit_s counts from here: loading and the warm start included
         self.cfg, self.recipe = cfg, recipe
         self.out_dir = cfg.out_dir
-        self.device = self._resolve_device()
-        self._check_launch()  # before any collective or model loading: one clear error on every rank
+        self.device = resolve_device(cfg)
+        check_launch(cfg, self.device)  # before any collective or model loading: one clear error on every rank
         self.world = dist.init(self.device)
         self.rank = dist.rank()
         self.is_main = self.rank == 0
@@ -119,42 +120,6 @@ class Trainer:
         self._tasks = None
         self.eval_episodes: list[Episode] = []
         self._sync_stats: dict[str, float] = {}  # the last server weight sync (time, check), logged per step
-
-    def _resolve_device(self) -> str:
-        try:
-            return dist.resolve_device(self.cfg.trainer.device)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def _check_launch(self) -> None:
-        c, n = self.cfg, dist.launched_world()
-        if c.trainer.engine == "deepspeed":
-            from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, load_ds_config
-
-            try:
-                load_ds_config(c.trainer.deepspeed_config or None)
-            except DeepSpeedConfigError as e:
-                raise ConfigError(str(e)) from None
-            if c.model.lora_r:
-                raise ConfigError("LoRA under trainer.engine=deepspeed is not supported yet (the in-memory weight sync "
-                                  "copies full weights); use trainer.engine=torch with model.lora_r")
-        if c.trainer.generator == "remote" and not c.trainer.generator_url:
-            raise ConfigError("trainer.generator=remote needs trainer.generator_url")
-        if c.trainer.generator == "vllm" and not c.trainer.generator_url and c.trainer.vllm_servers < 1:
-            raise ConfigError("trainer.generator=vllm needs trainer.generator_url or trainer.vllm_servers >= 1")
-        if c.trainer.generator == "vllm" and not c.trainer.generator_url:  # a server on a learner GPU: refused now
-            from agentrl.generation.layout import server_gpu_conflict
-
-            if why := server_gpu_conflict(c.trainer, c.vllm, self.device, n):
-                raise ConfigError(why)
-        if n <= 1:
-            return
-        if c.trainer.engine != "deepspeed":
-            raise ConfigError(f"{n} ranks were launched but trainer.engine={c.trainer.engine} trains in one process; "
-                              "add trainer.engine=deepspeed (ZeRO-3 over the ranks) or launch one process")
-        if c.rollout.groups < n:
-            raise ConfigError(f"rollout.groups={c.rollout.groups} is fewer than the {n} ranks: each rank rolls out "
-                              f"whole groups, so set rollout.groups >= {n} (or launch fewer ranks)")
 
     # ----- parts -------------------------------------------------------------------------------
     def _make_engine(self) -> "LearnerEngine":
