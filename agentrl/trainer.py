@@ -227,7 +227,7 @@ class Trainer:
                             critic_path=c.algo.critic_path, critic_lr=c.optim.critic_lr,
                             token_budget=c.optim.token_budget,
                             dtype=c.model.dtype, seed=c.trainer.seed, device=self.device, autocast=c.model.autocast,
-                            compile=c.model.compile)
+                            compile=c.model.compile, gradient_checkpointing=c.model.gradient_checkpointing)
         if c.trainer.engine == "deepspeed":
             from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, DeepSpeedEngine
 

@@ -112,7 +112,7 @@ class DeepSpeedEngine:
         import deepspeed
         import torch.distributed as dist
 
-        from agentrl.learner.models import load_model, load_tokenizer
+        from agentrl.learner.models import enable_checkpointing, load_model, load_tokenizer
 
         self.cfg = config or EngineConfig()
         self.device = self.cfg.device
@@ -141,6 +141,8 @@ class DeepSpeedEngine:
             ds.pop("gradient_clipping", None)
         self.tokenizer = load_tokenizer(model_dir)
         model = load_model(model_dir, self.cfg.dtype, "cpu")  # DeepSpeed moves it to this rank's device
+        if self.cfg.gradient_checkpointing:
+            enable_checkpointing(model)
         separate = self.cfg.value_head and self.cfg.critic == "separate"
         self.value_head = ValueHead(model.config.hidden_size) if self.cfg.value_head and not separate else None
         module = _WithValueHead(model, self.value_head)
@@ -158,6 +160,8 @@ class DeepSpeedEngine:
         self.critic_optimizer: Any = None
         if separate:  # its own engine: sharded, clipped and stepped apart from the policy
             critic = load_critic(self.cfg.critic_path or model_dir, self.cfg.dtype, "cpu")
+            if self.cfg.gradient_checkpointing:
+                enable_checkpointing(critic.backbone)
             copt = critic_optimizer(critic, opt, self.cfg.critic_lr)
             self.critic_ds, self.critic_optimizer, _, _ = deepspeed.initialize(
                 model=critic, optimizer=copt, config=json.loads(json.dumps(ds)),
@@ -395,13 +399,18 @@ class DeepSpeedEngine:
             set_rng_state(load_plain(rng))
 
     def close(self) -> None:
-        """Leave the process group in step with the other ranks. Without this, gloo's and DeepSpeed's
-        comm threads are torn down by static destructors at exit, which can abort a rank
+        """Leave the process group in step with the other ranks (not after an error). Without this, gloo's and
+        DeepSpeed's comm threads are torn down by static destructors at exit, which can abort a rank
         ("terminate called without an active exception") after a run that succeeded."""
         import torch.distributed as dist
 
+        from agentrl import dist as ranks
+
+        if ranks.stopping():  # after an error: no barrier (a peer may never reach it); the process exits
+            return
         if dist.is_initialized():
             dist.barrier()
+            ranks.stop_watching()  # every rank got here: one that exits first is no failure
             dist.destroy_process_group()
             _forget_deepspeed_groups()
 

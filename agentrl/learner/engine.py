@@ -25,6 +25,7 @@ from agentrl.learner.critic import Critic, ValueHead, load_critic  # noqa: F401 
 from agentrl.learner.finite import StepGuard
 from agentrl.learner.hidden import batch_prefix_len, decoder_hidden as _decoder_hidden  # noqa: F401  (re-exported)
 from agentrl.learner.logprobs import mask_logits
+from agentrl.learner.models import enable_checkpointing
 from agentrl.learner.protocol import LossFn
 
 
@@ -64,6 +65,7 @@ class EngineConfig:
     # dtype); ~2x the learner's speed on CPUs with AVX512-BF16
     autocast: str = ""
     compile: bool = False  # torch.compile the decoder (see ModelCfg.compile)
+    gradient_checkpointing: bool = False  # recompute layer activations in backward (ModelCfg.gradient_checkpointing)
 
 
 def rng_state() -> dict[str, Any]:
@@ -204,6 +206,8 @@ class TorchEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, self.cfg.dtype, self.cfg.device)
+        if self.cfg.gradient_checkpointing:  # before LoRA: peft wraps the model with its layers' flags set
+            enable_checkpointing(self.model)
         if self.cfg.lora is not None:
             self.model = self._wrap_lora(self.model, self.cfg.lora)
         if self.cfg.compile:
@@ -215,6 +219,8 @@ class TorchEngine:
         self.critic_optimizer: Any = None
         if separate:
             self.critic = load_critic(self.cfg.critic_path or model_dir, self.cfg.dtype, self.cfg.device)
+            if self.cfg.gradient_checkpointing:
+                enable_checkpointing(self.critic.backbone)
             self.critic_optimizer = critic_optimizer(self.critic, self.cfg.optim, self.cfg.critic_lr)
             self._critic_guard = StepGuard(_OptimizerOf(self.critic_optimizer))  # a NaN gradient is not applied
         self.optimizer = torch.optim.AdamW(self.policy_parameters(), lr=self.cfg.optim.lr,
