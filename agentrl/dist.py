@@ -291,9 +291,10 @@ def stop_watching() -> None:
     watch_peers.thread = None  # type: ignore[attr-defined]
 
 
-def fail_every_rank(error: BaseException, cleanup: Any = None) -> None:
+def fail_every_rank(error: BaseException, cleanup: Any = None, plain: bool = False) -> None:
     """This rank raised ``error``: print its traceback and message at once, tell every other rank (they stop
     naming this one), run ``cleanup`` without collectives, and exit non-zero. Returns only in one process.
+    ``plain``: an error whose message says it all (bad config, env, server): one line, no traceback, code 2.
     An error that follows another rank's (a collective broken by its exit) names that rank's as the cause."""
     import traceback
 
@@ -311,10 +312,14 @@ def fail_every_rank(error: BaseException, cleanup: Any = None) -> None:
             cause = _first_failure(store)
     except Exception:  # noqa: BLE001
         store = None
-    msg = f"{type(error).__name__}: {error}".strip()
-    if cause is None:
+    msg = str(error) if plain else f"{type(error).__name__}: {error}".strip()
+    if isinstance(error, RankFailed):  # a gather already named the failing rank, which announces itself
+        _say(f"[rank {me}] error: {error}")
+        _exit_now(1, cleanup)
+    if cause is None and not plain:
         _say("".join(f"[rank {me}] {line}" for line in "".join(
             traceback.format_exception(type(error), error, error.__traceback__)).splitlines(keepends=True)))
+    if cause is None:
         _say(f"[rank {me}] error: {msg}")
     else:
         _say(f"[rank {me}] stopping: {cause} (here: {msg.splitlines()[0] if msg else type(error).__name__})")
@@ -327,4 +332,4 @@ def fail_every_rank(error: BaseException, cleanup: Any = None) -> None:
                 _watch.wait(0.1)
         except Exception:  # noqa: BLE001
             pass
-    _exit_now(1, cleanup)
+    _exit_now(2 if plain else 1, cleanup)  # 2: the CLI's code for an error it explains in one line

@@ -49,8 +49,10 @@ def main(model: str, out: str, export: str = "", shard_mb: str = "") -> None:
     n = eng.full_numel()
     report = dict(rank=eng.rank, load_peak_mb=load, model_fp32_mb=n * 4 / 2**20, partition=eng.partition_numel())
     if export:
+        if shard_mb:
+            eng.export_shard_mb = int(shard_mb)
         p = Peak()
-        eng.export_weights(export, **({"shard_mb": int(shard_mb)} if shard_mb else {}))
+        eng.export_weights(export)
         report["export_peak_mb"] = p.done()
     with open(os.path.join(out, f"rank{eng.rank}.json"), "w") as f:
         json.dump(report, f)

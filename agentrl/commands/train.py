@@ -62,6 +62,18 @@ def _trainer(cfg: Any) -> Any:
     return Trainer.from_config(cfg)
 
 
+def _says_it_all(e: BaseException) -> bool:
+    """An error whose message names the key, env or server to fix: the CLI prints it as one line."""
+    from agentrl.config import ConfigError
+    from agentrl.envs.base import EnvError
+    from agentrl.generation.client import GenerationServerError
+    from agentrl.learner.models import ModelError
+    from agentrl.registry import RegistryError
+    from agentrl.trainer import RunError
+
+    return isinstance(e, (ConfigError, EnvError, GenerationServerError, ModelError, RegistryError, RunError))
+
+
 def _run_on_every_rank(cfg: Any, work: Callable[[Any], Any]) -> tuple[Any, Any]:
     """Build the trainer and run ``work`` on it, then close it. Launched on several ranks, an error on one
     stops every rank at once: it prints its traceback here, the others exit naming it (``agentrl.dist``),
@@ -74,7 +86,8 @@ def _run_on_every_rank(cfg: Any, work: Callable[[Any], Any]) -> tuple[Any, Any]:
         holder.append(_trainer(cfg))
         out = work(holder[0])
     except BaseException as e:
-        dist.fail_every_rank(e, cleanup=lambda: holder and holder[0].close())  # exits when on several ranks
+        # exits when on several ranks
+        dist.fail_every_rank(e, cleanup=lambda: holder and holder[0].close(), plain=_says_it_all(e))
         if holder:
             holder[0].close()
         raise

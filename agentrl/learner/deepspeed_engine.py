@@ -385,15 +385,17 @@ class DeepSpeedEngine:
         for name, t in self._gathered():
             yield name, (t.detach().clone() if self.rank == 0 else None)
 
-    def export_weights(self, folder: str | Path, shard_mb: int = EXPORT_SHARD_MB) -> Path:
+    export_shard_mb = EXPORT_SHARD_MB
+
+    def export_weights(self, folder: str | Path) -> Path:
         """Every rank: an HF folder (config, tokenizer, safetensors shards with their index) written by rank 0,
-        streamed: parameters are gathered one at a time and written a shard of ``shard_mb`` at a time, so
+        streamed: parameters are gathered one at a time and written a shard (``export_shard_mb``) at a time, so
         rank 0 holds at most one shard and one parameter, never the whole model. The weights keep the
         engine's dtype (model.dtype: bfloat16 on GPU recipes), which the generator and vLLM load as is."""
         import torch.distributed as dist
 
         folder = Path(folder)
-        writer = _ShardWriter(folder, shard_mb * 2**20) if self.rank == 0 else None
+        writer = _ShardWriter(folder, self.export_shard_mb * 2**20) if self.rank == 0 else None
         for name, t in self._gathered():
             if writer is not None:
                 writer.add(name, t)
