@@ -27,6 +27,9 @@ class ModelCfg:
     # torch.compile the learner's decoder (dynamic shapes): a small model's step on a GPU is bound by the
     # operators it dispatches, which compiling fuses (docs/studies/gpu.md); the first step pays the compile
     compile: bool = False
+    # activation checkpointing (non-reentrant) on the learner's decoder layers and the critic's: the backward
+    # pass recomputes each layer's activations instead of keeping them, for long rows (docs/guides/memory.md)
+    gradient_checkpointing: bool = False
 
 
 @dataclass

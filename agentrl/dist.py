@@ -182,3 +182,154 @@ def shard_groups(group_ids: Sequence[str], n_ranks: int) -> list[list[int]]:
         r = min(range(n_ranks), key=lambda k: (len(shards[k]), k))
         shards[r] += members[g]
     return [sorted(s) for s in shards]
+
+
+# ----- one rank's error stops every rank ----------------------------------------------------------------
+# A rank that raises tells the others through the launcher's rendezvous store (a TCP key-value store every
+# rank already holds a client of) and exits; a watcher thread on every rank polls the store and ends its
+# process with the failing rank's message. A collective cannot be left from Python (gloo's wait, NCCL's
+# kernels), and a barrier after an error would wait for a rank that never comes: exiting is what stops it.
+FAILURES, FAILED, ACKS = "agentrl/failures", "agentrl/failed/", "agentrl/failure_acks"
+POLL_S = 0.5
+STORE_GONE_S = 10.0  # the store unreachable this long (its host, rank 0's process, is gone): stop too
+ACK_WAIT_S = 5.0  # a failing rank waits this long for the others to read its message before it exits
+
+_watch = threading.Event()  # set: stop watching (the run ended in step on every rank)
+_failed = threading.Event()  # set: this process is stopping on an error (its own or a peer's)
+
+
+def _store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def stopping() -> bool:
+    """True once this process stops on an error: no collective may be entered (a peer may never come)."""
+    return _failed.is_set()
+
+
+def _exit_now(code: int, cleanup: Any, limit_s: float = 10.0) -> None:
+    """Run ``cleanup`` (the trainer's close: env workers, servers) for at most ``limit_s``, then exit at once,
+    skipping the process group's teardown (a NCCL destructor could wait on the collective left behind)."""
+    import sys
+
+    if cleanup is not None:
+        t = threading.Thread(target=cleanup, daemon=True)
+        t.start()
+        t.join(limit_s)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _say(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
+def watch_peers(cleanup: Any = None) -> None:
+    """Start this rank's watcher (a daemon thread; once per process): when another rank announces an error
+    it prints one line naming that rank and exits the process non-zero, wherever the main thread waits.
+    It waits for the process group to exist; in one process it does nothing."""
+    if launched_world() <= 1 or getattr(watch_peers, "thread", None) is not None:
+        return
+    _watch.clear()
+
+    def loop() -> None:
+        gone_since = None
+        while not _watch.wait(POLL_S):
+            if not _pg() or _failed.is_set():
+                continue
+            try:
+                store = _store()
+                n = store.add(FAILURES, 0)
+                gone_since = None
+            except Exception:  # noqa: BLE001 - the store's host is gone, or the group is being torn down
+                gone_since = gone_since or _now()
+                if _now() - gone_since > STORE_GONE_S and not _watch.is_set():
+                    _failed.set()
+                    _say(f"[rank {rank()}] stopping: the rendezvous store is unreachable (rank 0 exited?)")
+                    _exit_now(1, cleanup)
+                continue
+            if n and not _watch.is_set():
+                _failed.set()
+                why = _first_failure(store)
+                _say(f"[rank {rank()}] stopping: {why}")
+                try:
+                    store.add(ACKS, 1)
+                except Exception:  # noqa: BLE001
+                    pass
+                _exit_now(1, cleanup)
+
+    watch_peers.thread = threading.Thread(target=loop, name="agentrl-peer-watch", daemon=True)  # type: ignore[attr-defined]
+    watch_peers.thread.start()  # type: ignore[attr-defined]
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+def _first_failure(store: Any) -> str:
+    try:
+        store.wait([FAILED + "1"], datetime.timedelta(seconds=2))
+        return store.get(FAILED + "1").decode()
+    except Exception:  # noqa: BLE001
+        return "another rank failed"
+
+
+def stop_watching() -> None:
+    """The run ended in step on every rank (after the last barrier): the watcher stops, so a rank that exits
+    first does not look like a failure to the others."""
+    _watch.set()
+    t = getattr(watch_peers, "thread", None)
+    if t is not None and t is not threading.current_thread():
+        t.join(2 * POLL_S + 1)
+    watch_peers.thread = None  # type: ignore[attr-defined]
+
+
+def fail_every_rank(error: BaseException, cleanup: Any = None, plain: bool = False) -> None:
+    """This rank raised ``error``: print its traceback and message at once, tell every other rank (they stop
+    naming this one), run ``cleanup`` without collectives, and exit non-zero. Returns only in one process.
+    ``plain``: an error whose message says it all (bad config, env, server): one line, no traceback, code 2.
+    An error that follows another rank's (a collective broken by its exit) names that rank's as the cause."""
+    import traceback
+
+    if launched_world() <= 1:
+        return
+    if _failed.is_set():  # the watcher is already stopping this process for a peer's error
+        _watch.wait(30)
+        os._exit(1)
+    _failed.set()
+    me = rank()
+    cause = None
+    try:
+        store = _store() if _pg() else None
+        if store is not None and store.add(FAILURES, 0):
+            cause = _first_failure(store)
+    except Exception:  # noqa: BLE001
+        store = None
+    msg = str(error) if plain else f"{type(error).__name__}: {error}".strip()
+    if isinstance(error, RankFailed):  # a gather already named the failing rank, which announces itself
+        _say(f"[rank {me}] error: {error}")
+        _exit_now(1, cleanup)
+    if cause is None and not plain:
+        _say("".join(f"[rank {me}] {line}" for line in "".join(
+            traceback.format_exception(type(error), error, error.__traceback__)).splitlines(keepends=True)))
+    if cause is None:
+        _say(f"[rank {me}] error: {msg}")
+    else:
+        _say(f"[rank {me}] stopping: {cause} (here: {msg.splitlines()[0] if msg else type(error).__name__})")
+    if store is not None and cause is None:
+        try:
+            n = store.add(FAILURES, 1)
+            store.set(f"{FAILED}{n}", f"rank {me} failed: {msg.splitlines()[0] if msg else ''}")
+            deadline = _now() + ACK_WAIT_S  # the store may live in this process (rank 0): let the others read it
+            while _now() < deadline and store.add(ACKS, 0) < world() - 1:
+                _watch.wait(0.1)
+        except Exception:  # noqa: BLE001
+            pass
+    _exit_now(2 if plain else 1, cleanup)  # 2: the CLI's code for an error it explains in one line

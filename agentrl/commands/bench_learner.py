@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "full fine-tuning)")
     p.add_argument("--device", default="cpu", help="learner: cpu (default) | cuda | cuda:N")
     p.add_argument("--compile", action="store_true", help="learner: torch.compile the decoder (model.compile)")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="learner: activation checkpointing (model.gradient_checkpointing)")
 
 
 def slope(ys: list[float]) -> float:
@@ -48,6 +50,14 @@ def slope(ys: list[float]) -> float:
         return 0.0
     mx, my = (n - 1) / 2, sum(ys) / n
     return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
+
+
+def peak_rss_mb() -> float:
+    import resource
+    import sys
+
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return kb / 2**20 if sys.platform == "darwin" else kb / 2**10
 
 
 def sync(device: str) -> None:
@@ -78,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     lo, hi = args.lengths
     eng = TorchEngine(resolve_model(args.model), EngineConfig(
         token_budget=args.token_budget, autocast="" if args.autocast == "none" else args.autocast,
-        lora=LoraSettings(args.lora, 2 * args.lora) if args.lora else None, device=args.device, compile=args.compile))
+        lora=LoraSettings(args.lora, 2 * args.lora) if args.lora else None, device=args.device, compile=args.compile,
+        gradient_checkpointing=args.checkpointing))
     vocab, rng, proc = eng.model.config.vocab_size, random.Random(0), psutil.Process()
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
@@ -109,14 +120,16 @@ def run(args: argparse.Namespace) -> int:
     opt_ops, opt_top = count_ops(eng._clip_and_step)
     first = len(rss) // 3  # the first steps fill the caches and the allocator's pools
     fig = dict(model=args.model, lora=args.lora, device=args.device, rows=args.rows, autocast=args.autocast,
-               compile=args.compile, first_step_s=secs[0],
+               compile=args.compile, checkpointing=args.checkpointing, first_step_s=secs[0],
+               peak_rss_mb=peak_rss_mb(),
                steps=len(rss), lengths=f"{lo}-{hi}", aten_ops_per_step=ops + opt_ops,
                top_level_ops_per_step=top_ops + opt_top, top_level_ops_update=opt_top,
                onednn_cache=os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ""),
                ideep_cache=os.environ.get("LRU_CACHE_CAPACITY", ""), step_s=sum(secs[1:]) / max(1, len(secs) - 1),
                rss_growth_mb_per_step=slope(rss[first:]), rss_mb=[round(x) for x in rss])
     print(f"learner: model {args.model}{f' + LoRA r{args.lora}' if args.lora else ''}"
-          f"{' compiled' if args.compile else ''} on {args.device}, autocast "
+          f"{' compiled' if args.compile else ''}{' checkpointed' if args.checkpointing else ''} on {args.device}, "
+          f"autocast "
           f"{args.autocast}, {len(rss)} steps of {args.rows} rows of {lo}-{hi} tokens, kernel caches "
           f"{fig['onednn_cache'] or 'default'}/{fig['ideep_cache'] or 'default'}")
     print(f"  {top_ops + opt_top} operators dispatched a step ({ops + opt_ops} counting those they call), "
@@ -124,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {fig['step_s']:.2f} s a step after the first ({secs[0]:.1f} s); resident {rss[0]:.0f} MB after step 1, "
           f"{rss[-1]:.0f} MB at the end: {fig['rss_growth_mb_per_step']:+.1f} MB a step after step {first + 1} "
           "(goal: under 10; uncapped ~80)")
+    print(f"  peak resident {fig['peak_rss_mb']:.0f} MB (the step's activations at their largest: compare "
+          "runs with and without --checkpointing)")
     if args.json:
         Path(args.json).write_text(json.dumps(fig, indent=1))
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from agentrl.types import Episode
@@ -68,6 +68,39 @@ def _trainer(cfg: Any) -> Any:
     return Trainer.from_config(cfg)
 
 
+def _says_it_all(e: BaseException) -> bool:
+    """An error whose message names the key, env or server to fix: the CLI prints it as one line."""
+    from agentrl.config import ConfigError
+    from agentrl.envs.base import EnvError
+    from agentrl.generation.client import GenerationServerError
+    from agentrl.learner.models import ModelError
+    from agentrl.registry import RegistryError
+    from agentrl.trainer import RunError
+
+    return isinstance(e, (ConfigError, EnvError, GenerationServerError, ModelError, RegistryError, RunError))
+
+
+def _run_on_every_rank(cfg: Any, work: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """Build the trainer and run ``work`` on it, then close it. Launched on several ranks, an error on one
+    stops every rank at once: it prints its traceback here, the others exit naming it (``agentrl.dist``),
+    and nobody waits at a barrier for it."""
+    from agentrl import dist
+
+    holder: list[Any] = []
+    dist.watch_peers(cleanup=lambda: holder and holder[0].close())
+    try:
+        holder.append(_trainer(cfg))
+        out = work(holder[0])
+    except BaseException as e:
+        # exits when on several ranks
+        dist.fail_every_rank(e, cleanup=lambda: holder and holder[0].close(), plain=_says_it_all(e))
+        if holder:
+            holder[0].close()
+        raise
+    holder[0].close()
+    return holder[0], out
+
+
 def run_train(args: argparse.Namespace) -> int:
     cfg = _config(args, args.recipe)
     if args.print_config:
@@ -79,11 +112,7 @@ def run_train(args: argparse.Namespace) -> int:
         from agentrl.commands.plan import run as plan
 
         return plan(cfg, args.nodes, args.gpus_per_node, args.gpu_memory_gib)
-    trainer = _trainer(cfg)
-    try:
-        final = trainer.train()
-    finally:
-        trainer.close()
+    trainer, final = _run_on_every_rank(cfg, lambda t: t.train())
     if trainer.is_main:
         print(json.dumps({"run": str(cfg.out_dir), **final}, indent=1))
     return 0
@@ -99,11 +128,8 @@ def run_eval(args: argparse.Namespace) -> int:
                                               f"eval.samples={args.samples}"]
     args.overrides = overrides
     cfg = _config(args, "eval")
-    trainer = _trainer(cfg)
-    try:
-        res = trainer.evaluate()  # pass@1, 2, 4, ... up to eval.samples (the ladder lives in Trainer.evaluate)
-    finally:
-        trainer.close()
+    # pass@1, 2, 4, ... up to eval.samples (the ladder lives in Trainer.evaluate)
+    trainer, res = _run_on_every_rank(cfg, lambda t: t.evaluate())
     if trainer.is_main:
         with open(cfg.out_dir / "eval_episodes.jsonl", "w") as f:  # per-episode results, for paired comparisons
             for ep in trainer.eval_episodes:

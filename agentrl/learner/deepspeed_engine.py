@@ -12,6 +12,7 @@ over the ranks like the policy's, its own lr, saved beside the policy's in the c
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +40,9 @@ ZERO3 = {
     "bf16": {"enabled": False},
     "wall_clock_breakdown": False,
 }
+
+
+EXPORT_SHARD_MB = 2048  # the most rank 0 holds of an export at once (plus one parameter)
 
 
 class DeepSpeedConfigError(ValueError):
@@ -125,6 +129,25 @@ def to_universal(tag_dir: Path, out: Path) -> None:
                                             inject_missing_state=False))
 
 
+@contextlib.contextmanager
+def sharded_loading(ds: dict[str, Any], dtype: str) -> Iterator[None]:
+    """``from_pretrained`` inside the block builds each parameter partitioned (``zero.Init``, through
+    transformers' DeepSpeed integration, which reads this config while an ``HfDeepSpeedConfig`` lives) and
+    loads the checkpoint layer by layer into the shards: no rank ever holds the whole model. Parameters
+    are made in ``dtype`` (model.dtype), as a model loaded whole and handed to DeepSpeed keeps it. Unset
+    after: the reference and the generator's copies loaded later are whole models."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf = json.loads(json.dumps(ds))
+    hf["bf16"] = {"enabled": dtype == "bfloat16"}  # zero.Init's dtype: the model's, not the engine's precision
+    hf["fp16"] = {"enabled": False}
+    keep = HfDeepSpeedConfig(hf)  # noqa: F841 - transformers holds only a weak reference: keep it alive here
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+
+
 def skip_cpu_shm_build() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce on init, used only by its inference
     path. A process killed mid-build leaves torch's lock file behind and every later init waits on it
@@ -143,7 +166,7 @@ class DeepSpeedEngine:
         import deepspeed
         import torch.distributed as dist
 
-        from agentrl.learner.models import load_model, load_tokenizer
+        from agentrl.learner.models import enable_checkpointing, load_model, load_tokenizer
 
         self.cfg = config or EngineConfig()
         self.device = self.cfg.device
@@ -171,8 +194,12 @@ class DeepSpeedEngine:
         else:
             ds.pop("gradient_clipping", None)
         self.tokenizer = load_tokenizer(model_dir)
-        model = load_model(model_dir, self.cfg.dtype, "cpu")  # DeepSpeed moves it to this rank's device
-        separate = self.cfg.value_head and self.cfg.critic == "separate"
+        with sharded_loading(ds, self.cfg.dtype):  # each rank builds and keeps only its shard of the weights
+            model = load_model(model_dir, self.cfg.dtype, "cpu")
+            separate = self.cfg.value_head and self.cfg.critic == "separate"
+            critic = load_critic(self.cfg.critic_path or model_dir, self.cfg.dtype, "cpu") if separate else None
+        if self.cfg.gradient_checkpointing:
+            enable_checkpointing(model)
         self.value_head = ValueHead(model.config.hidden_size) if self.cfg.value_head and not separate else None
         module = _WithValueHead(model, self.value_head)
         params = [p for p in module.parameters() if p.requires_grad]
@@ -187,8 +214,9 @@ class DeepSpeedEngine:
             model=module, optimizer=optimizer, config=ds, model_parameters=params, lr_scheduler=schedule)
         self.critic_ds: Any = None
         self.critic_optimizer: Any = None
-        if separate:  # its own engine: sharded, clipped and stepped apart from the policy
-            critic = load_critic(self.cfg.critic_path or model_dir, self.cfg.dtype, "cpu")
+        if critic is not None:  # its own engine: sharded, clipped and stepped apart from the policy
+            if self.cfg.gradient_checkpointing:
+                enable_checkpointing(critic.backbone)
             copt = critic_optimizer(critic, opt, self.cfg.critic_lr)
             self.critic_ds, self.critic_optimizer, _, _ = deepspeed.initialize(
                 model=critic, optimizer=copt, config=json.loads(json.dumps(ds)),
@@ -433,14 +461,26 @@ class DeepSpeedEngine:
         for name, t in self._gathered():
             yield name, (t.detach().clone() if self.rank == 0 else None)
 
+    export_shard_mb = EXPORT_SHARD_MB
+
     def export_weights(self, folder: str | Path) -> Path:
+        """Every rank: an HF folder (config, tokenizer, safetensors shards with their index) written by rank 0,
+        streamed: parameters are gathered one at a time and written a shard (``export_shard_mb``) at a time, so
+        rank 0 holds at most one shard and one parameter, never the whole model. The weights keep the
+        engine's dtype (model.dtype: bfloat16 on GPU recipes), which the generator and vLLM load as is."""
         import torch.distributed as dist
 
         folder = Path(folder)
-        sd = self.full_state_dict()
-        if self.rank == 0:
+        writer = _ShardWriter(folder, self.export_shard_mb * 2**20) if self.rank == 0 else None
+        for name, t in self._gathered():
+            if writer is not None:
+                writer.add(name, t)
+        if writer is not None:
+            writer.close()
             policy = self.ds.module.policy
-            policy.save_pretrained(folder, state_dict=sd, safe_serialization=True)
+            policy.config.save_pretrained(folder)
+            if getattr(policy, "generation_config", None) is not None:
+                policy.generation_config.save_pretrained(folder)
             self.tokenizer.save_pretrained(folder)
         dist.barrier()
         return folder
@@ -503,15 +543,64 @@ class DeepSpeedEngine:
         return client
 
     def close(self) -> None:
-        """Leave the process group in step with the other ranks. Without this, gloo's and DeepSpeed's
-        comm threads are torn down by static destructors at exit, which can abort a rank
+        """Leave the process group in step with the other ranks (not after an error). Without this, gloo's and
+        DeepSpeed's comm threads are torn down by static destructors at exit, which can abort a rank
         ("terminate called without an active exception") after a run that succeeded."""
         import torch.distributed as dist
 
+        from agentrl import dist as ranks
+
+        if ranks.stopping():  # after an error: no barrier (a peer may never reach it); the process exits
+            return
         if dist.is_initialized():
             dist.barrier()
+            ranks.stop_watching()  # every rank got here: one that exits first is no failure
             dist.destroy_process_group()
             _forget_deepspeed_groups()
+
+
+class _ShardWriter:
+    """Safetensors shards named and indexed as ``save_pretrained`` writes them, filled one tensor at a time."""
+
+    def __init__(self, folder: Path, shard_bytes: int):
+        self.folder, self.limit = folder, shard_bytes
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in list(folder.glob("model*.safetensors")) + list(folder.glob("model.safetensors.index.json")):
+            old.unlink()  # a folder written again: no shard of the last export left to mix in
+        self.part: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[list[str]] = []
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        if self.part and self.size + n > self.limit:
+            self._flush()
+        self.part[name] = t.detach().to("cpu", copy=True).contiguous()
+        self.size += n
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.part, str(self.folder / f"part-{len(self.files)}.tmp"), metadata={"format": "pt"})
+        self.files.append(list(self.part))
+        self.total += self.size
+        self.part, self.size = {}, 0
+
+    def close(self) -> None:
+        if self.part or not self.files:
+            self._flush()
+        n = len(self.files)
+        if n == 1:
+            (self.folder / "part-0.tmp").rename(self.folder / "model.safetensors")
+            return
+        weight_map = {}
+        for i, names in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.folder / f"part-{i}.tmp").rename(self.folder / final)
+            weight_map.update({k: final for k in names})
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
 
 
 def _forget_deepspeed_groups() -> None:

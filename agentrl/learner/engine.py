@@ -26,6 +26,7 @@ from agentrl.learner.critic import Critic, ValueHead, load_critic  # noqa: F401 
 from agentrl.learner.finite import StepGuard
 from agentrl.learner.hidden import batch_prefix_len, decoder_hidden as _decoder_hidden  # noqa: F401  (re-exported)
 from agentrl.learner.logprobs import mask_logits, tempered
+from agentrl.learner.models import enable_checkpointing
 from agentrl.learner.protocol import LossFn
 
 
@@ -70,6 +71,8 @@ class EngineConfig:
     # dtype); ~2x the learner's speed on CPUs with AVX512-BF16
     autocast: str = ModelCfg.autocast
     compile: bool = ModelCfg.compile  # torch.compile the decoder (see ModelCfg.compile)
+    # recompute layer activations in backward (see ModelCfg.gradient_checkpointing)
+    gradient_checkpointing: bool = ModelCfg.gradient_checkpointing
 
     @classmethod
     def of(cls, cfg: RecipeCfg, device: str, value_head: bool) -> EngineConfig:
@@ -79,7 +82,8 @@ class EngineConfig:
                                      warmup_steps=o.warmup_steps),
                    lora=LoraSettings(r=m.lora_r, alpha=m.lora_alpha) if m.lora_r else None, value_head=value_head,
                    critic=a.critic, critic_path=a.critic_path, critic_lr=o.critic_lr, token_budget=o.token_budget,
-                   dtype=m.dtype, seed=cfg.trainer.seed, device=device, autocast=m.autocast, compile=m.compile)
+                   dtype=m.dtype, seed=cfg.trainer.seed, device=device, autocast=m.autocast, compile=m.compile,
+                   gradient_checkpointing=m.gradient_checkpointing)
 
 
 def rng_state() -> dict[str, Any]:
@@ -218,6 +222,8 @@ class TorchEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, self.cfg.dtype, self.cfg.device)
+        if self.cfg.gradient_checkpointing:  # before LoRA: peft wraps the model with its layers' flags set
+            enable_checkpointing(self.model)
         if self.cfg.lora is not None:
             self.model = self._wrap_lora(self.model, self.cfg.lora)
         if self.cfg.compile:
@@ -229,6 +235,8 @@ class TorchEngine:
         self.critic_optimizer: Any = None
         if separate:
             self.critic = load_critic(self.cfg.critic_path or model_dir, self.cfg.dtype, self.cfg.device)
+            if self.cfg.gradient_checkpointing:
+                enable_checkpointing(self.critic.backbone)
             self.critic_optimizer = critic_optimizer(self.critic, self.cfg.optim, self.cfg.critic_lr)
             self._critic_guard = StepGuard(_OptimizerOf(self.critic_optimizer))  # a NaN gradient is not applied
         self.optimizer = torch.optim.AdamW(self.policy_parameters(), lr=self.cfg.optim.lr,

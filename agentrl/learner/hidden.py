@@ -25,9 +25,12 @@ def decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor, shared_prefi
     one prefix pass, so results equal the full pass (test) at about a third of the work on Sokoban."""
     from transformers import DynamicCache
 
+    # a checkpointed layer drops the key/value cache the prefix pass hands on (HF recomputes it without one)
+    shared_prefix = shared_prefix and not (decoder.training and getattr(decoder, "gradient_checkpointing", False))
     n = batch_prefix_len(mb.input_ids, mb.attention_mask) if shared_prefix else 0
     if not n:
-        return decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos).last_hidden_state
+        return decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=pos,
+                       use_cache=False).last_hidden_state
     B, T = mb.input_ids.shape
     cache = DynamicCache(config=decoder.config)
     head = decoder(input_ids=mb.input_ids[:1, :n], attention_mask=mb.attention_mask[:1, :n], position_ids=pos[:1, :n],

@@ -54,6 +54,17 @@ def load_model(folder: str | Path, dtype: str = "float32", device: str = "cpu") 
     return model.to(device)
 
 
+def enable_checkpointing(model: Any) -> None:
+    """Activation checkpointing on ``model``'s decoder layers, non-reentrant (HF's own: it also makes the
+    embeddings' output require grad, which a frozen base under LoRA needs for gradients to reach the adapters).
+    The backward pass recomputes each layer's forward instead of keeping its activations."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def stop_token_ids(tokenizer: Any, model_config: Any = None) -> list[int]:
     """Token ids that end a turn: the tokenizer's eos and the chat template's end-of-message token."""
     ids = {tokenizer.eos_token_id}
