@@ -215,13 +215,15 @@ class Trainer:
     def update(self, samples: list[Sample], loss_fn: "LossFn", need_values: bool = False) -> dict[str, float]:
         """``agentrl.learner.loop.rl_update`` on the samples, then the new weights to the generator. While the
         step's episodes are ``behind`` the learner's weights (the overlap) the update is decoupled."""
+        # colocated servers give their GPU memory to the update (not while the overlap's producer samples)
+        released = self._producer is None and self.generator.release()
         stats = rl_update(self.engine, collate(samples, self.engine.pad_id), loss_fn, self.cfg, self.rng,
                           self.step + 1, self.folder.link, need_values, stale=self.behind > 0)
-        if "skipped_update" in stats:
+        if "skipped_update" in stats and not released:  # released: the servers wake up with the weights
             return stats
         t = time.perf_counter()
         self.sync_weights()
-        stats["time_learn_s"] += time.perf_counter() - t
+        stats["time_learn_s"] = stats.get("time_learn_s", 0.0) + time.perf_counter() - t
         return stats
 
     def _overlapped_step(self) -> dict[str, float]:

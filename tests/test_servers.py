@@ -179,10 +179,10 @@ def test_the_server_refuses_malformed_choices_and_the_client_refuses_an_unconstr
         client = RemoteGenerator(f"http://127.0.0.1:{srv.server_address[1]}")
         body = dict(model=client.model, prompt=[[1, 2, 3]], max_tokens=4, choice_token_ids=[[[1, 2]], None])
         with pytest.raises(GenerationServerError, match=r"HTTP 400.*'choice_token_ids'.*one entry per prompt"):
-            client._request("POST", "/v1/completions", body)
+            client.request("POST", "/v1/completions", body)
         body["choice_token_ids"] = [[[1, 2, 3, 4, 5]]]  # longer than max_tokens: it could never be finished
         with pytest.raises(GenerationServerError, match=r"HTTP 400.*'choice_token_ids'"):
-            client._request("POST", "/v1/completions", body)
+            client.request("POST", "/v1/completions", body)
     finally:
         _kill(srv)
     vllm = RemoteGenerator("http://127.0.0.1:1", model="policy", backend="vllm")

@@ -244,7 +244,7 @@ def test_vllm_decodes_among_the_answers_with_the_learners_log_probs(tiny_generat
             ref = ref.gather(-1, torch.tensor(o.ids)[:, None])[:, 0].tolist()
             assert max(abs(a - b) for a, b in zip(ref, o.logprobs)) < 0.1, (ref, o.logprobs)
         with pytest.raises(GenerationServerError, match="HTTP 400"):
-            client._request("POST", "/v1/completions", dict(model=client.model, prompt=[prompts[0]], max_tokens=4,
+            client.request("POST", "/v1/completions", dict(model=client.model, prompt=[prompts[0]], max_tokens=4,
                                                              vllm_xargs={"agentrl_choices": "[[]]"}))
     finally:
         server.stop()

@@ -196,7 +196,8 @@ def test_colocated_servers_sleep_and_wake_around_the_weights(tmp_path):
             def iter_weights(self):
                 yield from self.model.named_parameters()
 
-        fleet.release()
+        assert fleet.release() is True
+        assert fleet.release() is False  # asleep already: nothing more to free
         fleet.receive(Engine(), tmp_path)
         fleet.receive(Engine(), tmp_path)  # awake: no wake-up calls
         assert (tmp_path / "s.log.calls").read_text().split() == [
@@ -205,3 +206,29 @@ def test_colocated_servers_sleep_and_wake_around_the_weights(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.mark.parametrize("released,producer,expected", [
+    (True, None, ["release", "update", "sync"]),  # a skipped update still wakes the servers it put to sleep
+    (False, None, ["release", "update"]),  # nothing released (not colocated): a skipped update syncs nothing
+    (True, object(), ["update"]),  # the overlap's producer samples during the update: nothing is released
+])
+def test_the_update_releases_a_colocated_generator_and_wakes_it(monkeypatch, released, producer, expected):
+    from types import SimpleNamespace
+
+    from agentrl import trainer as tr
+
+    calls = []
+
+    class Gen:
+        def release(self):
+            calls.append("release")
+            return released
+
+    monkeypatch.setattr(tr, "rl_update", lambda *a, **k: calls.append("update") or {"skipped_update": 1.0})
+    monkeypatch.setattr(tr, "collate", lambda samples, pad: samples)
+    fake = SimpleNamespace(_producer=producer, generator=Gen(), engine=SimpleNamespace(pad_id=0), cfg=None,
+                           rng=None, step=0, folder=SimpleNamespace(link=None), behind=0,
+                           sync_weights=lambda: calls.append("sync"))
+    tr.Trainer.update(fake, [], None)
+    assert calls == expected

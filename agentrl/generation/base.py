@@ -28,6 +28,10 @@ class Generator(Protocol):
         (collective: ZeRO-3 gathers); ``staging`` is a folder the generator may write weights to. Returns
         sync metrics (time, server check) for the step's log."""
 
+    def release(self) -> bool:
+        """Free the accelerator memory generation holds while the learner trains (colocated vLLM servers
+        sleep); True when it did, and then the next ``receive`` gives it back. Collective."""
+
     def close(self) -> None: ...
 
 

@@ -62,7 +62,8 @@ class RemoteGenerator:
         self.lora_name: str | None = None
 
     # ----- HTTP -------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One JSON call to the server (``path`` under its base URL): the decoded reply, or a one-line error."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
@@ -93,13 +94,13 @@ class RemoteGenerator:
             return {"text": raw.decode(errors="replace")}
 
     def models(self) -> list[str]:
-        return [m["id"] for m in self._request("GET", "/v1/models")["data"]]
+        return [m["id"] for m in self.request("GET", "/v1/models")["data"]]
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self._request("GET", "/health")
+                self.request("GET", "/health")
                 return
             except GenerationServerError:
                 if time.monotonic() > deadline:
@@ -148,7 +149,7 @@ class RemoteGenerator:
             return b
 
         def post(ic: tuple[int, list[list[int]]]) -> dict[str, Any]:
-            return self._request("POST", "/v1/completions", body(*ic))
+            return self.request("POST", "/v1/completions", body(*ic))
 
         if len(chunks) == 1:  # the per-trajectory loop's single-row calls: no thread to start for one request
             replies = [post((starts[0], chunks[0]))]
@@ -198,7 +199,7 @@ class RemoteGenerator:
 
     def score(self, ids: list[int]) -> list[float]:
         """Server-side log-probs of ``ids[1:]`` given their prefixes (echo), for checking a weight sync."""
-        reply = self._request("POST", "/v1/completions", dict(model=self.lora_name or self.model, prompt=[ids],
+        reply = self.request("POST", "/v1/completions", dict(model=self.lora_name or self.model, prompt=[ids],
                                                                max_tokens=0 if self.backend != "vllm" else 1,
                                                                echo=True, logprobs=0, temperature=1.0,
                                                                return_tokens_as_token_ids=True))
@@ -207,11 +208,11 @@ class RemoteGenerator:
 
     def collective_rpc(self, method: str, args: list[str]) -> Any:
         """Call ``method`` on every worker of a vLLM server (needs VLLM_SERVER_DEV_MODE=1 there)."""
-        return self._request("POST", "/collective_rpc", {"method": method, "args": args})
+        return self.request("POST", "/collective_rpc", {"method": method, "args": args})
 
     def reset_prefix_cache(self) -> None:
         if self.backend == "vllm":
-            self._request("POST", "/reset_prefix_cache")
+            self.request("POST", "/reset_prefix_cache")
 
     def receive(self, engine: Any, staging: Path) -> dict[str, float]:
         """``agentrl serve``: the engine exports an HF folder (collectively; rank 0 writes it) and rank 0
@@ -227,19 +228,22 @@ class RemoteGenerator:
         dist.barrier()
         return dict(time_sync_s=time.perf_counter() - t)
 
+    def release(self) -> bool:
+        return False  # holds nothing an update could use
+
     def close(self) -> None:
         pass
 
     def load_weights(self, source: Any, lora: bool = False) -> None:
         if lora:
             name = f"policy-{int(time.time() * 1000)}"
-            self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(source)})
+            self.request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(source)})
             self.lora_name = name
             return
         if self.backend == "vllm":
             raise GenerationServerError("vLLM has no full-weight reload route: restart it on the new folder "
                                         "(VLLMServer.restart) or sync a LoRA adapter")
-        self._request("POST", "/load_weights", {"path": str(source)})
+        self.request("POST", "/load_weights", {"path": str(source)})
 
 
 def check_sync(client: RemoteGenerator, model: Any, ids: list[int], atol: float = 1e-3) -> float:

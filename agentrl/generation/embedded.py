@@ -134,6 +134,9 @@ class EmbeddedGenerator:
             self.load_weights(engine)
         return {}
 
+    def release(self) -> bool:
+        return False  # holds nothing an update could use
+
     def close(self) -> None:
         pass
 

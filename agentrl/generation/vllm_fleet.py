@@ -180,23 +180,23 @@ class VLLMFleet:
             raise GenerationServerError(f"no generation server took {what}: " +
                                         "; ".join(f"{n}: {w}" for n, w in self.pool.dead.items()))
 
-    def release(self) -> None:
+    def release(self) -> bool:
         """Colocated servers (``vllm.colocate``): free their KV cache and weights while the learner trains
-        (vLLM's /sleep, level 1: weights to host memory); the next ``receive`` wakes them. Collective. The
-        trainer does not call it yet: colocated servers keep their vllm.gpu_memory_utilization share
-        through the update, which the launch plan's learner budget already leaves out."""
+        (vLLM's /sleep, level 1: weights to host memory); the next ``receive`` wakes them. Collective; the
+        trainer calls it before each update (not under the overlap, whose producer samples meanwhile)."""
         if not self.vcfg.colocate or self.asleep:
-            return
+            return False
         if dist.is_main():
             for n in self.pool.live:
-                self.pool.clients[n]._request("POST", "/sleep?level=1")
+                self.pool.clients[n].request("POST", "/sleep?level=1")
         self.asleep = True
+        return True
 
     def wake_up(self, tags: str = "") -> None:
         """Colocated servers back on the GPU (vLLM's /wake_up; ``tags``: "weights" or "kv_cache" alone)."""
         if dist.is_main():
             for n in self.pool.live:
-                self.pool.clients[n]._request("POST", "/wake_up" + (f"?tags={tags}" if tags else ""))
+                self.pool.clients[n].request("POST", "/wake_up" + (f"?tags={tags}" if tags else ""))
 
     def _push_adapter(self, engine: Any) -> None:
         """LoRA: the adapter alone (megabytes) through vLLM's runtime adapter route, under a new name per

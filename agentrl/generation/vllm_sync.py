@@ -102,7 +102,7 @@ def _each(clients: dict[str, Any], call: Any, timeout_s: float) -> dict[str, str
 def probe_live(clients: dict[str, Any], timeout_s: float = 10.0) -> dict[str, str]:
     """{name: why} of the servers that do not answer ``/health`` within ``timeout_s`` (rank 0 asks before a
     pass; the fleet broadcasts the answer, so every rank drops the same servers)."""
-    return _each(clients, lambda c: c._request("GET", "/health"), timeout_s)
+    return _each(clients, lambda c: c.request("GET", "/health"), timeout_s)
 
 
 def weights_nbytes(named_params: Iterable[tuple[str, Any]]) -> int:
@@ -138,7 +138,7 @@ def _gib(n: float) -> str:
 def server_worlds(clients: dict[str, Any]) -> dict[str, int]:
     """Each server's worker count (vLLM's ``GET /get_world_size``: TP x PP x DP), the ranks it takes in
     an NCCL weight-transfer group."""
-    return {n: int(c._request("GET", "/get_world_size")["world_size"]) for n, c in clients.items()}
+    return {n: int(c.request("GET", "/get_world_size")["world_size"]) for n, c in clients.items()}
 
 
 def group_layout(worlds: dict[str, int]) -> tuple[int, dict[str, int]]:
