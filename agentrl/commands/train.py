@@ -25,7 +25,9 @@ def add_parser(sub: Any) -> None:
                        epilog="example: agentrl train grpo --env sokoban rollout.group_size=8 trainer.steps=50")
     t.add_argument("recipe", nargs="?", default="grpo", help="recipe name or YAML path (default grpo)")
     _common(t)
-    t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    t.add_argument("--print-config", nargs="?", const="yaml", choices=["yaml", "sources"],
+                   help="print the resolved config and exit; =sources: each value set away from its default with "
+                        "where it came from (recipe, demo overlay, model overlay, user)")
     t.set_defaults(func=run_train)
     e = sub.add_parser("eval", help="evaluate a model or checkpoint: success, pass@k, per category")
     e.add_argument("--split", default="valid")
@@ -43,15 +45,19 @@ def add_parser(sub: Any) -> None:
     pl.set_defaults(func=run_plot)
 
 
-def _config(args: argparse.Namespace, recipe: str) -> Any:
-    from agentrl.config_loader import load_config
-
+def _overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.overrides or [])
     if args.seed is not None:
         overrides.append(f"trainer.seed={args.seed}")
     if args.out:
         overrides.append(f"trainer.out_dir={args.out}")
-    return load_config(recipe, env=args.env, overrides=overrides, model=args.model)
+    return overrides
+
+
+def _config(args: argparse.Namespace, recipe: str) -> Any:
+    from agentrl.config_loader import load_config
+
+    return load_config(recipe, env=args.env, overrides=_overrides(args), model=args.model)
 
 
 def _trainer(cfg: Any) -> Any:
@@ -64,6 +70,13 @@ def _trainer(cfg: Any) -> Any:
 
 def run_train(args: argparse.Namespace) -> int:
     cfg = _config(args, args.recipe)
+    if args.print_config == "sources":
+        from agentrl.config_loader import config_sources, flat_config
+
+        values = flat_config(cfg)
+        for key, where in config_sources(args.recipe, args.env, _overrides(args), args.model).items():
+            print(f"{key}: {values[key]!r}  # {where}")
+        return 0
     if args.print_config:
         import yaml
 
