@@ -267,8 +267,9 @@ def config_sources(recipe: str, env: str | None = None, overrides: list[str] | t
             if k not in prev or prev[k] != v:
                 out[k] = label
         prev = now
-    if model is not None:
-        out["model.name"] = "user"
+    for key, given in (("model.name", model), ("env", env)):
+        if given is not None:
+            out[key] = "user"
     return out
 
 

@@ -1,5 +1,5 @@
 """The CPU demos' tuning (demo overlays) reaches the demo models only; a model folder gets each recipe's own
-(paper) settings, and ``--print-config=sources`` says where each value came from (issue 84, item 1)."""
+(paper) settings, and ``--print-sources`` says where each value came from (issue 84, item 1)."""
 from pathlib import Path
 
 import pytest
@@ -45,11 +45,11 @@ def test_crps_alfworld_on_a_folder_is_the_papers_and_tiny_is_the_demos(folder):
 
 
 def test_print_config_sources_names_each_values_origin(folder, capsys):
-    assert main(["train", "crps", "--env", "alfworld", "--model", "tiny", "--print-config=sources",
+    assert main(["train", "crps", "--env", "alfworld", "--model", "tiny", "--print-sources",
                  "rollout.groups=4"]) == 0
     lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
     assert lines["rollout.groups"].endswith("# user") and lines["optim.lr"].endswith("# demo overlay")
     assert lines["extra.ema"].endswith("# recipe") and lines["extra.capacity"] == "16  # demo overlay"
-    assert main(["train", "crps", "--env", "alfworld", "--model", folder, "--print-config=sources"]) == 0
+    assert main(["train", "crps", "--env", "alfworld", "--model", folder, "--print-sources"]) == 0
     assert "demo overlay" not in capsys.readouterr().out
     assert Path(folder).is_dir()

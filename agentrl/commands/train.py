@@ -25,9 +25,10 @@ def add_parser(sub: Any) -> None:
                        epilog="example: agentrl train grpo --env sokoban rollout.group_size=8 trainer.steps=50")
     t.add_argument("recipe", nargs="?", default="grpo", help="recipe name or YAML path (default grpo)")
     _common(t)
-    t.add_argument("--print-config", nargs="?", const="yaml", choices=["yaml", "sources"],
-                   help="print the resolved config and exit; =sources: each value set away from its default with "
-                        "where it came from (recipe, demo overlay, model overlay, user)")
+    t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    t.add_argument("--print-sources", action="store_true",
+                   help="print each value set away from its default with where it came from (recipe, demo "
+                        "overlay, model overlay, user) and exit")
     t.set_defaults(func=run_train)
     e = sub.add_parser("eval", help="evaluate a model or checkpoint: success, pass@k, per category")
     e.add_argument("--split", default="valid")
@@ -70,7 +71,7 @@ def _trainer(cfg: Any) -> Any:
 
 def run_train(args: argparse.Namespace) -> int:
     cfg = _config(args, args.recipe)
-    if args.print_config == "sources":
+    if args.print_sources:
         from agentrl.config_loader import config_sources, flat_config
 
         values = flat_config(cfg)
