@@ -7,7 +7,8 @@ it: a child recipe's own keys beat its base's overlay; an outside suite's env su
 the suite's, ``gem``), carry ``demo_overlays: {alfworld: {models: [tiny, smollm2], ...}}`` (a CPU demo's
 tuning: merged like an env overlay, but only when the run's model is one of the demo models the overlay's
 ``models`` lists, ``[tiny]`` if it lists none, or no model is named; any other model or a model folder gets the
-recipe's own, the paper's, settings), carry ``model_overlays: {smollm2: {...}}`` (at the top or inside an env overlay:
+recipe's own, the paper's, settings, with ``paper_overlays: {ENV: {...}}``: a paper's per-env values, merged
+for every run no demo overlay of that env is for), carry ``model_overlays: {smollm2: {...}}`` (at the top or inside an env overlay:
 merged when that model is chosen, by ``--model`` or ``model.name=...``: a pretrained model wants other SFT
 settings than one trained from scratch), and be overridden from the command line with
 ``rollout.max_turns=5``-style strings (values parsed as YAML, aliases bounded). Every key is checked against
@@ -123,6 +124,7 @@ def recipe_yaml(name_or_path: str) -> Path:
 
 
 DEMO_MODELS = ("tiny",)  # a demo overlay's models when it lists none
+DEMO_RUN = "__demo_run__"  # set in a resolved YAML when a demo overlay of its env is for the run's model
 
 
 def is_demo_model(model: str | None, models: Any) -> bool:
@@ -171,19 +173,27 @@ def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None 
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"{path}: bad value for 'base': {base!r}; allowed: a recipe name (e.g. base: grpo) or a "
                           "path to a .yaml")
-    overlays: list[dict[str, Any]] = []
+    env_over = dem = paper = None
+    demo_run = False  # whether this level's demo overlay is for the run's model
     if env is not None:
-        overlays.append(_env_overlay(path, data, "env_overlays", env) or {})
-        dem = _env_overlay(path, data, "demo_overlays", env) or {}
-        models = dem.pop("models", DEMO_MODELS)
-        if not isinstance(models, list | tuple) or not all(isinstance(m, str) for m in models):
-            raise ConfigError(f"{path}: demo_overlays.{env}.models must be a list of model names, got {models!r}")
-        if demo and is_demo_model(model, models):
-            overlays.append(dem)
+        env_over = _env_overlay(path, data, "env_overlays", env)
+        paper = _env_overlay(path, data, "paper_overlays", env)
+        dem = _env_overlay(path, data, "demo_overlays", env)
+        if dem is not None:
+            dem = dict(dem)
+            models = dem.pop("models", DEMO_MODELS)
+            if not isinstance(models, list | tuple) or not all(isinstance(m, str) for m in models):
+                raise ConfigError(f"{path}: demo_overlays.{env}.models must be a list of model names, got {models!r}")
+            demo_run = is_demo_model(model, models)
     if base:
         data = deep_merge(resolve_yaml(base, seen + (str(path),), env, model, demo), data)
-    for overlay in overlays:
-        data = deep_merge(data, overlay)
+    demo_run = demo_run or bool(data.pop(DEMO_RUN, False))
+    # paper_overlays: a paper's per-env values, for every run the demo's tuning is not for
+    for overlay in (env_over, None if demo_run else paper, dem if demo and demo_run else None):
+        if overlay:
+            data = deep_merge(data, overlay)
+    if demo_run:
+        data[DEMO_RUN] = True
     # A recipe's YAML names its own class; a user's YAML derived from it inherits the base's class.
     data["method"] = own_method or data.get("method") or path.stem
     data["recipe"] = path.stem
@@ -216,6 +226,7 @@ def _load(recipe: str, env: str | None, overrides: list[str] | tuple[str, ...], 
     parsed = [(text, *parse_override(text)) for text in overrides]
     chosen = _chosen_model(recipe, chosen_env, parsed, model)
     data = resolve_yaml(recipe, env=chosen_env, model=chosen, demo=demo)
+    data.pop(DEMO_RUN, None)
     name = data["recipe"]
     data["env"] = chosen_env
     if model:
