@@ -1,16 +1,16 @@
 """Loading a recipe: YAML with inheritance and per-env overlays, dotted overrides.
 
 A recipe YAML may say ``base: grpo`` (deep-merged over the base recipe's YAML; every chain ends in
-``recipes/base.yaml``: the dataclass defaults, with the CPU demos' tuning in its env overlays), carry
+``recipes/base.yaml``: the dataclass defaults, with the CPU demos' tuning in its demo overlays), carry
 ``env_overlays: {alfworld: {...}}`` (merged when that env is chosen, over the keys of the YAML that carries
 it: a child recipe's own keys beat its base's overlay; an outside suite's env such as ``gem:game:X`` takes
 the suite's, ``gem``), carry ``demo_overlays: {alfworld: {models: [tiny, smollm2], ...}}`` (a CPU demo's
 tuning: merged like an env overlay, but only when the run's model is one of the demo models the overlay's
 ``models`` lists, ``[tiny]`` if it lists none, or no model is named; any other model or a model folder gets the
 recipe's own, the paper's, settings, with ``paper_overlays: {ENV: {...}}``: a paper's per-env values, merged
-for every run no demo overlay of that env is for), carry ``model_overlays: {smollm2: {...}}`` (at the top or inside an env overlay:
-merged when that model is chosen, by ``--model`` or ``model.name=...``: a pretrained model wants other SFT
-settings than one trained from scratch), and be overridden from the command line with
+for every run no demo overlay of that env is for), carry ``model_overlays: {smollm2: {...}}`` (at the top or
+inside an env overlay: merged when that model is chosen, by ``--model`` or ``model.name=...``: a pretrained
+model wants other SFT settings than one trained from scratch), and be overridden from the command line with
 ``rollout.max_turns=5``-style strings (values parsed as YAML, aliases bounded). Every key is checked against
 the schema (``agentrl.config``) before any work starts; a wrong key or value fails with one line naming it
 and what is allowed.
