@@ -53,3 +53,12 @@ def test_print_config_sources_names_each_values_origin(folder, capsys):
     assert main(["train", "crps", "--env", "alfworld", "--model", folder, "--print-sources"]) == 0
     assert "demo overlay" not in capsys.readouterr().out
     assert Path(folder).is_dir()
+
+
+def test_spear_on_a_folder_gets_table_8_and_on_tiny_the_demo(folder):
+    paper = load_config("spear", env="alfworld", model=folder)
+    r = paper.rollout
+    assert (r.groups, r.group_size, r.temperature, r.max_turns, r.max_new_tokens) == (32, 8, 0.4, 50, 512)
+    assert paper.optim.lr == 1e-6 and load_config("spear", env="webshop", model=folder).extra["warmup_steps"] == 200
+    demo = load_config("spear", env="sokoban", model="tiny")
+    assert (demo.rollout.groups, demo.rollout.temperature, demo.optim.lr) == (16, 1.0, 5e-5)
