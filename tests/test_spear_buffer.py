@@ -4,8 +4,6 @@ is J_GRPO + gamma * J_SIL, each term a mean over its own rows (eq. 5)."""
 import random
 from types import SimpleNamespace
 
-import torch
-
 from agentrl import load_config
 from agentrl.types import Episode, Turn
 
@@ -29,16 +27,17 @@ def n_tokens(rows):
     return sum(sum(s.loss_mask) for s in rows)
 
 
-def test_self_imitation_fires_within_three_steps_at_the_papers_batch(tmp_path):
+def test_self_imitation_fires_within_three_steps_at_the_papers_batch(tiny_model_dir):
+    from agentrl.learner.engine import EngineConfig, OptimConfig, TorchEngine
     from agentrl.recipe import RECIPES
     import agentrl.recipes  # noqa: F401  (registers the recipe classes)
 
-    (tmp_path / "config.json").write_text("{}")
-    cfg = load_config("spear", env="sokoban", model=str(tmp_path),
+    cfg = load_config("spear", env="sokoban", model=str(tiny_model_dir),
                       overrides=["rollout.groups=32", "rollout.group_size=8", "extra.warmup_steps=2"])
     recipe = RECIPES.get(cfg.method)(cfg)
     assert recipe.sil.capacity == 2048  # the paper's N_D at the paper's batch
-    engine = SimpleNamespace(pad_id=0, logprobs=lambda b, temp: torch.full(b.input_ids.shape, -1.0))
+    # the tiny model re-scores the replay rows (their old log-probs under the current policy)
+    engine = TorchEngine(tiny_model_dir, EngineConfig(optim=OptimConfig(lr=1e-5), token_budget=100_000))
     trainer = SimpleNamespace(engine=engine, rng=random.Random(0), step=0)
     fired = None
     for step in range(3):
@@ -62,7 +61,8 @@ def test_self_imitation_fires_within_three_steps_at_the_papers_batch(tmp_path):
     # the same for both); one token mean over both kinds of row would weigh it by N_SIL / N instead
     both = (tokens_adv(samples) + tokens_adv(sil)) / (n_tokens(samples) + n_tokens(sil))
     assert abs(both - (orig + gamma * 1.5)) < 0.02, (both, orig, gamma)
-    assert recipe.sil.size == 0 and metrics["sil_trajectories"] > 0
+    assert recipe.sil.size == 0 and metrics["sil_trajectories"] == 128  # both steps' 64 wins, all A~ > 0
+    assert all(lp < 0 for s in sil for lp, m in zip(s.old_logprobs, s.loss_mask) if m)  # the model's, re-scored
 
 
 def test_buffer_size_follows_the_runs_batch():
