@@ -62,7 +62,7 @@ class RolloutCfg:
     context_overflow: Literal["trim", "truncate", "error"] = "trim"
     require_think: bool = False  # a response needs <think>...</think> before its answer, else it gets format_penalty
     format_penalty: float = -0.1  # reward added to a turn without a valid answer
-    max_actions_per_turn: int = 0  # actions one response may take (0: the env's own, e.g. Sokoban 1)
+    max_actions_per_turn: int = 0  # actions one response may take (0: the env's own; Sokoban's parser takes 5)
     max_episode_actions: int = 0  # actions an episode may take in all, then it is truncated (0: no cap)
     # per turn whose actions changed nothing (same env fingerprint before and after); a shaping term
     ineffective_penalty: float = 0.0

@@ -1,12 +1,16 @@
 """Loading a recipe: YAML with inheritance and per-env overlays, dotted overrides.
 
 A recipe YAML may say ``base: grpo`` (deep-merged over the base recipe's YAML; every chain ends in
-``recipes/base.yaml``: the dataclass defaults, with the CPU demos' tuning in its env overlays), carry
+``recipes/base.yaml``: the dataclass defaults, with the CPU demos' tuning in its demo overlays), carry
 ``env_overlays: {alfworld: {...}}`` (merged when that env is chosen, over the keys of the YAML that carries
 it: a child recipe's own keys beat its base's overlay; an outside suite's env such as ``gem:game:X`` takes
-the suite's, ``gem``), carry ``model_overlays: {smollm2: {...}}`` (at the top or inside an env overlay:
-merged when that model is chosen, by ``--model`` or ``model.name=...``: a pretrained model wants other SFT
-settings than one trained from scratch), and be overridden from the command line with
+the suite's, ``gem``), carry ``demo_overlays: {alfworld: {models: [tiny, smollm2], ...}}`` (a CPU demo's
+tuning: merged like an env overlay, but only when the run's model is one of the demo models the overlay's
+``models`` lists, ``[tiny]`` if it lists none, or no model is named; any other model or a model folder gets the
+recipe's own, the paper's, settings, with ``paper_overlays: {ENV: {...}}``: a paper's per-env values, merged
+for every run no demo overlay of that env is for), carry ``model_overlays: {smollm2: {...}}`` (at the top or
+inside an env overlay: merged when that model is chosen, by ``--model`` or ``model.name=...``: a pretrained
+model wants other SFT settings than one trained from scratch), and be overridden from the command line with
 ``rollout.max_turns=5``-style strings (values parsed as YAML, aliases bounded). Every key is checked against
 the schema (``agentrl.config``) before any work starts; a wrong key or value fails with one line naming it
 and what is allowed.
@@ -166,10 +170,37 @@ def recipe_yaml(name_or_path: str) -> Path:
     return cand
 
 
-def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None = None) -> dict[str, Any]:
+DEMO_MODELS = ("tiny",)  # a demo overlay's models when it lists none
+DEMO_RUN = "__demo_run__"  # set in a resolved YAML when a demo overlay of its env is for the run's model
+
+
+def is_demo_model(model: str | None, models: Any) -> bool:
+    """Whether a demo overlay listing ``models`` applies to a run of ``model`` (None: the recipe's own model,
+    the demo's); ``tiny:hidden_size=256`` is a sized ``tiny``."""
+    if model is None:
+        return True
+    return any(model == m or model.startswith(f"{m}:") for m in models)
+
+
+def _env_overlay(path: Path, data: dict[str, Any], key: str, env: str) -> dict[str, Any] | None:
+    overlays = data.pop(key, None) or {}
+    if not isinstance(overlays, dict):
+        raise ConfigError(f"{path}: {key} must map env names to sections, got {type(overlays).__name__}")
+    # an outside suite's envs ("gem:game:GuessTheNumber-v0") also take the suite's overlay ("gem"); a wrapped
+    # env ("latency:sokoban") takes its inner env's, so a benchmark runs the same settings with delays added
+    inner = env.split(":", 1)[1] if env.startswith("latency:") else env
+    overlay = overlays.get(inner, overlays.get(inner.split(":")[0]) if ":" in inner else None)
+    if overlay is not None and not isinstance(overlay, dict):
+        raise ConfigError(f"{path}: {key}.{env} must be a mapping of sections, got {type(overlay).__name__}")
+    return overlay
+
+
+def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None = None,
+                 model: str | None = None, demo: bool = True) -> dict[str, Any]:
     """The recipe's YAML with its ``base`` chain merged in (base first). With ``env``, each level's overlay
     for that env is applied right after that level's own keys, so a recipe's own setting beats an overlay
     it inherits (``leafe`` says ``trainer.steps: 1``; its base's alfworld overlay must not make that 10).
+    A level's demo overlay for ``env`` follows its env overlay when ``demo`` and ``model`` is one of its models.
 
     A recipe class of the user's (``mypkg.mod:MyRecipe``) takes the settings of the YAML its ``base``
     attribute names; a YAML names its class with ``recipe: mypkg.mod:MyRecipe`` (or ``method:``)."""
@@ -177,7 +208,7 @@ def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None 
 
     if is_import_path(name_or_path):
         cls = lookup(RECIPES, name_or_path, "recipe")
-        data = resolve_yaml(getattr(cls, "base", "base"), seen + (name_or_path,), env)
+        data = resolve_yaml(getattr(cls, "base", "base"), seen + (name_or_path,), env, model, demo)
         return dict(data, method=name_or_path, recipe=cls.__name__.lower())
     path = recipe_yaml(name_or_path)
     if str(path) in seen:
@@ -189,21 +220,27 @@ def resolve_yaml(name_or_path: str, seen: tuple[str, ...] = (), env: str | None 
     if base is not None and not isinstance(base, str):
         raise ConfigError(f"{path}: bad value for 'base': {base!r}; allowed: a recipe name (e.g. base: grpo) or a "
                           "path to a .yaml")
-    overlay = None
+    env_over = dem = paper = None
+    demo_run = False  # whether this level's demo overlay is for the run's model
     if env is not None:
-        overlays = data.pop("env_overlays", None) or {}
-        if not isinstance(overlays, dict):
-            raise ConfigError(f"{path}: env_overlays must map env names to sections, got {type(overlays).__name__}")
-        # an outside suite's envs ("gem:game:GuessTheNumber-v0") also take the suite's overlay ("gem"); a wrapped
-        # env ("latency:sokoban") takes its inner env's, so a benchmark runs the same settings with delays added
-        inner = env.split(":", 1)[1] if env.startswith("latency:") else env
-        overlay = overlays.get(inner, overlays.get(inner.split(":")[0]) if ":" in inner else None)
-        if overlay is not None and not isinstance(overlay, dict):
-            raise ConfigError(f"{path}: env_overlays.{env} must be a mapping of sections, got {type(overlay).__name__}")
+        env_over = _env_overlay(path, data, "env_overlays", env)
+        paper = _env_overlay(path, data, "paper_overlays", env)
+        dem = _env_overlay(path, data, "demo_overlays", env)
+        if dem is not None:
+            dem = dict(dem)
+            models = dem.pop("models", DEMO_MODELS)
+            if not isinstance(models, list | tuple) or not all(isinstance(m, str) for m in models):
+                raise ConfigError(f"{path}: demo_overlays.{env}.models must be a list of model names, got {models!r}")
+            demo_run = is_demo_model(model, models)
     if base:
-        data = deep_merge(resolve_yaml(base, seen + (str(path),), env), data)
-    if overlay:
-        data = deep_merge(data, overlay)
+        data = deep_merge(resolve_yaml(base, seen + (str(path),), env, model, demo), data)
+    demo_run = demo_run or bool(data.pop(DEMO_RUN, False))
+    # paper_overlays: a paper's per-env values, for every run the demo's tuning is not for
+    for overlay in (env_over, None if demo_run else paper, dem if demo and demo_run else None):
+        if overlay:
+            data = deep_merge(data, overlay)
+    if demo_run:
+        data[DEMO_RUN] = True
     # A recipe's YAML names its own class; a user's YAML derived from it inherits the base's class.
     data["method"] = own_method or data.get("method") or path.stem
     data["recipe"] = path.stem
@@ -227,14 +264,24 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def load_config(recipe: str, env: str | None = None, overrides: list[str] | tuple[str, ...] = (),
                 model: str | None = None) -> RecipeCfg:
+    return _load(recipe, env, overrides, model)
+
+
+def _load(recipe: str, env: str | None, overrides: list[str] | tuple[str, ...], model: str | None,
+          demo: bool = True, model_overlays: bool = True) -> RecipeCfg:
     chosen_env = env or resolve_yaml(recipe).get("env", RecipeCfg.env)
-    data = resolve_yaml(recipe, env=chosen_env)
+    parsed = [(text, *parse_override(text)) for text in overrides]
+    chosen = _chosen_model(recipe, chosen_env, parsed, model)
+    data = resolve_yaml(recipe, env=chosen_env, model=chosen, demo=demo)
+    data.pop(DEMO_RUN, None)
     name = data["recipe"]
     data["env"] = chosen_env
     if model:
         data.setdefault("model", {})["name"] = model
-    parsed = [(text, *parse_override(text)) for text in overrides]
-    data = _apply_model_overlay(data, parsed)
+    if model_overlays:
+        data = _apply_model_overlay(data, parsed)
+    else:
+        data.pop("model_overlays", None)
     for text, keys, value in parsed:
         node = data
         for k in keys[:-1]:
@@ -246,6 +293,57 @@ def load_config(recipe: str, env: str | None = None, overrides: list[str] | tupl
     cfg = build(RecipeCfg, data, "")
     _check_names(cfg)
     return cfg
+
+
+def _chosen_model(recipe: str, env: str, parsed: list[tuple[str, list[str], Any]], model: str | None) -> str | None:
+    """The model a run names (``--model``, then ``model.name=``, then a user YAML's ``model.name``); None when it
+    names none, so the recipe's own (demo) model runs."""
+    for _, keys, value in parsed:
+        if keys == ["model", "name"]:
+            model = str(value)
+    if model is None:
+        named = (resolve_yaml(recipe, env=env, demo=False).get("model") or {}).get("name")
+        model = named if isinstance(named, str) else None
+    return model
+
+
+def config_sources(recipe: str, env: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+                   model: str | None = None) -> dict[str, str]:
+    """Where each resolved value that differs from the dataclass default came from: ``recipe`` (the recipe YAML
+    chain and its env overlays: the paper's settings, each traced in a comment), ``demo overlay`` (a CPU demo's
+    tuning, for the demo models only), ``model overlay`` or ``user`` (``--model``, the command line)."""
+    layers = [("recipe", _load(recipe, env, (), None if model is None else model, demo=False,
+                               model_overlays=False)),
+              ("demo overlay", _load(recipe, env, (), model, model_overlays=False)),
+              ("model overlay", _load(recipe, env, (), model)),
+              ("user", _load(recipe, env, overrides, model))]
+    prev = flat_config(RecipeCfg())
+    out: dict[str, str] = {}
+    for label, cfg in layers:
+        now = flat_config(cfg)
+        for k, v in now.items():
+            if k not in prev or prev[k] != v:
+                out[k] = label
+        prev = now
+    for key, given in (("model.name", model), ("env", env)):
+        if given is not None:
+            out[key] = "user"
+    return out
+
+
+def flat_config(cfg: RecipeCfg) -> dict[str, Any]:
+    """The config as ``section.key: value`` (``extra`` and ``env_kwargs`` by their own keys)."""
+    out: dict[str, Any] = {}
+
+    def walk(d: dict[str, Any], prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[prefix + k] = v
+
+    walk(cfg.to_dict(), "")
+    return out
 
 
 def _apply_model_overlay(data: dict[str, Any], parsed: list[tuple[str, list[str], Any]]) -> dict[str, Any]:

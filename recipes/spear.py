@@ -14,9 +14,12 @@ Over-long samples (``overlong`` in ``algo.filters``, appendix A.8): a response c
 leaves the loss, its episode does not: the episode keeps its reward in its group's baseline and its other
 turns train (at ``algo.level: trajectory`` the sample is the whole episode, which then leaves the loss).
 
-One batch carries both terms: replay rows are tagged, their advantages are gamma * A~ and their
-old log-probs are recomputed under the current policy just before the update (as verl recomputes
-old log-probs), so the clipped ratio starts at 1 for them too.
+One batch carries both terms of eq. 5, J_GRPO + gamma * J_SIL, each normalised over its own rows: replay rows
+are tagged, their advantages A~ and their old log-probs recomputed under the current policy just before the
+update (as verl recomputes old log-probs), so the clipped ratio starts at 1 for them too; the surrogate is
+linear in the advantage, so scaling the on-policy rows' advantages by N/N_on and the replay rows' by
+gamma N/N_SIL (N: the batch's tokens, or rows for a per-sequence aggregation) turns the batch's one mean into
+the sum of the two means (exact over the batch; over each shuffled mini-batch in expectation).
 """
 from __future__ import annotations
 
@@ -43,7 +46,9 @@ SIL_TAG = 1
 
 @dataclass
 class SPEARParams:
-    buffer_size: int = 2048  # N_D, trajectories
+    # N_D in training samples (turns at the turn level; appendix A.4). 0: sized to the run's batch, the paper's
+    # 2048 for its 32 x 8 = 256 episodes a step scaled by episodes a step (paper_buffer_size)
+    buffer_size: int = 0
     baseline_size: int = 10240  # N_DR, group means
     warmup_steps: int = 100  # T_warm-up of gamma (eq. 13)
     decay_steps: int = 200  # T_decay of mu (eq. 14)
@@ -55,6 +60,16 @@ class SPEARParams:
     # does from its initial model, lb = mean covariance of the top 20% tokens, ub = that of the top 0.02%
     # (the paper's [2, 60] for its 1.5B+ models masks nothing on a tiny model, whose covariances are < 2)
     cov_bounds: list[float] = field(default_factory=list)
+
+
+PAPER_BUFFER = 2048  # N_D (Table 8)
+PAPER_EPISODES = 32 * 8  # train_batch_size x n_samples_per_prompt of the paper's agent runs (Table 8)
+
+
+def paper_buffer_size(episodes_per_step: int) -> int:
+    """N_D for a run of ``episodes_per_step`` episodes a step: the paper's 2048 samples per 256 episodes, so D
+    fills about as often (every two or three steps, appendix A.4) at any batch."""
+    return max(1, round(PAPER_BUFFER * episodes_per_step / PAPER_EPISODES))
 
 
 def intrinsic_reward(ep: Episode, mu: float, unit: float = 0.1, fmt: float = 0.1) -> float:
@@ -135,7 +150,8 @@ class SPEAR(GroupRecipe):
         if self.p.cov_bounds and (len(self.p.cov_bounds) != 2 or self.p.cov_bounds[0] >= self.p.cov_bounds[1]):
             raise ConfigError(f"bad value for 'extra.cov_bounds': {self.p.cov_bounds!r}; allowed: [omega_lb, omega_ub] "
                               "with omega_lb < omega_ub")
-        self.sil = SILBuffer(self.p.buffer_size)
+        r = cfg.rollout
+        self.sil = SILBuffer(self.p.buffer_size or paper_buffer_size(r.groups * r.group_size))
         self.baseline = BaselineBuffer(self.p.baseline_size)
         self.t = 0  # training iteration, for the schedules
         self.bounds: tuple[float, float] | None = tuple(self.p.cov_bounds) if self.p.cov_bounds else None
@@ -194,6 +210,21 @@ class SPEAR(GroupRecipe):
                 s.loss_mask[i], s.advantages[i], s.old_logprobs[i] = 0, 0.0, 0.0
             self.cov_masked += len(chosen)
 
+    def _add_objectives(self, on_policy: list[Sample], sil: list[Sample], gamma: float) -> None:
+        """Eq. 5: the batch's one mean made J_GRPO + gamma * J_SIL by scaling each part's advantages."""
+        if not sil:
+            return
+        per_token = self.cfg.algo.agg == "token-mean"
+
+        def size(rows: list[Sample]) -> int:
+            return sum(sum(1 for m in s.loss_mask if m) for s in rows) if per_token else len(rows)
+
+        n_on, n_sil = size(on_policy), size(sil)
+        n = n_on + n_sil
+        for rows, f in ((on_policy, n / n_on if n_on else 0.0), (sil, gamma * n / n_sil if n_sil else 0.0)):
+            for s in rows:
+                s.advantages = [a * f for a in s.advantages]
+
     def episode_filters(self) -> list[str]:
         return [f for f in super().episode_filters() if f != "overlong"]  # masked in make_batch instead
 
@@ -228,7 +259,7 @@ class SPEAR(GroupRecipe):
             self.bounds = first_step_bounds(episodes, self.reward)
         sil_samples: list[Sample] = []
         gamma = self.gamma()
-        if not self.sil.full:
+        if not self.sil.full:  # this step's positive-advantage trajectories enter; a full D fires at once
             by_episode: dict[int, list[Sample]] = defaultdict(list)
             for s in samples:
                 by_episode[s.meta["episode"]].append(s)
@@ -238,15 +269,16 @@ class SPEAR(GroupRecipe):
                 rs, lps = groups.get(g, []), group_lp.get(g, [])
                 self.sil.add(SILEntry(group, group[0].meta["reward"], adv, trainer.step,
                                       sum(rs) / len(rs) if rs else None, sum(lps) / len(lps) if lps else None))
-        else:
+        if self.sil.full:
             drained = self.sil.drain()
             kept = dual_filter(drained, self.baseline.p50())
-            sil_samples = self._sil_samples(trainer, kept, gamma) if gamma > 0 else []
+            sil_samples = self._sil_samples(trainer, kept, 1.0) if gamma > 0 else []
+            self._add_objectives(samples, sil_samples, gamma)
             metrics.update(sil_trajectories=float(len(kept)), sil_dropped=float(len(drained) - len(kept)),
                            sil_cov_masked=float(self.cov_masked if sil_samples else 0))
         if self.bounds:
             metrics.update(cov_bound_low=self.bounds[0], cov_bound_high=self.bounds[1])
-        metrics.update(sil_buffer=float(len(self.sil.entries)), sil_gamma=gamma, tool_mu=self.mu(),
+        metrics.update(sil_buffer=float(self.sil.size), sil_gamma=gamma, tool_mu=self.mu(),
                        baseline_p50=self.baseline.p50(), sil_samples=float(len(sil_samples)))
         return sil_samples
 

@@ -1,7 +1,9 @@
 """SPEAR's self-imitation buffers (section 4.2, algorithm 1).
 
 ``SILBuffer`` (D, size N_D) holds trajectories whose group advantage was positive when they were
-collected; ``BaselineBuffer`` (D_R, FIFO of size N_DR) holds recent intra-group mean rewards. When D is
+collected, and counts their training samples (turns at the turn level), as the paper's N_D = 2048 does: its
+batches of 256 trajectories hold ~4K turn samples and fill D every two or three steps (appendix A.4);
+``BaselineBuffer`` (D_R, FIFO of size N_DR) holds recent intra-group mean rewards. When D is
 full, each stored trajectory's advantage is recalibrated against the current baseline,
 A~ = R - P50(D_R) (eq. 2), only those with A^ > 0 and A~ > 0 are imitated (eq. 3), and D is emptied.
 """
@@ -27,12 +29,17 @@ class SILEntry:
 
 @dataclass
 class SILBuffer:
-    capacity: int = 2048  # N_D
+    capacity: int = 2048  # N_D, training samples
     entries: list[SILEntry] = field(default_factory=list)
 
     @property
+    def size(self) -> int:
+        """The samples held (an entry without samples counts as one)."""
+        return sum(len(e.samples) or 1 for e in self.entries)
+
+    @property
     def full(self) -> bool:
-        return len(self.entries) >= self.capacity
+        return self.size >= self.capacity
 
     def add(self, entry: SILEntry) -> bool:
         """Only trajectories with a positive advantage enter (eq. 1), and only while D is not full."""

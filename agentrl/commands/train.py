@@ -32,6 +32,9 @@ def add_parser(sub: Any) -> None:
     t.add_argument("--gpus-per-node", type=int, help="--dry-run: GPUs per node (default: this machine's)")
     t.add_argument("--gpu-memory-gib", type=float, help="--dry-run: memory of one GPU, GiB (default: this "
                    "machine's GPU, else 74.5: an 80 GB card)")
+    t.add_argument("--print-sources", action="store_true",
+                   help="print each value set away from its default with where it came from (recipe, demo "
+                        "overlay, model overlay, user) and exit")
     t.set_defaults(func=run_train)
     e = sub.add_parser("eval", help="evaluate a model or checkpoint: success, pass@k, per category")
     e.add_argument("--split", default="valid")
@@ -49,15 +52,19 @@ def add_parser(sub: Any) -> None:
     pl.set_defaults(func=run_plot)
 
 
-def _config(args: argparse.Namespace, recipe: str) -> Any:
-    from agentrl.config_loader import load_config
-
+def _overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.overrides or [])
     if args.seed is not None:
         overrides.append(f"trainer.seed={args.seed}")
     if args.out:
         overrides.append(f"trainer.out_dir={args.out}")
-    return load_config(recipe, env=args.env, overrides=overrides, model=args.model)
+    return overrides
+
+
+def _config(args: argparse.Namespace, recipe: str) -> Any:
+    from agentrl.config_loader import load_config
+
+    return load_config(recipe, env=args.env, overrides=_overrides(args), model=args.model)
 
 
 def _trainer(cfg: Any) -> Any:
@@ -103,6 +110,13 @@ def _run_on_every_rank(cfg: Any, work: Callable[[Any], Any]) -> tuple[Any, Any]:
 
 def run_train(args: argparse.Namespace) -> int:
     cfg = _config(args, args.recipe)
+    if args.print_sources:
+        from agentrl.config_loader import config_sources, flat_config
+
+        values = flat_config(cfg)
+        for key, where in config_sources(args.recipe, args.env, _overrides(args), args.model).items():
+            print(f"{key}: {values[key]!r}  # {where}")
+        return 0
     if args.print_config:
         import yaml
 
