@@ -30,6 +30,7 @@ import torch
 from agentrl.io_atomic import atomic_write_text, fsync_dir
 
 MARKER = ".agentrl-run"
+LOCK = ".agentrl-lock"  # held (an OS lock) by the run using the folder; holds its pid and host
 MANIFEST = "agentrl-checkpoint.json"
 FORMAT = "agentrl-checkpoint/1"
 LINK = "checkpoint"  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
@@ -57,6 +58,55 @@ def _legacy_run(out_dir: Path) -> bool:
                         for n in ("metrics.jsonl", LINK, "checkpoints", "final.json", "eval_episodes.jsonl"))
 
 
+def lock_run_folder(out_dir: Path) -> Any:
+    """An exclusive OS lock on the run folder, held while the returned file stays open. The kernel releases
+    it when the process dies, so a crashed run never blocks its own resume; a live run's lock is one
+    RunError naming its pid and host (two runs in one folder would write every metrics row twice and
+    rotate each other's checkpoints). Within one process the lock is shared: a run started again in the
+    process that holds it (a resume test, the Python API) takes it over."""
+    import fcntl
+    import socket
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key = str(out_dir.resolve())
+    if key in _HELD and not _HELD[key].closed:
+        return _HELD[key]
+    f = open(out_dir / LOCK, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise RunError(f"{out_dir} is in use by another run ({holder}): wait for it to end, or choose another "
+                       "trainer.out_dir (--out)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _HELD[key] = f
+    return f
+
+
+_HELD: dict[str, Any] = {}  # this process's folder locks (lock_run_folder)
+
+
+def check_claimable(out_dir: Path) -> bool:
+    """Refuse (one RunError, nothing written) a folder a run may not use: a file, or a non-empty folder with
+    neither a marker nor an older agentrl run's files in it. True: an older run's folder, to be adopted."""
+    if (out_dir / MARKER).is_file():
+        return False
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunError(f"trainer.out_dir {out_dir} is a file, not a folder: choose another trainer.out_dir (--out)")
+    entries = [e for e in out_dir.iterdir() if e.name != LOCK] if out_dir.is_dir() else []
+    legacy = bool(entries) and _legacy_run(out_dir)
+    if entries and not legacy:
+        raise RunError(f"trainer.out_dir {out_dir} is not empty and is not an agentrl run folder (no {MARKER}): a "
+                       "run writes and replaces files in its folder, so it will not use this one. Choose a new or "
+                       "empty folder with --out (trainer.out_dir)")
+    return legacy
+
+
 def claim_run_folder(out_dir: Path, about: dict[str, Any]) -> str:
     """This run's id: from the folder's marker, or a new one written into a new or empty folder (or a run
     folder of an older agentrl). Any other non-empty folder is refused: a run writes and replaces files there."""
@@ -67,14 +117,7 @@ def claim_run_folder(out_dir: Path, about: dict[str, Any]) -> str:
         except (ValueError, KeyError, TypeError, OSError):
             raise RunError(f"{marker} is not a marker agentrl wrote (unreadable): choose another trainer.out_dir "
                            "(--out)") from None
-    if out_dir.exists() and not out_dir.is_dir():
-        raise RunError(f"trainer.out_dir {out_dir} is a file, not a folder: choose another trainer.out_dir (--out)")
-    entries = list(out_dir.iterdir()) if out_dir.is_dir() else []
-    legacy = bool(entries) and _legacy_run(out_dir)
-    if entries and not legacy:
-        raise RunError(f"trainer.out_dir {out_dir} is not empty and is not an agentrl run folder (no {MARKER}): a "
-                       "run writes and replaces files in its folder, so it will not use this one. Choose a new or "
-                       "empty folder with --out (trainer.out_dir)")
+    legacy = check_claimable(out_dir)
     # an older run's sealed checkpoints keep their id, so rotation still recognises them as this run's
     ids = [m["run_id"] for m in map(read_manifest, step_folders(out_dir / "checkpoints")) if m and m.get("run_id")]
     run_id = ids[0] if legacy and ids else uuid.uuid4().hex

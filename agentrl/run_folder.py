@@ -100,6 +100,7 @@ class RunFolder:
 
     def __init__(self, cfg: RecipeCfg, rank: int, world: int):
         self.cfg, self.rank, self.world, self.is_main = cfg, rank, world, rank == 0
+        self._lock: Any = None  # rank 0's lock on the folder (``close`` or the process's end releases it)
         self.path = cfg.out_dir
         self.link = self.path / LINK
         try:
@@ -121,6 +122,8 @@ class RunFolder:
         if self.is_main:
             about = dict(recipe=self.cfg.recipe, env=self.cfg.env, model=str(self.cfg.model.name))
             try:
+                ckpt.check_claimable(self.path)  # a folder that is not a run's is refused before any write
+                self._lock = ckpt.lock_run_folder(self.path)  # then another live run in it
                 found = (ckpt.claim_run_folder(self.path, about), None)
             except RunError as e:
                 found = (None, str(e))
@@ -282,6 +285,12 @@ class RunFolder:
         what = "Nothing was" if before_writes else "No checkpoint was"
         return (head + f". {what} changed or deleted; to start over, choose another trainer.out_dir (--out) "
                 "or move this run folder away")
+
+    def close(self) -> None:
+        """Release the folder's lock (a run in the same process may then use it)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     # ----- the run's result --------------------------------------------------------------------
     def write_final(self, final: dict[str, float]) -> dict[str, float]:

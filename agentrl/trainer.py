@@ -474,6 +474,7 @@ class Trainer:
         self.generator.close()
         self.envs.close()
         self.engine.close()
+        self.folder.close()
 
     def __enter__(self) -> "Trainer":
         return self

@@ -78,6 +78,30 @@ def test_a_folder_that_is_not_a_run_folder_is_refused(tiny_model_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written
 
 
+def test_a_second_run_in_a_folder_in_use_is_refused_naming_the_holder(tiny_model_dir, tmp_path):
+    """Another process holds the folder (a live run): refused in one line naming its pid and host, nothing of
+    the holder's touched; once it dies (the kernel drops its lock, as for a crashed run) the folder is usable."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from agentrl.checkpoint import lock_run_folder as lock; "
+                               "f = lock(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)", str(out)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunError, match=rf"is in use by another run \(pid {holder.pid} on .+\): wait for it"):
+            make(out, tiny_model_dir)
+        assert sorted(p.name for p in out.iterdir()) == [".agentrl-lock"]  # no marker, no config.yaml
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    t = make(out, tiny_model_dir)  # the holder is gone: its lock went with it
+    t.close()
+
+
 def test_a_run_folder_of_an_older_version_is_adopted(tmp_path):
     (tmp_path / "config.yaml").write_text("model:\n  name: tiny\ntrainer:\n  steps: 2\n")
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
