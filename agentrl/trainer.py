@@ -574,12 +574,8 @@ class Trainer:
             dist.barrier()
             if self.is_main:
                 ckpt.seal(folder, self.run_id, self.step)
-        except OSError as e:  # a full disk: drop the partial save (this run's), keep the previous checkpoint, say so
-            if self.is_main:
-                shutil.rmtree(folder, ignore_errors=True)
-            raise RunError(f"checkpoint at step {self.step} failed ({e.strerror or e}) and was removed; the last "
-                           f"complete one is {self.out_dir / CHECKPOINT_LINK}. Free space and run the same command "
-                           "to resume") from None
+        except ckpt.WRITE_ERRORS as e:  # a full disk: drop the partial save (this run's), keep the previous one, say so
+            raise ckpt.write_failed(e, folder, self.out_dir / CHECKPOINT_LINK, remove=self.is_main) from None
         if self.is_main:
             ckpt.point_link(self.out_dir, folder)
             ckpt.rotate(root, self.cfg.trainer.keep_checkpoints, self.run_id, folder)
