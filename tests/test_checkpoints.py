@@ -302,6 +302,39 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(run
     assert os.readlink(run / "checkpoint") == "checkpoints/step-000002" and ckpt.verify(run / "checkpoint") is None
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_says_where_the_run_stopped_and_how_to_resume(tiny_model_dir, tmp_path):
+    """SIGTERM ended a run in 0.07 s with exit code 143 and no word: it still does, and says at which step it
+    stopped, the checkpoint it resumes from, and how."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "train", "grpo", "--env", "bandit",
+                             *overrides(out, tiny_model_dir, "trainer.steps=200", "trainer.checkpoint_every=2")],
+                            cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 200
+        while not ((out / "metrics.jsonl").is_file() and steps(out)[-1:] >= [3]) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.2)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode in (143, -signal.SIGTERM) and took < 5, err[-3000:]  # killed by it, or exit 128 + 15
+    target, missing = ckpt.link_target(out)
+    assert not missing and ckpt.verify(target) is None
+    assert lines[-1].startswith("stopped by SIGTERM in step ") and f" of {out} " in lines[-1]
+    assert lines[-1].endswith(f"(the last checkpoint is {target.name}): run the same command to resume")
+
+
 def test_a_failed_write_of_torch_or_safetensors_is_the_save_error(tmp_path):
     """How each writer reports a write past a file size limit (torch: a RuntimeError "unexpected pos";
     safetensors: an "I/O error") is recognised as a failed write; any other error is raised as it is."""

@@ -70,6 +70,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     trainer = _trainer(cfg)
+    if trainer.is_main:
+        _say_where_sigterm_stops(trainer)
     try:
         final = trainer.train()
     finally:
@@ -77,6 +79,42 @@ def run_train(args: argparse.Namespace) -> int:
     if trainer.is_main:
         print(json.dumps({"run": str(cfg.out_dir), **final}, indent=1))
     return 0
+
+
+def _say_where_sigterm_stops(trainer: Any) -> None:
+    """SIGTERM ended a run without a word: say at which step it stopped and how to resume, then exit 143 at
+    once as before (nothing is saved: the kept checkpoints are intact). A thread reading the signal's wakeup
+    fd does it, so a main thread held in C code (a collective, a long op) does not delay the stop."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    from agentrl import checkpoint as ckpt
+
+    once = threading.Lock()
+
+    def stop(*_: Any) -> None:
+        if not once.acquire(blocking=False):
+            return
+        try:
+            target, _missing = ckpt.link_target(trainer.out_dir)
+            last = f"the last checkpoint is {target.name}" if target is not None else "there is no checkpoint yet"
+            print(f"stopped by SIGTERM in step {trainer.step + 1} of {trainer.out_dir} ({last}): run the same command "
+                  "to resume", file=sys.stderr, flush=True)
+        finally:
+            os._exit(128 + signal.SIGTERM)
+
+    def watch(fd: int) -> None:
+        while True:
+            if signal.SIGTERM in os.read(fd, 64):
+                stop()
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.signal(signal.SIGTERM, stop)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    threading.Thread(target=watch, args=(r,), daemon=True, name="sigterm").start()
 
 
 def run_eval(args: argparse.Namespace) -> int:
