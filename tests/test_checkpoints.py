@@ -335,6 +335,21 @@ def test_sigterm_says_where_the_run_stopped_and_how_to_resume(tiny_model_dir, tm
     assert lines[-1].endswith(f"(the last checkpoint is {target.name}): run the same command to resume")
 
 
+def test_the_sigterm_message_is_undone_after_the_run(tmp_path):
+    """In-process callers of ``agentrl train`` (tests, notebooks) get their SIGTERM handling back."""
+    import signal
+    from types import SimpleNamespace
+
+    from agentrl.commands.train import _say_where_sigterm_stops
+
+    before, fd = signal.getsignal(signal.SIGTERM), signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    undo = _say_where_sigterm_stops(SimpleNamespace(is_main=True, out_dir=tmp_path, step=0))
+    assert signal.getsignal(signal.SIGTERM) is not before
+    undo()
+    assert signal.getsignal(signal.SIGTERM) is before and signal.set_wakeup_fd(fd) == fd
+
+
 def test_a_failed_write_of_torch_or_safetensors_is_the_save_error(tmp_path):
     """How each writer reports a write past a file size limit (torch: a RuntimeError "unexpected pos";
     safetensors: an "I/O error") is recognised as a failed write; any other error is raised as it is."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from agentrl.types import Episode
@@ -70,21 +70,22 @@ def run_train(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     trainer = _trainer(cfg)
-    if trainer.is_main:
-        _say_where_sigterm_stops(trainer)
+    undo = _say_where_sigterm_stops(trainer)
     try:
         final = trainer.train()
     finally:
+        undo()
         trainer.close()
     if trainer.is_main:
         print(json.dumps({"run": str(cfg.out_dir), **final}, indent=1))
     return 0
 
 
-def _say_where_sigterm_stops(trainer: Any) -> None:
-    """SIGTERM ended a run without a word: say at which step it stopped and how to resume, then exit 143 at
-    once as before (nothing is saved: the kept checkpoints are intact). A thread reading the signal's wakeup
-    fd does it, so a main thread held in C code (a collective, a long op) does not delay the stop."""
+def _say_where_sigterm_stops(trainer: Any) -> Callable[[], None]:
+    """Until the returned undo is called: SIGTERM, which ended a run without a word, says at which step it
+    stopped and how to resume, then exits 143 at once as before (nothing is saved; the kept checkpoints are
+    intact). A thread reading the signal's wakeup fd does it, so a main thread held in C code (a collective,
+    a long op) does not delay the stop. Rank 0 only, from the main thread (Python's signal rule)."""
     import os
     import signal
     import sys
@@ -92,6 +93,8 @@ def _say_where_sigterm_stops(trainer: Any) -> None:
 
     from agentrl import checkpoint as ckpt
 
+    if not trainer.is_main or threading.current_thread() is not threading.main_thread():
+        return lambda: None
     once = threading.Lock()
 
     def stop(*_: Any) -> None:
@@ -105,16 +108,24 @@ def _say_where_sigterm_stops(trainer: Any) -> None:
         finally:
             os._exit(128 + signal.SIGTERM)
 
-    def watch(fd: int) -> None:
-        while True:
-            if signal.SIGTERM in os.read(fd, 64):
+    def watch() -> None:
+        while (got := os.read(r, 64)) and 0 not in got:  # a 0 byte: undone
+            if signal.SIGTERM in got:
                 stop()
+        os.close(r)
+        os.close(w)
 
     r, w = os.pipe()
     os.set_blocking(w, False)
-    signal.signal(signal.SIGTERM, stop)
-    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    threading.Thread(target=watch, args=(r,), daemon=True, name="sigterm").start()
+    old_handler, old_fd = signal.signal(signal.SIGTERM, stop), signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    threading.Thread(target=watch, daemon=True, name="sigterm").start()
+
+    def undo() -> None:
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGTERM, old_handler)
+        os.write(w, b"\0")
+
+    return undo
 
 
 def run_eval(args: argparse.Namespace) -> int:
