@@ -70,15 +70,22 @@ def run_train(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     trainer = _trainer(cfg)
-    undo = _say_where_sigterm_stops(trainer)
     try:
-        final = trainer.train()
+        final = _train(trainer)
     finally:
-        undo()
         trainer.close()
     if trainer.is_main:
         print(json.dumps({"run": str(cfg.out_dir), **final}, indent=1))
     return 0
+
+
+def _train(trainer: Any) -> Any:
+    """``trainer.train()``, a SIGTERM meanwhile saying where the run stopped."""
+    undo = _say_where_sigterm_stops(trainer)
+    try:
+        return trainer.train()
+    finally:
+        undo()
 
 
 def _say_where_sigterm_stops(trainer: Any) -> Callable[[], None]:
