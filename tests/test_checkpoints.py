@@ -294,10 +294,12 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(run
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "grpo", "--env", "bandit",
                           *overrides(run, tiny_model_dir, "trainer.steps=3")], preexec_fn=limit_files,
                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=240)
-    errors = [x for x in out.stderr.splitlines() if "error" in x.lower()]
+    errors = [x for x in out.stderr.splitlines() if x.startswith("error")]
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(errors) == 1, out.stderr[-3000:]
-    assert errors[0].startswith(f"error: checkpoint {run / 'checkpoints' / 'step-000003'} could not be written (")
-    assert "and was removed: a checkpoint needs about" in errors[0] and f"capped at {cap / 2**20:.1f} MiB" in errors[0]
+    assert errors[0].startswith(f"error: checkpoint {run / 'checkpoints' / 'step-000003'} could not be written ("), \
+        errors[0]
+    assert "and was removed: a checkpoint needs about" in errors[0], errors[0]
+    assert f"capped at {cap / 2**20:.1f} MiB" in errors[0], errors[0]
     assert ckpt.step_folders(run / "checkpoints") == [run / "checkpoints" / f"step-00000{k}" for k in (2, 1)]
     assert os.readlink(run / "checkpoint") == "checkpoints/step-000002" and ckpt.verify(run / "checkpoint") is None
 
