@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+from safetensors import SafetensorError
 
 from agentrl.io_atomic import atomic_write_text, fsync_dir
 
@@ -457,6 +458,49 @@ def clear_for_save(folder: Path, run_id: str) -> None:
     else:
         raise RunError(f"{folder} exists and was not written by this run: move it out of {folder.parent}, then run "
                        "the same command again")
+
+
+# How a write that failed (a full disk, a file size limit) reaches a save: an OSError from Python, a RuntimeError
+# from torch's zip writer ("unexpected pos"), an "I/O error" from safetensors. Only these become the one line.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "I/O error")
+
+
+def write_failed(e: BaseException, folder: Path, last: Path, remove: bool) -> RunError:
+    """The one line for a save into ``folder`` that could not write: it names the folder, the space a
+    checkpoint needs (the last complete one's size) and the space there is; the partial folder, this run's,
+    is removed when ``remove`` (rank 0). Any other error (a bug) is raised again as it is, with its traceback."""
+    if isinstance(e, RunError) or not (isinstance(e, OSError) or any(m in str(e) for m in _WRITE_FAILED)):
+        raise e
+    written = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+    previous = [m for f in sealed_checkpoints(folder.parent) if f != folder and (m := read_manifest(f))]
+    size = sum(x.get("bytes", 0) for x in previous[0].get("files", {}).values()) if previous else 0
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
+    if isinstance(e, OSError):
+        why = e.strerror or str(e)
+    elif isinstance(e, SafetensorError):
+        why = str(e).split("I/O error: ")[-1].splitlines()[0]
+    else:  # torch's message ("unexpected pos 4194304 vs 4194237") says no more than this
+        why = "torch could not write its file"
+    need = f"about {_gib(size)}" if size >= written else f"more than {_gib(written)}"
+    limit = ""
+    try:
+        import resource
+
+        cap = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if cap != resource.RLIM_INFINITY:
+            limit = f", and files are capped at {_gib(cap)} (ulimit -f)"
+    except (ImportError, OSError, ValueError):
+        pass
+    kept = f"the last complete one, {last}, is kept" if last.exists() else "there is no complete one yet"
+    free = _gib(shutil.disk_usage(folder.parent).free)
+    return RunError(f"checkpoint {folder} could not be written ({why}) and was removed: a checkpoint needs {need}, "
+                    f"its disk has {free} free{limit}; {kept}. Free space and run the same command to resume")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def point_link(out_dir: Path, folder: Path) -> None:

@@ -10,7 +10,6 @@ ranks. Every method is collective unless it says otherwise; rank 0 alone writes 
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,11 +166,8 @@ class RunFolder:
                            folder / "trainer.pt")
             dist.barrier()
             ckpt.seal_by_ranks(folder, self.run_id, step, self.rank, self.world, dist.all_gather_object)
-        except OSError as e:  # a full disk: drop the partial save (this run's), keep the previous checkpoint, say so
-            if self.is_main:
-                shutil.rmtree(folder, ignore_errors=True)
-            raise RunError(f"checkpoint at step {step} failed ({e.strerror or e}) and was removed; the last "
-                           f"complete one is {self.link}. Free space and run the same command to resume") from None
+        except ckpt.WRITE_ERRORS as e:  # a full disk: drop the partial save (this run's), keep the previous one, say so
+            raise ckpt.write_failed(e, folder, self.link, remove=self.is_main) from None
         if self.is_main:
             ckpt.point_link(self.path, folder)
             ckpt.rotate(root, self.cfg.trainer.keep_checkpoints, self.run_id, folder)

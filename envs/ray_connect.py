@@ -64,6 +64,25 @@ def check_address(address: str, timeout: float = 10.0) -> None:
                        "for a local instance") from None
 
 
+def runtime_lost(timeout: float = 5.0) -> str:
+    """"" while this process's Ray runtime answers, else why not: its GCS and its own node's raylet must
+    accept a connection within ``timeout``. Without them Ray cannot start an actor, and waits for one
+    without end (a lost raylet left a run silent for minutes): the pool checks before it restarts one."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return "Ray is not running in this process"
+    node = getattr(ray._private.worker.global_worker, "node", None)
+    if node is None:  # a ray:// client: its server's runtime is Ray's to watch
+        return ""
+    for what, addr in (("GCS", node.gcs_address), ("raylet", f"{node.node_ip_address}:{node.node_manager_port}")):
+        host, _, port = addr.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except (OSError, ValueError) as e:
+            return f"its {what} at {addr} does not answer ({getattr(e, 'strerror', None) or e})"
+    return ""
+
+
 def _start_local(ray: Any, num_cpus: float, resources: dict[str, float]) -> None:
     # Ray resolves "127.0.0.1" to the host's routable address unless it thinks clusters are off (as on
     # macOS): switch that off for the start only, so every Ray socket of the local instance is on loopback.

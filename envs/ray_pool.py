@@ -8,8 +8,10 @@ fingerprints and restores are the same on either pool.
 Faults: an actor that dies (killed, OOM, segfault, node lost) or hangs past ``step_timeout`` is killed and a
 new one started (wherever Ray places it); every slot it held replays its journal, fingerprint-checked, on
 its next request. A slot whose replay diverges or whose request keeps failing is dropped and counted, like
-``EnvPool``'s. ``submit`` (``envs/slots.py``) runs one slot's request in that slot's thread, which waits on
-the actor's Ray future; requests on different actors run concurrently.
+``EnvPool``'s. A lost Ray runtime (its GCS or this node's raylet not answering) can start no actor:
+the pool raises one ``EnvError`` line instead of waiting on Ray. ``submit`` (``envs/slots.py``) runs one
+slot's request in that slot's thread, which waits on the actor's Ray future; requests on different actors
+run concurrently.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 
 from agentrl.envs.base import EnvError
 from agentrl.envs.pool import JournalledSlots, _handle, _last_line
-from agentrl.envs.ray_connect import connect, disconnect, import_ray
+from agentrl.envs.ray_connect import connect, disconnect, import_ray, runtime_lost
 from agentrl.envs.replay import DivergenceError
 from agentrl.registry import plugin_modules
 
@@ -130,6 +132,7 @@ class RayEnvPool(JournalledSlots):
         try:
             status, payload = ray.get(self.actors[a].handle.ready.remote(), timeout=self.start_timeout)
         except ray.exceptions.GetTimeoutError:
+            self._check_runtime()
             return (f"not started within {self.start_timeout:.0f}s (does the cluster have a node with the "
                     "CPUs, memory and resources that rollout.ray_num_cpus/ray_memory_mb/ray_resources ask for?)")
         except ray.exceptions.RayError as e:
@@ -147,8 +150,18 @@ class RayEnvPool(JournalledSlots):
                 pass
             self.actors[a].handle = None
 
+    def _check_runtime(self) -> None:
+        """Raise when the Ray runtime itself is lost: no actor can start again, and Ray would wait for
+        one without end."""
+        why = runtime_lost()
+        if why:
+            raise EnvError(f"the Ray runtime of the env actors is lost: {why}; the run cannot go on "
+                           "without it (start Ray again, or leave trainer.ray_address empty for a local "
+                           "instance, and rerun the command: it resumes from the last checkpoint)")
+
     def _restart(self, a: int) -> str:
         """Kill actor ``a`` and start another (caller holds its lock); "" or why the new one failed."""
+        self._check_runtime()
         self._kill(a)
         self._count("restarts")
         self.actors[a].gen += 1

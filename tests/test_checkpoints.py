@@ -18,13 +18,17 @@ def make(out: Path, model_dir: Path, *extra: str):
     from agentrl.recipe import RECIPES
     from agentrl.trainer import Trainer
 
-    cfg = load_config("grpo", env="bandit", overrides=[
-        f"model.name={model_dir}", f"trainer.out_dir={out}", "trainer.steps=2", "sft.enabled=false", "eval.tasks=0",
-        "trainer.progress=false", "trainer.tensorboard=false", "rollout.groups=2", "rollout.group_size=2",
-        "rollout.max_new_tokens=8", "trainer.checkpoint_every=1", "optim.lr=1e-3",
-        # every step updates: no group is filtered out, and the entropy term gives a gradient even without reward
-        "algo.filters=[dropped]", "algo.entropy_coef=0.01", *extra])
+    cfg = load_config("grpo", env="bandit", overrides=overrides(out, model_dir, *extra))
     return Trainer(cfg, RECIPES.get(cfg.method)(cfg))
+
+
+def overrides(out: Path, model_dir: Path, *extra: str) -> list[str]:
+    """The tests' run (grpo on the bandit), as dotted overrides: ``agentrl train grpo --env bandit`` takes them too."""
+    return [f"model.name={model_dir}", f"trainer.out_dir={out}", "trainer.steps=2", "sft.enabled=false", "eval.tasks=0",
+            "trainer.progress=false", "trainer.tensorboard=false", "rollout.groups=2", "rollout.group_size=2",
+            "rollout.max_new_tokens=8", "trainer.checkpoint_every=1", "optim.lr=1e-3",
+            # every step updates: no group is filtered out, and the entropy term gives a gradient even without reward
+            "algo.filters=[dropped]", "algo.entropy_coef=0.01", *extra]
 
 
 def train(out: Path, model_dir: Path, *extra: str) -> dict:
@@ -292,6 +296,120 @@ def test_a_torn_final_json_does_not_break_the_rerun(run, tiny_model_dir):
     assert json.loads((run / "final.json").read_text()) == {}
     ckpt_tmp = [p.name for p in run.iterdir() if ".tmp" in p.name]
     assert not ckpt_tmp
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(run, tiny_model_dir):
+    """Files capped below a checkpoint's (``ulimit -f``; SIGXFSZ ignored, so a write fails instead of killing):
+    the save of step 3 fails. It was a 28-line traceback ending in torch's ``RuntimeError ... unexpected pos``
+    and left the partial ``step-000003`` behind."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    cap = (run / "checkpoints" / "step-000002" / "engine.pt").stat().st_size // 2
+
+    def limit_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # kept across exec: the write raises EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
+
+    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "train", "grpo", "--env", "bandit",
+                          *overrides(run, tiny_model_dir, "trainer.steps=3")], preexec_fn=limit_files,
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=240)
+    errors = [x for x in out.stderr.splitlines() if x.startswith("error")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(errors) == 1, out.stderr[-3000:]
+    assert errors[0].startswith(f"error: checkpoint {run / 'checkpoints' / 'step-000003'} could not be written ("), \
+        errors[0]
+    assert "and was removed: a checkpoint needs about" in errors[0], errors[0]
+    assert f"capped at {cap / 2**20:.1f} MiB" in errors[0], errors[0]
+    assert ckpt.step_folders(run / "checkpoints") == [run / "checkpoints" / f"step-00000{k}" for k in (2, 1)]
+    assert os.readlink(run / "checkpoint") == "checkpoints/step-000002" and ckpt.verify(run / "checkpoint") is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_says_where_the_run_stopped_and_how_to_resume(tiny_model_dir, tmp_path):
+    """SIGTERM ended a run in 0.07 s with exit code 143 and no word: it still does, and says at which step it
+    stopped, the checkpoint it resumes from, and how."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "train", "grpo", "--env", "bandit",
+                             *overrides(out, tiny_model_dir, "trainer.steps=200", "trainer.checkpoint_every=2")],
+                            cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 200
+        while not ((out / "metrics.jsonl").is_file() and steps(out)[-1:] >= [3]) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.2)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode in (143, -signal.SIGTERM) and took < 5, err[-3000:]  # killed by it, or exit 128 + 15
+    target, missing = ckpt.link_target(out)
+    assert not missing and ckpt.verify(target) is None
+    assert lines[-1].startswith("stopped by SIGTERM in step ") and f" of {out} " in lines[-1]
+    assert lines[-1].endswith(f"(the last checkpoint is {target.name}): run the same command to resume")
+
+
+def test_the_sigterm_message_is_undone_after_the_run(tmp_path):
+    """In-process callers of ``agentrl train`` (tests, notebooks) get their SIGTERM handling back."""
+    import signal
+    from types import SimpleNamespace
+
+    from agentrl.commands.train import _say_where_sigterm_stops
+
+    before, fd = signal.getsignal(signal.SIGTERM), signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    undo = _say_where_sigterm_stops(SimpleNamespace(is_main=True, out_dir=tmp_path, step=0))
+    assert signal.getsignal(signal.SIGTERM) is not before
+    undo()
+    assert signal.getsignal(signal.SIGTERM) is before and signal.set_wakeup_fd(fd) == fd
+
+
+def test_a_failed_write_of_torch_or_safetensors_is_the_save_error(tmp_path):
+    """How each writer reports a write past a file size limit (torch: a RuntimeError "unexpected pos";
+    safetensors: an "I/O error") is recognised as a failed write; any other error is raised as it is."""
+    import resource
+    import signal
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "checkpoints" / "step-000001"
+    folder.mkdir(parents=True)
+    big = torch.zeros(2**18)  # 1 MiB
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    caught = []
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, hard))  # this process's own files only, until restored
+        for write in (lambda: torch.save({"x": big}, folder / "engine.pt"),
+                      lambda: save_file({"x": big}, folder / "model.safetensors")):
+            with pytest.raises(ckpt.WRITE_ERRORS) as e:
+                write()
+            caught.append(e.value)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert isinstance(caught[0], RuntimeError) and "unexpected pos" in str(caught[0])  # torch's words for it
+    last = tmp_path / "checkpoint"
+    for e in caught:
+        err = ckpt.write_failed(e, folder, last, remove=False)
+        assert str(err).startswith(f"checkpoint {folder} could not be written (") and "\n" not in str(err)
+        assert "there is no complete one yet" in str(err)
+    with pytest.raises(RuntimeError, match="^a bug$"):
+        ckpt.write_failed(RuntimeError("a bug"), folder, last, remove=True)
+    ckpt.write_failed(caught[0], folder, last, remove=True)
+    assert not folder.exists()
 
 
 def test_a_kill_before_the_first_checkpoint_leaves_no_duplicate_step_0(tiny_model_dir, tmp_path):

@@ -171,6 +171,70 @@ def test_lost_env_node_its_actors_start_on_another_and_replay():
     assert res["same"] and res["restarts"] == 2 and res["replayed"] == 2 and res["dropped"] == 0
 
 
+def lost_runtime_main():
+    """In a process of its own (it kills its Ray): a pool on a local Ray instance whose raylet is killed
+    mid-run; the pool is used until it raises (at most 90 s). Prints the Ray pids, then the outcome."""
+    from agentrl.envs.ray_pool import RayEnvPool
+
+    pool = RayEnvPool("sokoban", 2, step_timeout=10, start_timeout=30)
+    node = ray._private.worker.global_worker.node
+    print(json.dumps({"pids": [p.process.pid for ps in node.all_processes.values() for p in ps]}), flush=True)
+    os.kill(node.all_processes["raylet"][0].process.pid, signal.SIGKILL)
+    t, error = time.monotonic(), None
+    try:
+        while time.monotonic() - t < 90:
+            pool.reset({0: ("train/00001", 0), 1: ("train/00002", 0)})
+            pool.step({0: "Up", 1: "Up"})
+            time.sleep(0.5)
+    except EnvError as e:
+        error = str(e)
+    print(json.dumps({"error": error, "after_s": time.monotonic() - t}), flush=True)
+    pool.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_lost_ray_runtime_is_one_error_line_in_bounded_time():
+    """The raylet killed under a pool in use (killing Ray's DashboardAgent took it down the same way): the
+    actors die with it and none can start again; Ray itself waits for one without end (a run sat silent for
+    14.5 minutes). The pool says so in one line within seconds of Ray noticing (~15 s of missed heartbeats)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local instance
+    env.update(RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.Popen([sys.executable, "-c", "import tests.test_ray_pool as t; t.lost_runtime_main()"],
+                            env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    _kill_leftovers(proc.pid, out)
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert proc.returncode == 0 and len(rows) == 2, err[-2000:]
+    error, after_s = rows[1]["error"], rows[1]["after_s"]
+    assert error and "\n" not in error, f"no error within 90 s: {err[-2000:]}"
+    assert "the Ray runtime of the env actors is lost: its raylet at 127.0.0.1:" in error
+    assert "resumes from the last checkpoint" in error and after_s < 60
+
+
+def _kill_leftovers(pgid, out):
+    """Ray processes the child started that outlived it (its GCS, dashboard, ...), by pid and group."""
+    pids = [p for x in out.splitlines() if x.startswith('{"pids"') for p in json.loads(x)["pids"]]
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ray" in f.read():  # still Ray's, not a reused pid
+                    os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 @pytest.mark.timeout(120)
 def test_actors_import_the_drivers_plugins_to_find_a_registered_name(monkeypatch):
     """The cluster was started before the driver read $AGENTRL_PLUGINS (so its workers lack it): the actors

@@ -126,10 +126,66 @@ def run_train(args: argparse.Namespace) -> int:
         from agentrl.commands.plan import run as plan
 
         return plan(cfg, args.nodes, args.gpus_per_node, args.gpu_memory_gib)
-    trainer, final = _run_on_every_rank(cfg, lambda t: t.train())
+    trainer, final = _run_on_every_rank(cfg, _train)
     if trainer.is_main:
         print(json.dumps({"run": str(cfg.out_dir), **final}, indent=1))
     return 0
+
+
+def _train(trainer: Any) -> Any:
+    """``trainer.train()``, a SIGTERM meanwhile saying where the run stopped."""
+    undo = _say_where_sigterm_stops(trainer)
+    try:
+        return trainer.train()
+    finally:
+        undo()
+
+
+def _say_where_sigterm_stops(trainer: Any) -> Callable[[], None]:
+    """Until the returned undo is called: SIGTERM, which ended a run without a word, says at which step it
+    stopped and how to resume, then exits 143 at once as before (nothing is saved; the kept checkpoints are
+    intact). A thread reading the signal's wakeup fd does it, so a main thread held in C code (a collective,
+    a long op) does not delay the stop. Rank 0 only, from the main thread (Python's signal rule)."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    from agentrl import checkpoint as ckpt
+
+    if not trainer.is_main or threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    once = threading.Lock()
+
+    def stop(*_: Any) -> None:
+        if not once.acquire(blocking=False):
+            return
+        try:
+            target, _missing = ckpt.link_target(trainer.out_dir)
+            last = f"the last checkpoint is {target.name}" if target is not None else "there is no checkpoint yet"
+            print(f"stopped by SIGTERM in step {trainer.step + 1} of {trainer.out_dir} ({last}): run the same command "
+                  "to resume", file=sys.stderr, flush=True)
+        finally:
+            os._exit(128 + signal.SIGTERM)
+
+    def watch() -> None:
+        while (got := os.read(r, 64)) and 0 not in got:  # a 0 byte: undone
+            if signal.SIGTERM in got:
+                stop()
+        os.close(r)
+        os.close(w)
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    old_handler, old_fd = signal.signal(signal.SIGTERM, stop), signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    threading.Thread(target=watch, daemon=True, name="sigterm").start()
+
+    def undo() -> None:
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGTERM, old_handler)
+        os.write(w, b"\0")
+
+    return undo
 
 
 def run_eval(args: argparse.Namespace) -> int:
