@@ -330,25 +330,6 @@ class Trainer:
         got = self._producer.pending if self._producer is not None else None
         return dict(collected=ckpt.to_plain(got, "collected step")) if got is not None else {}
 
-    def _verify_checkpoints(self) -> dict[Path, str | None]:
-        """Rank 0 verifies the complete checkpoints against their manifests, newest first, up to the first intact
-        one; every rank gets each verdict (None: intact). Run before anything is written (config.yaml, tb/): with
-        checkpoints but none intact it raises ``load_checkpoint``'s one line, whose "nothing was changed" holds."""
-        root = self.out_dir / "checkpoints"
-        verdicts: dict[str, str | None] = {}
-        if self.is_main:
-            for folder in ckpt.sealed_checkpoints(root):
-                verdicts[str(folder)] = ckpt.verify(folder)
-                if verdicts[str(folder)] is None:
-                    break
-        verdicts = dist.broadcast_object(verdicts)
-        if all(why is not None for why in verdicts.values()):
-            target, dangling = ckpt.link_target(self.out_dir)
-            skipped = [(Path(f), str(why)) for f, why in verdicts.items()]
-            if skipped or dangling or (target is not None and (target / "trainer.pt").exists()):
-                raise RunError(self._nothing_to_resume(root, target, dangling, skipped))
-        return {Path(f): why for f, why in verdicts.items()}
-
     def load_checkpoint(self) -> bool:
         """Resume from the run folder's newest intact checkpoint (``RunFolder.resume``); False: a new run."""
         got = self.folder.resume(self.engine, self.echo)
