@@ -428,16 +428,6 @@ class DeepSpeedEngine:
             put(p, torch.zeros(p.ds_shape if hasattr(p, "ds_shape") else p.shape))
         _reset_adam(self.critic_optimizer)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Gather the sharded parameters; rank 0 gets a full state dict, other ranks None."""
-        import deepspeed
-
-        module = self.ds.module.policy
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            if self.rank == 0:
-                return {k: v.detach().clone() for k, v in module.state_dict().items()}
-        return None
-
     def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every rank: the policy's parameters, each gathered from its ZeRO-3 shards while it is yielded
         (one at a time: never the whole model in one buffer)."""
