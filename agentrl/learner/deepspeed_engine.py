@@ -310,8 +310,9 @@ class DeepSpeedEngine:
 
     def set_reference(self, folder: str | Path | None) -> None:
         """Collective. Freeze the reference policy: the weights in ``folder`` as a ZeRO-3 engine without an
-        optimizer, sharded over the ranks like the policy (and offloaded where the policy's parameters are),
-        in the training dtype (bf16 when the DeepSpeed config enables it)."""
+        optimizer, loaded and sharded over the ranks like the policy (``zero.Init``: no rank holds it whole;
+        offloaded where the policy's parameters are), in the training dtype (bf16 when the DeepSpeed config
+        enables it)."""
         import deepspeed
 
         from agentrl.learner.models import load_model
@@ -320,7 +321,8 @@ class DeepSpeedEngine:
             raise ValueError("trainer.engine=deepspeed needs a weights folder for the reference policy")
         ds = reference_ds_config(self.ds.config)
         dtype = "bfloat16" if ds["bf16"]["enabled"] else self.cfg.dtype
-        model = load_model(folder, dtype, "cpu").eval()
+        with sharded_loading(ds, dtype):  # like the policy: each rank builds and keeps only its shard
+            model = load_model(folder, dtype, "cpu").eval()
         for p in model.parameters():
             p.requires_grad_(False)
         self.reference, *_ = deepspeed.initialize(model=_WithValueHead(model, None), config=ds)
