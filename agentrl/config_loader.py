@@ -17,6 +17,7 @@ and what is allowed.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +180,17 @@ def is_demo_model(model: str | None, models: Any) -> bool:
     the demo's); ``tiny:hidden_size=256`` is a sized ``tiny``."""
     if model is None:
         return True
+    model = demo_model_of(model)
     return any(model == m or model.startswith(f"{m}:") for m in models)
+
+
+def demo_model_of(model: str) -> str:
+    """The demo model a folder holds (its config.json's ``agentrl_model``: agentrl's tiny and SmolLM2 builds
+    write it and every export keeps it, so a demo run's warm start is still the demo model); else ``model``."""
+    try:
+        return str(json.loads((Path(model).expanduser() / "config.json").read_text()).get("agentrl_model") or model)
+    except (OSError, ValueError, AttributeError):
+        return model
 
 
 def _env_overlay(path: Path, data: dict[str, Any], key: str, env: str) -> dict[str, Any] | None:

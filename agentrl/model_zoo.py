@@ -88,7 +88,8 @@ def _convert_smollm2(out: Path) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
     cfg = loaded.config.to_dict()
     cfg.pop("quantization_config", None)
-    plain = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures",)}))
+    plain = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures",)},
+                                         agentrl_model="smollm2"))  # see build_tiny
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     if [m for m in missing if "lm_head" not in m] or unexpected:
         raise ModelError(f"smollm2 conversion: missing {missing}, unexpected {unexpected}")
@@ -128,7 +129,8 @@ def tiny_overrides(spec: str) -> dict[str, int]:
 
 
 def tiny_folder(**overrides: Any) -> Path:
-    final = cache_dir("models") / ("tiny" + ("-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    # "tiny2": folders built before the config named its demo model (agentrl_model) are not reused
+    final = cache_dir("models") / ("tiny2" + ("-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
                                             if overrides else ""))
     return _publish(lambda out: build_tiny(out, **overrides), final)
 
@@ -183,7 +185,9 @@ def build_tiny(out: Path, corpus: list[str] | None = None, seed: int = 0, **over
     tok.chat_template = CHATML
     cfg["vocab_size"] = len(tok)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=True, bos_token_id=None,
+    # agentrl_model: a folder of this model (and every export of it, which keeps the config) is the demo model,
+    # so the CPU demo's tuning applies to it as to `tiny` (agentrl.config_loader.is_demo_model)
+    model = LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=True, bos_token_id=None, agentrl_model="tiny",
                                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)

@@ -50,7 +50,7 @@ def _ask(generator: Any) -> int | None:
     if clients:
         lengths = [n for n in (context_length(c) for c in clients.values()) if n]
         return min(lengths) if lengths else None
-    if hasattr(generator, "models") and hasattr(generator, "_request"):  # RemoteGenerator
+    if hasattr(generator, "models") and hasattr(generator, "request"):  # RemoteGenerator
         for m in generator.request("GET", "/v1/models").get("data", []):
             if m.get("max_model_len") and m.get("id") in (generator.model, getattr(generator, "lora_name", None)):
                 return int(m["max_model_len"])
