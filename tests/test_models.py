@@ -51,8 +51,8 @@ def test_tiny_spec_sizes_the_model_and_names_a_bad_key(monkeypatch, tmp_path):
     monkeypatch.setattr(model_zoo, "cache_dir", lambda *parts: tmp_path)
     monkeypatch.setattr(model_zoo, "build_tiny",
                         lambda out, **kw: (built.append(kw), (out / "config.json").write_text("{}")))
-    assert resolve_model("tiny:num_hidden_layers=6").name == "tiny-num_hidden_layers6"
-    assert resolve_model("tiny").name == "tiny" and built == [{"num_hidden_layers": 6}, {}]
+    assert resolve_model("tiny:num_hidden_layers=6").name == "tiny2-num_hidden_layers6"
+    assert resolve_model("tiny").name == "tiny2" and built == [{"num_hidden_layers": 6}, {}]
 
 
 @pytest.mark.slow

@@ -27,12 +27,21 @@ def n_tokens(rows):
     return sum(sum(s.loss_mask) for s in rows)
 
 
-def test_self_imitation_fires_within_three_steps_at_the_papers_batch(tiny_model_dir):
+def test_self_imitation_fires_within_three_steps_at_the_papers_batch(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
     from agentrl.learner.engine import EngineConfig, OptimConfig, TorchEngine
     from agentrl.recipe import RECIPES
     import agentrl.recipes  # noqa: F401  (registers the recipe classes)
 
-    cfg = load_config("spear", env="sokoban", model=str(tiny_model_dir),
+    # a model folder that is not a demo model (the tiny build's config names it the demo): the paper's settings
+    real = tmp_path / "real"
+    shutil.copytree(tiny_model_dir, real)
+    conf = json.loads((real / "config.json").read_text())
+    conf.pop("agentrl_model")
+    (real / "config.json").write_text(json.dumps(conf))
+    cfg = load_config("spear", env="sokoban", model=str(real),
                       overrides=["rollout.groups=32", "rollout.group_size=8", "extra.warmup_steps=2"])
     recipe = RECIPES.get(cfg.method)(cfg)
     assert recipe.sil.capacity == 2048  # the paper's N_D at the paper's batch
