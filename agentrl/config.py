@@ -30,6 +30,10 @@ class ModelCfg:
     # activation checkpointing (non-reentrant) on the learner's decoder layers and the critic's: the backward
     # pass recomputes each layer's activations instead of keeping them, for long rows (docs/guides/memory.md)
     gradient_checkpointing: bool = False
+    # the dtype of the HF folder each checkpoint writes (step-N/model): "auto" is bfloat16 under
+    # trainer.engine=deepspeed (a 7B export is 15 GB, not 30) and model.dtype under the torch engine. Resume
+    # reads the engine's own state, never this folder, so nothing is lost; SFT's warm start stays exact
+    export_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
 
 
 @dataclass

@@ -5,6 +5,7 @@ import sys
 
 
 from agentrl.algos.losses import Objective, ppo_objective
+from agentrl.checkpoint import export_dtype
 from agentrl.config import AlgoCfg
 from agentrl.learner.batch import collate
 from agentrl.learner.deepspeed_engine import DeepSpeedEngine
@@ -32,6 +33,7 @@ def main(model_dir, out_dir, steps):
     report = dict(rank=eng.rank, world=eng.world, partition=eng.partition_numel(), full=eng.full_numel(),
                   losses=losses)
     eng.export_weights(f"{out_dir}/exported")
+    eng.export_weights(f"{out_dir}/exported_ckpt", export_dtype("deepspeed", eng.cfg))  # what a checkpoint holds
     with open(f"{out_dir}/rank{eng.rank}.json", "w") as f:
         json.dump(report, f)
     eng.close()

@@ -56,6 +56,14 @@ def test_zero3_two_process_cpu_matches_single_process_torch(tiny_model_dir, tmp_
     ref = eng.model.state_dict()
     worst = max((exported[k] - ref[k]).abs().max().item() for k in ref if k in exported)
     assert worst < 1e-4, worst
+    # a checkpoint's HF folder under DeepSpeed is bfloat16 by default (model.export_dtype=auto): the same
+    # weights, rounded, and a config that says so
+    import torch
+
+    ckpt = load_model(tmp_path / "exported_ckpt", "bfloat16").state_dict()
+    assert json.loads((tmp_path / "exported_ckpt" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all(ckpt[k].dtype == torch.bfloat16 and torch.equal(ckpt[k], exported[k].to(torch.bfloat16))
+               for k in exported if exported[k].is_floating_point())
 
 
 @pytest.mark.slow

@@ -21,12 +21,13 @@ from typing import Any, Iterator
 
 import torch
 
-from agentrl.checkpoint import load_plain
+from agentrl.checkpoint import export_dtype, load_plain
 from agentrl.learner.batch import TokenBatch, deal_rows, micro_batches, stand_in_rows
 from agentrl.learner.critic import load_critic
 from agentrl.learner.engine import (EngineConfig, ValueHead, _OptimizerOf, batch_prefix_len, critic_optimizer,
                                     forward_batch, memory_hint, rng_state, set_rng_state)
 from agentrl.learner.finite import StepGuard
+from agentrl.learner.models import save_config
 from agentrl.learner.protocol import LossFn
 
 ZERO3 = {
@@ -455,24 +456,22 @@ class DeepSpeedEngine:
 
     export_shard_mb = EXPORT_SHARD_MB
 
-    def export_weights(self, folder: str | Path) -> Path:
+    def export_weights(self, folder: str | Path, dtype: str | None = None) -> Path:
         """Every rank: an HF folder (config, tokenizer, safetensors shards with their index) written by rank 0,
         streamed: parameters are gathered one at a time and written a shard (``export_shard_mb``) at a time, so
-        rank 0 holds at most one shard and one parameter, never the whole model. The weights keep the
-        engine's dtype (model.dtype: bfloat16 on GPU recipes), which the generator and vLLM load as is."""
+        rank 0 holds at most one shard and one parameter, never the whole model. The weights are written in
+        ``dtype`` (None: as the engine holds them); checkpoints pass ``model.export_dtype``."""
         import torch.distributed as dist
 
         folder = Path(folder)
+        cast = getattr(torch, dtype) if dtype is not None else None
         writer = _ShardWriter(folder, self.export_shard_mb * 2**20) if self.rank == 0 else None
         for name, t in self._gathered():
             if writer is not None:
-                writer.add(name, t)
+                writer.add(name, t.to(cast) if cast is not None and t.is_floating_point() else t)
         if writer is not None:
             writer.close()
-            policy = self.ds.module.policy
-            policy.config.save_pretrained(folder)
-            if getattr(policy, "generation_config", None) is not None:
-                policy.generation_config.save_pretrained(folder)
+            save_config(self.ds.module.policy, folder, dtype)
             self.tokenizer.save_pretrained(folder)
         dist.barrier()
         return folder
@@ -482,7 +481,7 @@ class DeepSpeedEngine:
         self.ds.save_checkpoint(str(folder / "deepspeed"), client_state={"global_step": self.global_step})
         if self.critic_ds is not None:  # inside the step folder: the checkpoint's manifest covers it
             self.critic_ds.save_checkpoint(str(folder / "critic"), client_state={"global_step": self.global_step})
-        self.export_weights(folder / "model")
+        self.export_weights(folder / "model", export_dtype("deepspeed", self.cfg))
         torch.save(rng_state(), folder / f"rng-rank{self.rank}.pt")
         return folder
 

@@ -19,14 +19,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from agentrl.checkpoint import load_plain
+from agentrl.checkpoint import export_dtype, load_plain
 from agentrl.config import AlgoCfg, ModelCfg, OptimCfg, RecipeCfg, TrainerCfg
 from agentrl.learner.batch import TokenBatch, micro_batches
 from agentrl.learner.critic import Critic, ValueHead, load_critic  # noqa: F401  (ValueHead: the DeepSpeed engine's)
 from agentrl.learner.finite import StepGuard
 from agentrl.learner.hidden import batch_prefix_len, decoder_hidden as _decoder_hidden  # noqa: F401  (re-exported)
 from agentrl.learner.logprobs import mask_logits, tempered
-from agentrl.learner.models import enable_checkpointing
+from agentrl.learner.models import enable_checkpointing, save_config
 from agentrl.learner.protocol import LossFn
 
 
@@ -73,6 +73,7 @@ class EngineConfig:
     compile: bool = ModelCfg.compile  # torch.compile the decoder (see ModelCfg.compile)
     # recompute layer activations in backward (see ModelCfg.gradient_checkpointing)
     gradient_checkpointing: bool = ModelCfg.gradient_checkpointing
+    export_dtype: str = ModelCfg.export_dtype  # a checkpoint's HF folder (see ModelCfg.export_dtype)
 
     @classmethod
     def of(cls, cfg: RecipeCfg, device: str, value_head: bool) -> EngineConfig:
@@ -83,7 +84,7 @@ class EngineConfig:
                    lora=LoraSettings(r=m.lora_r, alpha=m.lora_alpha) if m.lora_r else None, value_head=value_head,
                    critic=a.critic, critic_path=a.critic_path, critic_lr=o.critic_lr, token_budget=o.token_budget,
                    dtype=m.dtype, seed=cfg.trainer.seed, device=device, autocast=m.autocast, compile=m.compile,
-                   gradient_checkpointing=m.gradient_checkpointing)
+                   gradient_checkpointing=m.gradient_checkpointing, export_dtype=m.export_dtype)
 
 
 def rng_state() -> dict[str, Any]:
@@ -408,9 +409,14 @@ class TorchEngine:
 
         return copy.deepcopy(self.model).merge_and_unload()
 
-    def export_weights(self, folder: str | Path) -> Path:
+    def export_weights(self, folder: str | Path, dtype: str | None = None) -> Path:
         folder = Path(folder)
-        self.merged_model().save_pretrained(folder, safe_serialization=True)
+        model = self.merged_model()
+        state = None if dtype in (None, self.cfg.dtype) else {
+            k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        model.save_pretrained(folder, safe_serialization=True, state_dict=state)
+        if state is not None:
+            save_config(model, folder, dtype)
         self.tokenizer.save_pretrained(folder)
         return folder
 
@@ -443,7 +449,7 @@ class TorchEngine:
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.export_weights(folder / "model")  # loadable by transformers and vLLM as is
+        self.export_weights(folder / "model", export_dtype("torch", self.cfg))  # transformers and vLLM load it as is
         model_state = self.model.state_dict()
         if self.cfg.lora is not None:  # the frozen base is the model folder the engine is built on: adapters only
             trainable = self._trainable_names()

@@ -32,6 +32,22 @@ def load_tokenizer(folder: str | Path) -> Any:
     return tok
 
 
+def save_config(model: Any, folder: str | Path, dtype: str | None = None) -> None:
+    """``model``'s config (and generation config) into ``folder``, stating ``dtype`` when the weights beside
+    it were written in another dtype than the model holds, so loaders pick the file's."""
+    import copy
+
+    import torch
+
+    config = model.config
+    if dtype is not None:
+        config = copy.deepcopy(config)
+        config.dtype = getattr(torch, dtype)
+    config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+
+
 KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 

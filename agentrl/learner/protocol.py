@@ -45,8 +45,9 @@ class LearnerEngine(Protocol):
     def ref_logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
         """The reference policy's per-target log-probs of the whole batch (B, T-1), on the CPU."""
 
-    def export_weights(self, folder: str | Path) -> Path:
-        """The policy as an HF folder (LoRA merged) that transformers and vLLM load."""
+    def export_weights(self, folder: str | Path, dtype: str | None = None) -> Path:
+        """The policy as an HF folder (LoRA merged) that transformers and vLLM load, its weights in ``dtype``
+        (None: the engine's own, exact)."""
 
     def copy_weights_to(self, model: Any) -> None:
         """Copy the policy into ``model`` (an embedded generator's module) without going through disk."""
