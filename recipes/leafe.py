@@ -38,6 +38,16 @@ STEP_RE = re.compile(r"<step>\s*(\d+)\s*</step>", re.S)
 EXP_RE = re.compile(r"<experience>(.*?)</experience>", re.S)
 
 
+def pick_counterfactuals(cf: dict, k: int, rng: random.Random) -> list:
+    """Up to k of each task's counterfactual samples whose branch then succeeded, drawn with the run's seeded
+    rng: the paper samples its 3 among them, so the branches explored first are not favoured."""
+    out = []
+    for _task, items in cf.items():
+        won = [s for s, ok in items if ok]
+        out += rng.sample(won, min(k, len(won)))
+    return out
+
+
 @dataclass
 class LEAFEParams:
     tasks: int = 16  # training tasks explored per step
@@ -176,9 +186,7 @@ class LEAFE(GroupRecipe):
         rehearsal = [turn_sample(t.info.get("plain_prompt_ids") or t.prompt_ids, t.gen_ids,
                                  [0.0] * len(t.gen_ids), 1.0, dict(sft_term="rehearsal"))
                      for _, path in keep for t in path if t.gen_ids]
-        counterfactual = []
-        for _i, items in cf.items():  # only revised actions whose branch then succeeded are distilled
-            counterfactual += [s for s, won in items if won][:p.cf_per_task]
+        counterfactual = pick_counterfactuals(cf, p.cf_per_task, rng)
         stats = {f"leafe_{k}": float(v) for k, v in n.items()}
         stats.update(leafe_tasks_solved=sum(bool(v) for v in successes.values()) / max(1, len(successes)),
                      leafe_successful_paths=float(len(all_paths)), leafe_cf_samples=float(len(counterfactual)),
