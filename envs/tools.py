@@ -184,6 +184,7 @@ class ToolEnv(TextEnv):
         super().__init__(max_steps=max_steps, **kwargs)
         self.tool_parser = tool_parser
         self.log: list[tuple[str, str]] = []  # (action, observation) of every step this episode
+        self.first_obs = ""  # the question, the observation after reset
 
     # ----- what subclasses define ------------------------------------------------------------------
     def tools(self) -> list[Tool]:
@@ -203,7 +204,8 @@ class ToolEnv(TextEnv):
 
     def _reset(self, task: Task, seed: int) -> tuple[str, dict[str, Any]]:
         self.log = []
-        return self.question(task, seed), {"admissible_actions": None}
+        self.first_obs = self.question(task, seed)
+        return self.first_obs, {"admissible_actions": None}
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         a = decode_action(action)
@@ -239,16 +241,23 @@ class ToolEnv(TextEnv):
             else str(result)
         return (text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + " [...]"), True
 
+    def history(self) -> list[tuple[str, str]]:
+        """(observation before, action) of every step this episode: the conversation a start restored here
+        shows in its first prompt (the rollout asks for it, one call per assistant message)."""
+        before = [self.first_obs] + [obs for _, obs in self.log[:-1]]
+        return [(o, a) for o, (a, _) in zip(before, self.log)]
+
     def hidden_state(self) -> str:
         # the state is the whole call log: two histories that end on the same result are different states
         return fingerprint_text(*(a for a, _ in self.log))
 
     def snapshot(self) -> Any:
-        return {"base": self._base_state(), "log": list(self.log), "extra": self._snapshot_extra()}
+        return {"base": self._base_state(), "log": list(self.log), "first_obs": self.first_obs,
+                "extra": self._snapshot_extra()}
 
     def restore(self, snap: Any) -> None:
         self._restore_base(snap)
-        self.log = list(snap["log"])
+        self.log, self.first_obs = list(snap["log"]), snap["first_obs"]
         self._restore_extra(snap["extra"])
 
     def _snapshot_extra(self) -> Any:

@@ -279,6 +279,41 @@ def test_each_prompt_extends_the_last_and_only_sampled_ids_are_targets(tok, chat
     assert d["tool_calls"] == 6 and d["tool_errors"] == 4 and d["valid_format"] == pytest.approx(2 / 3)
 
 
+def test_tool_episodes_are_alike_async_in_worker_processes_and_from_a_restored_start(tok):
+    """The same scripted turns give the same episodes token for token in lockstep (in-process envs) and async
+    (env worker processes); a start restored after one recorded call picks up with that call and its result
+    in its first prompt."""
+    from dataclasses import replace
+
+    from agentrl.envs.pool import EnvPool, InProcessEnvs
+    from agentrl.envs.replay import record
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+    from agentrl.types import SamplingParams
+
+    env = make("calc-tools")
+    env.reset("train/00004")
+    call = env.expert_action()
+    trace, observations = record(make("calc-tools"), "train/00004", 0, [call])
+    starts = [Start("train/00001", 0, "g"), Start("valid/00002", 1, "g"),
+              Start("train/00004", 0, "r", trace=trace, t0=1)]
+    cfg = RolloutConfig(max_turns=5, sampling=SamplingParams(max_new_tokens=200))
+    with InProcessEnvs("calc-tools", 2) as envs:
+        lock = RolloutEngine(ScriptedGenerator(tok), tok, envs, "calc-tools", cfg).run(starts)
+    with EnvPool("calc-tools", 2) as envs:
+        asy = RolloutEngine(ScriptedGenerator(tok), tok, envs, "calc-tools", replace(cfg, mode="async")).run(starts)
+
+    def sig(eps):
+        return [(e.task_id, e.start_index, e.won, [(t.prompt_ids, t.gen_ids, t.actions, t.fingerprints, t.reward)
+                                                  for t in e.turns]) for e in eps]
+
+    assert sig(asy) == sig(lock)
+    restored = lock[2]
+    assert restored.start_index == 1 and restored.prefix_actions == [call] and len(restored.turns) == 2
+    assert restored.won and restored.turns[0].info["tool_results"][0].startswith("Error: unknown tool")
+    first = tok.decode(restored.turns[0].prompt_ids)
+    assert action_text(env.prompt_spec(), call) in first and observations[1] in first
+
+
 def test_restore_by_replay_and_snapshot_and_the_restored_prompt():
     from agentrl.envs.pool import InProcessEnvs
     from agentrl.envs.replay import record

@@ -174,7 +174,12 @@ class EpisodeSteps:
                      self.envs.call(i, "instruction"), s.t0 if s.trace else 0,
                      list(s.trace.actions[:s.t0]) if s.trace else [], r.obs, r.info.get("fingerprint", ""))
         ep.dropped = r.dropped
-        return Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
+        history = list(s.history)
+        if spec.style == "tools" and s.trace is not None and s.t0 and not r.dropped:
+            # a tool env's state is its conversation: its own log has every call and result (a start's
+            # history may join a turn's calls and keep one result)
+            history = self.envs.call(i, "history")
+        return Slot(ep, spec, r.obs, r.info.get("admissible_actions"), history, ep.start_index,
                      done=r.dropped, max_turns=min(s.max_turns or self.cfg.max_turns, self.cfg.max_turns),
                      note=s.note, stream=stream)
 
