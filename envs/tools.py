@@ -166,6 +166,16 @@ def check_value(schema: dict[str, Any], value: Any, where: str) -> str | None:
     return None
 
 
+def utf8_text(text: str) -> str:
+    """``text`` without lone surrogates (a tool echoing the model's ``"\\ud800"`` back would otherwise make
+    the next prompt impossible to tokenize)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
 # ----- the env ---------------------------------------------------------------------------------------
 class ToolEnv(TextEnv):
     """An env whose actions are tool calls and a final answer (see the module's doc). Subclasses
@@ -212,11 +222,12 @@ class ToolEnv(TextEnv):
         info: dict[str, Any] = {"admissible_actions": None, **({"tool": a.name} if a.kind == "call" else {})}
         if a.kind == "answer":
             reward, won, extra = self.score_answer(a.text)
-            obs = f"Final answer: {a.text[:MAX_RESULT_CHARS]}"
+            obs = utf8_text(f"Final answer: {a.text[:MAX_RESULT_CHARS]}")
             info.update(extra, won=won)
             self.log.append((action, obs))
             return obs, reward, True, info
         obs, ok = (f"Error: {a.text}", False) if a.kind == "error" else self._run(a)
+        obs = utf8_text(obs)
         if not ok:
             info.update(action_is_valid=False, tool_error=True)
         self.log.append((action, obs))

@@ -147,6 +147,32 @@ def test_unknown_tools_and_wrong_argument_types_are_error_observations():
     assert env.done  # the step limit ended it, no exception on the way
 
 
+def test_a_result_that_echoes_a_lone_surrogate_still_tokenizes(tiny_model_dir):
+    from agentrl.envs.tools import Tool, ToolEnv
+    from agentrl.learner.models import load_tokenizer
+
+    class Echo(ToolEnv):
+        name = "echo"
+
+        def tools(self):
+            return [Tool("echo", "echo", {"type": "object", "properties": {"s": {"type": "string"}}}, lambda s: s)]
+
+        def tasks(self, split):
+            from agentrl.envs.base import Task
+            return [Task(f"{split}/00000", split)]
+
+        def question(self, task, seed):
+            return "say something"
+
+    env = Echo()
+    env.reset("train/00000")
+    parsed, _ = parse_tool_turn('<tool_call>{"name": "echo", "arguments": {"s": "a\\ud800b"}}</tool_call>',
+                                env.prompt_spec(), 4)
+    obs, *_ = env.step(parsed.actions[0])
+    assert obs.startswith("a") and obs.endswith("b")
+    assert followup_ids(load_tokenizer(tiny_model_dir), env.prompt_spec(), [obs], True)
+
+
 def test_a_user_parser_by_import_path():
     p = tool_parser("tests.test_tools:BracketParser")
     assert p.parse("[[calculator: 2+2]]", 4).calls == [ToolCall("calculator", {"expression": "2+2"})]
