@@ -244,6 +244,23 @@ def test_sft_targets_are_the_parser_format_and_parse_back_to_the_expert_actions(
     assert action_text(spec, answer_action("7")) == "<answer>7</answer>"
 
 
+def test_sft_prompts_are_the_rollouts_prompts_token_for_token_on_the_expert_path(tok):
+    """SFT renders each step's prompt from the history; the rollout extends the last prompt with the sampled ids
+    and the results. On the expert's path the two are the same ids, so the warm start trains on the prompts
+    the policy will see."""
+    from agentrl.rollout.engine import RolloutConfig
+    from agentrl.sft import demo_steps, noisy_expert_episode
+
+    env = make("calc-tools")
+    for task in env.tasks("train")[:12]:
+        trace, observations, infos, labels = noisy_expert_episode(env, task.task_id, 0)
+        steps = demo_steps(tok, RolloutConfig(), (trace, observations, infos, labels, env.prompt_spec(),
+                                                  env.instruction()))
+        assert len(steps) == 2
+        (p0, target0, _), (p1, _, _) = steps
+        assert p1 == p0 + target0 + followup_ids(tok, env.prompt_spec(), [observations[1]], ended_by_eos=True)
+
+
 class ScriptedGenerator:
     """Answers each prompt with a recorded turn, chosen by how many assistant turns the prompt holds, tokenized
     by the real tokenizer (a unit-test double: the token bookkeeping is what is tested, not the model)."""
