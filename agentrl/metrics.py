@@ -64,6 +64,9 @@ def episode_diagnostics(episodes: list[Episode], reward: Callable[[Episode], flo
         "generated_tokens": float(sum(len(t.gen_ids) for t in turns)),
         "dropped_episodes": float(sum(e.dropped for e in episodes)),
     }
+    if any("tool_calls" in t.info for t in turns):  # a tool env's turns (agentrl.rollout.tool_prompts)
+        out["tool_calls"] = float(sum(t.info.get("tool_calls", 0) for t in turns))
+        out["tool_errors"] = float(sum(t.info.get("tool_errors", 0) for t in turns))
     cats: dict[str, list[bool]] = defaultdict(list)
     for e in episodes:
         if e.category:

@@ -18,6 +18,7 @@ from agentrl.progress import Progress
 from agentrl.generation.embedded import along_choices
 from agentrl.rollout.engine import RolloutConfig, answer_choices, first_prompt_ids
 from agentrl.rollout.prompts import numbered_actions
+from agentrl.rollout.tool_prompts import action_text as tool_action_text
 from agentrl.envs import make
 from agentrl.envs.replay import play
 
@@ -27,7 +28,10 @@ if TYPE_CHECKING:
 
 def answer_text(spec: Any, action: str, think: bool = False) -> str:
     """The response a demonstration teaches. ``think``: with ``rollout.require_think`` the format needs a
-    think block; the expert has no reasoning to put in it, so it stays empty rather than invented."""
+    think block; the expert has no reasoning to put in it, so it stays empty rather than invented. A tool
+    env's action is written as the model writes it: a call in its parser's format, or the answer in tags."""
+    if spec.style == "tools":
+        return ("<think></think>" if think else "") + tool_action_text(spec, action)
     return ("<think></think>" if think else "") + f"<{spec.answer_tag}>{action}</{spec.answer_tag}>"
 
 

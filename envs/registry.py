@@ -111,6 +111,8 @@ register("frozenlake", "agentrl.envs.frozenlake:FrozenLakeEnv", "gymnasium Froze
 register("bandit", "agentrl.envs.bandit:BanditEnv", "RAGEN bi-arm bandit (symbolic arm names)", fast=True)
 register("bandit-reversed", "agentrl.envs.bandit:BanditEnv", "bi-arm bandit with the name semantics reversed",
          fast=True, reversed=True)
+register("calc-tools", "agentrl.envs.calc_tools:CalcToolsEnv",
+         "arithmetic with a calculator tool: tool calls, tool messages, a final <answer>", fast=True)
 register("textworld", "agentrl.envs.textworld_env:TextWorldEnv", "TextWorld games generated locally (tw-make)")
 register("scienceworld", "agentrl.envs.scienceworld_env:ScienceWorldEnv", "ScienceWorld, 30 tasks (Java)")
 register("alfworld", "agentrl.envs.alfworld_env:AlfWorldEnv",

@@ -17,6 +17,7 @@ from agentrl.generation.base import chat_ids
 from agentrl.rollout.context import ContextBound
 from agentrl.rollout.parsing import parse_turn
 from agentrl.rollout.prompts import followup_user, numbered_actions, step_messages
+from agentrl.rollout.tool_prompts import followup_ids, parse_tool_turn, tool_prompt_ids
 from agentrl.seeds import mix_seed
 from agentrl.types import Episode, SamplingParams, Turn
 from agentrl.envs.base import PromptSpec
@@ -101,7 +102,10 @@ def first_prompt_ids(tok: Any, cfg: RolloutConfig, spec: PromptSpec, instruction
                      history: list[tuple[str, str]], env_steps: int, admissible: list[str] | None,
                      note: str = "") -> list[int]:
     """The prompt of a turn in window mode (and of the first turn in full mode): shared with SFT data
-    building, so demonstrations are trained on exactly the prompts the policy will see."""
+    building, so demonstrations are trained on exactly the prompts the policy will see. A tool env's
+    (``spec.style == "tools"``) is its chat with the tools (``agentrl.rollout.tool_prompts``)."""
+    if spec.style == "tools":
+        return tool_prompt_ids(tok, spec, instruction, obs, history, note)
     msgs = step_messages(spec, instruction, obs, history, env_steps, admissible,
                          cfg.history_len if cfg.chat_mode == "window" else 0, note, cfg.prompt)
     return chat_ids(tok, msgs)
@@ -170,7 +174,12 @@ class EpisodeSteps:
                      self.envs.call(i, "instruction"), s.t0 if s.trace else 0,
                      list(s.trace.actions[:s.t0]) if s.trace else [], r.obs, r.info.get("fingerprint", ""))
         ep.dropped = r.dropped
-        return Slot(ep, spec, r.obs, r.info.get("admissible_actions"), list(s.history), ep.start_index,
+        history = list(s.history)
+        if spec.style == "tools" and s.trace is not None and s.t0 and not r.dropped:
+            # a tool env's state is its conversation: its own log has every call and result (a start's
+            # history may join a turn's calls and keep one result)
+            history = self.envs.call(i, "history")
+        return Slot(ep, spec, r.obs, r.info.get("admissible_actions"), history, ep.start_index,
                      done=r.dropped, max_turns=min(s.max_turns or self.cfg.max_turns, self.cfg.max_turns),
                      note=s.note, stream=stream)
 
@@ -187,7 +196,9 @@ class EpisodeSteps:
         """The slot's next prompt, within the model's context; None: it could not be, the episode has ended."""
         admissible = sl.admissible if self.cfg.show_admissible else None
         where = f"task {sl.ep.task_id} turn {len(sl.ep.turns) + 1}"
-        if self.cfg.chat_mode == "window" or sl.prompt_ids is None:
+        # a tool env's conversation always grows token for token (its results are tool messages)
+        extend = self.cfg.chat_mode == "full" or sl.spec.style == "tools"
+        if not extend or sl.prompt_ids is None:
             note = sl.note if not sl.ep.turns else ""
             ids = first_prompt_ids(self.tok, self.cfg, sl.spec, sl.ep.instruction, sl.obs, sl.history, sl.env_steps,
                                    admissible, note)
@@ -197,6 +208,10 @@ class EpisodeSteps:
             if note:
                 sl.plain_prompt = first_prompt_ids(self.tok, self.cfg, sl.spec, sl.ep.instruction, sl.obs, sl.history,
                                                    sl.env_steps, admissible)
+        elif sl.spec.style == "tools":
+            last = sl.ep.turns[-1]
+            ids = self.bound.fit(sl.prompt_ids + last.gen_ids + followup_ids(
+                self.tok, sl.spec, last.info.get("tool_results", []), last.finish_reason == "stop_id"), where)
         else:
             last = sl.ep.turns[-1]
             suffix = self._followup_text(followup_user(sl.spec, sl.obs, admissible), last.finish_reason)
@@ -205,7 +220,7 @@ class EpisodeSteps:
         if ids is None:  # over the model's context (rollout.context_overflow): the episode ends as truncated
             sl.done = sl.ep.truncated = True
             return None
-        if self.cfg.chat_mode == "full":
+        if extend:
             sl.prompt_ids = ids
         return ids
 
@@ -245,11 +260,17 @@ class EpisodeSteps:
     def record(self, sl: Slot, prompt: list[int], out: Any, numbered: list[str] | None) -> tuple[Turn, list[str]]:
         """The turn a completion makes (not yet appended), and the actions it asks the env to take."""
         budget = self.cfg.max_actions_per_turn or sl.spec.max_actions_per_turn
-        parsed = parse_turn(out.text, sl.spec.answer_tag, budget, sl.spec.action_separator,
-                            self.cfg.require_think, sl.admissible, numbered)
+        tools = sl.spec.style == "tools"
+        if tools:
+            parsed, calls = parse_tool_turn(out.text, sl.spec, budget, self.cfg.require_think)
+        else:
+            parsed = parse_turn(out.text, sl.spec.answer_tag, budget, sl.spec.action_separator,
+                                self.cfg.require_think, sl.admissible, numbered)
         turn = Turn(prompt, out.ids, out.logprobs, out.text, [], parsed.valid, sl.obs, 0.0, False,
                     out.finish_reason, info={"parse_error": parsed.error, "over_budget": parsed.over_budget,
                                              "inadmissible": parsed.inadmissible}, gen_allowed=out.allowed)
+        if tools:  # every call runs, a malformed one as an error observation (counted in tool_errors)
+            turn.info.update(tool_calls=calls, tool_errors=0, tool_results=[])
         if sl.plain_prompt is not None and not sl.ep.turns:
             turn.info["plain_prompt_ids"] = sl.plain_prompt
         if out.finish_reason == "stop" and out.ids and out.ids[-1] in self._stop_ids:
@@ -257,7 +278,8 @@ class EpisodeSteps:
         self.stats["generated_tokens"] += len(out.ids)
         if not parsed.valid:
             turn.reward += self.cfg.format_penalty
-            return turn, []
+            if not tools:
+                return turn, []
         cap = self.cfg.max_episode_actions
         return turn, list(parsed.actions)[:cap - sl.env_steps] if cap else list(parsed.actions)
 
@@ -269,6 +291,9 @@ class EpisodeSteps:
         turn.actions.append(action)
         if r.info.get("action_is_valid", True):  # SPEAR's tool-call count: actions the env accepted
             turn.info["valid_actions"] = turn.info.get("valid_actions", 0) + 1
+        if "tool_results" in turn.info:  # a tool env: every result becomes a tool message of the next prompt
+            turn.info["tool_results"].append(r.obs)
+            turn.info["tool_errors"] += bool(r.info.get("tool_error"))
         turn.fingerprints.append(r.info.get("fingerprint", ""))
         turn.reward += r.reward
         turn.observation = r.obs
