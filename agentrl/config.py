@@ -138,6 +138,11 @@ class AlgoCfg:
     # > 0: mini-batches of about this many samples instead (ceil(samples / this) of them), so a step left
     # with few informative samples after the filters takes fewer optimizer steps, not as many on less data
     mini_batch_samples: int = 0
+    # the PPO ratio's old log-probs: "sampler" (what the generator recorded with each token), "learner" (one
+    # no-grad pass over the batch before the update, as verl recomputes them), "auto": learner under
+    # rollout.mode=async, whose generator batches rows as they arrive, which moves their log-probs in the last
+    # digits, so that a seeded async run repeats exactly; sampler otherwise. Stale samples are decoupled anyway
+    old_logprobs: Literal["auto", "sampler", "learner"] = "auto"
     value_coef: float = 0.5  # weight of the value loss (estimators with a critic)
     value_clip: float | None = 0.2  # clip range of the value loss (null: unclipped)
     # the critic of value-based estimators (gae, gae_token): "separate", a network of its own (its own

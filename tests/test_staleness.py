@@ -180,3 +180,40 @@ def test_a_collected_steps_sampler_draws_from_its_own_stream_and_counts_its_own_
     assert run_rng.getstate() == before  # the run's own stream is untouched by a collect
     a.stats["generate_s"] = 1.0
     assert run.stats == {} and b.stats == {}
+
+
+def test_old_logprobs_come_from_the_learner_in_async_mode_only(tiny_model_dir):
+    from agentrl.learner.batch import collate
+    from agentrl.learner.engine import TorchEngine
+    from agentrl.learner.loop import learner_logprobs, recompute_old
+    from tests.test_learner import _samples
+
+    cfg = load_config("grpo", env="sokoban", overrides=[f"model.name={tiny_model_dir}"])
+    assert not learner_logprobs(cfg)  # lockstep: the sampler's, as before
+    cfg.rollout.mode = "async"
+    assert learner_logprobs(cfg)
+    cfg.algo.old_logprobs = "sampler"
+    assert not learner_logprobs(cfg)
+    eng = TorchEngine(tiny_model_dir)
+    batch = collate(_samples(n=4, seed=1), eng.pad_id)
+    sampler = batch.old_logprobs.clone()
+    stats = recompute_old(eng, batch, 1.0)
+    want = eng.logprobs(batch, 1.0)
+    assert torch.equal(batch.old_logprobs, want)
+    m = batch.loss_mask
+    assert stats["old_logprob_gap"] == pytest.approx(float(((want - sampler).abs() * m).sum() / m.sum()))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_seeded_async_runs_end_with_the_same_weights(tiny_model_dir, tmp_path):
+    """The async scheduler batches rows as they arrive (here behind a random env delay), which moves their
+    recorded log-probs in the last digits; the learner's old log-probs keep the update independent of it."""
+    weights = []
+    for k in range(2):
+        t, _ = run(load_config("grpo", env="latency:sokoban", overrides=small(
+            tmp_path / str(k), tiny_model_dir, "trainer.steps=2", "rollout.mode=async", "rollout.groups=4",
+            "rollout.slots=16", "trainer.checkpoint_every=10")))
+        weights.append({n: p.detach().clone() for n, p in t.engine.model.named_parameters()})
+        assert any("old_logprob_gap" in r for r in rows(tmp_path / str(k)))
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])

@@ -69,12 +69,30 @@ def decouple(eng: Any, batch: TokenBatch, temperature: float) -> dict[str, float
     return stats
 
 
+def learner_logprobs(cfg: RecipeCfg) -> bool:
+    """Whether an on-policy update takes its old log-probs from the learner (``algo.old_logprobs``)."""
+    chosen = cfg.algo.old_logprobs
+    return chosen == "learner" or (chosen == "auto" and cfg.rollout.mode == "async")
+
+
+def recompute_old(eng: Any, batch: TokenBatch, temperature: float) -> dict[str, float]:
+    """The batch's old log-probs from the learner (one no-grad pass), in place of the sampler's: the ratio's
+    denominator then depends on the episodes only, not on which rows shared the generator's batches.
+    ``old_logprob_gap``: the mean absolute sampler/learner difference over generated tokens."""
+    learner = eng.logprobs(batch, temperature)
+    m = batch.loss_mask
+    gap = float(((learner - batch.old_logprobs).abs() * m).sum() / m.sum().clamp(min=1))
+    batch.old_logprobs = learner
+    return dict(old_logprob_gap=gap)
+
+
 def rl_update(eng: Any, batch: TokenBatch, loss_fn: LossFn, cfg: RecipeCfg, rng: random.Random, step: int,
               last: Any, need_values: bool = False, stale: bool = False) -> dict[str, float]:
     """RL step ``step``'s update on ``batch``: ``algo.ppo_epochs`` passes over its mini-batches (shuffled with
     ``rng``), the means of the applied steps' stats. No step when no token has a gradient (every advantage
     zero and no KL, entropy or value term: Adam's momentum would still move the weights). ``stale``: the
-    samples were drawn by older weights (``decouple``). ``last``: the last checkpoint, for error messages.
+    samples were drawn by older weights (``decouple``); otherwise the old log-probs may come from the learner
+    (``recompute_old``, ``algo.old_logprobs``). ``last``: the last checkpoint, for error messages.
     ``time_learn_s`` counts from after the reference log-probs."""
     a, temp = cfg.algo, cfg.rollout.temperature
     if a.kl != "none" and a.kl_coef > 0:  # only the loss's KL term reads them
@@ -83,7 +101,10 @@ def rl_update(eng: Any, batch: TokenBatch, loss_fn: LossFn, cfg: RecipeCfg, rng:
     if (not need_values and not bool((batch.advantages * batch.loss_mask).abs().gt(0).any())
             and not (a.kl != "none" and a.kl_coef) and not a.entropy_coef):
         return dict(skipped_update=1.0, loss=0.0, grad_norm=0.0, time_learn_s=time.perf_counter() - t)
-    decoupled = decouple(eng, batch, temp) if stale else {}
+    if stale:
+        decoupled = decouple(eng, batch, temp)
+    else:
+        decoupled = recompute_old(eng, batch, temp) if learner_logprobs(cfg) else {}
     order = list(range(len(batch)))
     n_mb = -(-len(order) // a.mini_batch_samples) if a.mini_batch_samples > 0 else a.mini_batches
     n_mb = max(1, min(n_mb, len(order)))
