@@ -26,7 +26,7 @@ class ParsedTurn:
         return self.format_ok and bool(self.actions)
 
 
-def _span(text: str, tag: str) -> str | None:
+def tag_span(text: str, tag: str) -> str | None:
     """Content of the last complete <tag>...</tag>; an unclosed final <tag> counts too, because
     generation usually stops on the closing tag as a stop string. Linear time: two reverse searches
     (a regex with a lazy group was quadratic: 7.8 s on "<action>" x 8000)."""
@@ -52,9 +52,9 @@ def parse_turn(text: str, answer_tag: str = "action", max_actions: int = 1, sepa
     """``numbered``: the actions as the prompt numbered them (1-based); an answer that is such a number
     stands for that action."""
     out = ParsedTurn()
-    think = _span(text, "think")
+    think = tag_span(text, "think")
     out.think = (think or "").strip()
-    body = _span(text, answer_tag)
+    body = tag_span(text, answer_tag)
     if body is None:
         out.error = f"no <{answer_tag}>...</{answer_tag}> in the response"
         return out

@@ -22,7 +22,7 @@ import weakref
 from typing import Any
 
 from agentrl.envs.tools import ToolAction, answer_action, call_action, decode_action, error_action
-from agentrl.rollout.parsing import ParsedTurn, _span
+from agentrl.rollout.parsing import ParsedTurn, tag_span
 from agentrl.rollout.tool_parsers import BadCall, ToolCall, tool_parser
 
 SENTINEL = "\u2063agentrl-tools\u2063"
@@ -142,7 +142,7 @@ def parse_tool_turn(text: str, spec: Any, max_calls: int, require_think: bool = 
     is an action (a malformed one an error action, and the turn's format is not ok); a turn without calls
     is the final answer, in ``<answer_tag>`` tags or (a format failure) the whole text."""
     out = ParsedTurn()
-    think = _span(text, "think")
+    think = tag_span(text, "think")
     out.think = (think or "").strip()
     found = tool_parser(spec.tool_parser).parse(text, max_calls)
     out.over_budget = found.over_budget
@@ -152,7 +152,7 @@ def parse_tool_turn(text: str, spec: Any, max_calls: int, require_think: bool = 
         bad = [c.error for c in found.calls if isinstance(c, BadCall)]
         out.format_ok, out.error = not bad, "; ".join(bad)[:300]
     else:
-        body = _span(text, spec.answer_tag)
+        body = tag_span(text, spec.answer_tag)
         answer = (body if body is not None else text).strip()[:MAX_ANSWER_CHARS]
         out.actions = [answer_action(answer)]
         out.format_ok = body is not None
