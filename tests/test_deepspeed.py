@@ -16,23 +16,7 @@ STEPS = 4
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_zero3_two_process_cpu_matches_single_process_torch(tiny_model_dir, tmp_path, monkeypatch):
-    from torch.utils.cpp_extension import _get_build_directory
-
-    from agentrl.launch import free_port
-
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    assert torchrun, "torchrun not found"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # the lock a process killed while DeepSpeed JIT-built its CPU shm op leaves behind: init must not wait on it
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
-    (Path(_get_build_directory("deepspeed_shm_comm", False)) / "lock").touch()
-    port = str(free_port())
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=root, OMP_NUM_THREADS="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    proc = subprocess.run([torchrun, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-                           os.path.join(root, "tests", "ds_zero3_worker.py"), str(tiny_model_dir), str(tmp_path),
-                           str(STEPS)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _torchrun("ds_zero3_worker.py", [tiny_model_dir, tmp_path, STEPS], tmp_path, monkeypatch)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     full = reports[0]["full"]
     for r in reports:
@@ -94,6 +78,7 @@ def _torchrun(worker, args, tmp_path, monkeypatch, nproc=2, timeout=600):
 
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the lock a process killed while DeepSpeed JIT-built its CPU shm op leaves behind: init must not wait on it
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
     (Path(_get_build_directory("deepspeed_shm_comm", False)) / "lock").touch()
     port = str(free_port())
