@@ -387,9 +387,8 @@ def export_dtype(engine: str, ecfg: Any) -> str:
     """The dtype of the HF folder a checkpoint of ``engine`` holds (``model.export_dtype``): "auto" is
     bfloat16 under DeepSpeed (the GPU path, where an fp32 export doubles a 7B checkpoint's folder for no
     reader's gain) and the learner's own dtype under the torch engine."""
-    chosen = getattr(ecfg, "export_dtype", "auto")
-    if chosen != "auto":
-        return chosen
+    if ecfg.export_dtype != "auto":
+        return ecfg.export_dtype
     return "bfloat16" if engine == "deepspeed" else ecfg.dtype
 
 

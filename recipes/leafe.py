@@ -42,7 +42,7 @@ def pick_counterfactuals(cf: dict, k: int, rng: random.Random) -> list:
     """Up to k of each task's counterfactual samples whose branch then succeeded, drawn with the run's seeded
     rng: the paper samples its 3 among them, so the branches explored first are not favoured."""
     out = []
-    for _task, items in cf.items():
+    for items in cf.values():
         won = [s for s, ok in items if ok]
         out += rng.sample(won, min(k, len(won)))
     return out
