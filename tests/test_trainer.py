@@ -889,7 +889,8 @@ def test_free_space_is_checked_before_any_work(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(250)}, str(tmp_path / "model.safetensors"))  # 250 fp32 parameters
-    ecfg = SimpleNamespace(value_head=False, critic="shared", critic_path="", dtype="float32", lora=None)
+    ecfg = SimpleNamespace(value_head=False, critic="shared", critic_path="", dtype="float32", lora=None,
+                           export_dtype="auto")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=11000, total=10**9, used=0))
     with pytest.raises(RunError, match="GiB free, a run of this model needs about"):
         # (2 kept + 1 being written) x 250 x (4 weights + 8 Adam moments + 4 the export) = 12000 bytes
