@@ -143,6 +143,13 @@ class AlgoCfg:
     # rollout.mode=async, whose generator batches rows as they arrive, which moves their log-probs in the last
     # digits, so that a seeded async run repeats exactly; sampler otherwise. Stale samples are decoupled anyway
     old_logprobs: Literal["auto", "sampler", "learner"] = "auto"
+    # the sampler/learner mismatch (the same weights give other log-probs in vLLM's kernels or dtype), corrected
+    # on every step from one learner pass: "tis" weights each token's advantage by min(pi_learner / pi_sampler,
+    # mismatch_cap); "mis" masks each sample whose geometric-mean ratio leaves [1/cap, cap] and weights the
+    # rest by it; "none"; "auto": tis with trainer.generator=vllm, none otherwise (exactly the learner's
+    # log-probs). Stale samples (trainer.max_staleness) are corrected either way (tis unless mis)
+    mismatch: Literal["auto", "none", "tis", "mis"] = "auto"
+    mismatch_cap: float = 2.0  # algo.mismatch's bound C (> 1): tis truncates at C, mis keeps ratios in [1/C, C]
     value_coef: float = 0.5  # weight of the value loss (estimators with a critic)
     value_clip: float | None = 0.2  # clip range of the value loss (null: unclipped)
     # the critic of value-based estimators (gae, gae_token): "separate", a network of its own (its own

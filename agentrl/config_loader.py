@@ -491,6 +491,7 @@ def _check_ranges(cfg: RecipeCfg) -> None:
         ("algo.ppo_epochs", a.ppo_epochs, a.ppo_epochs >= 1, ">= 1"),
         ("algo.mini_batches", a.mini_batches, a.mini_batches >= 1, ">= 1"),
         ("algo.mini_batch_samples", a.mini_batch_samples, a.mini_batch_samples >= 0, ">= 0 (0: algo.mini_batches)"),
+        ("algo.mismatch_cap", a.mismatch_cap, a.mismatch_cap > 1, "> 1 (the importance weight's bound)"),
         ("rollout.max_turns", r.max_turns, r.max_turns >= 1, ">= 1"),
         ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
         ("rollout.slots", r.slots, r.slots >= 1, ">= 1"),

@@ -6,7 +6,8 @@ range eps_low/eps_high, DAPO's clip-higher, and dual clip), ``gspo`` (sequence-l
 (clipped, detached importance weight on a REINFORCE term), ``kl_cov`` (KL penalty on the tokens of
 highest covariance). ``ppo_objective`` adds to the chosen surrogate the Clip-Cov mask, a KL penalty
 (k1/k2/k3) and the entropy bonus, over four aggregation modes. ``behaviour_weights`` decouples the
-behaviour policy from the proximal one for stale samples. Also the clipped value loss, SFT (NLL on
+behaviour policy from the proximal one: for stale samples, and for a sampler whose kernels or dtype differ
+from the learner's (truncated or masked importance sampling, ``algo.mismatch``). Also the clipped value loss, SFT (NLL on
 action tokens) and DPO.
 """
 from __future__ import annotations
@@ -250,22 +251,43 @@ def dpo_loss(pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, ref_chosen: tor
     return loss, dict(reward_margin=float(margin.mean()), accuracy=float((margin > 0).float().mean()))
 
 
-BEHAVIOUR_IS_CAP = 2.0  # the behaviour importance weight's truncation (trainer.max_staleness > 0)
+BEHAVIOUR_IS_CAP = 2.0  # algo.mismatch_cap's default: the behaviour importance weight's truncation
 
 
 def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
-                      cap: float = BEHAVIOUR_IS_CAP) -> tuple[torch.Tensor, dict[str, float]]:
-    """The decoupled PPO objective's importance weight (AReaL, Fu et al. 2025) for samples drawn by an older
-    policy: w = min(pi_prox / pi_behav, cap) per token, detached, where pi_behav sampled the token (its
-    recorded log-prob) and pi_prox is the learner's policy before this update. The objective is then any
-    surrogate against pi_prox with advantages w A: for PPO -w min(r A, clip(r) A), r = pi / pi_prox, so the
-    trust region is around the current policy, not the stale one. Equal log-probs give w = 1 exactly."""
+                      cap: float = BEHAVIOUR_IS_CAP, mode: str = "tis") -> tuple[torch.Tensor, dict[str, float]]:
+    """The importance weight of samples drawn by a behaviour policy other than the learner's (an older policy:
+    AReaL's decoupled PPO objective, Fu et al. 2025; or the same weights run by other kernels or in another
+    dtype: vLLM). pi_behav sampled the token (its recorded log-prob), pi_prox is the learner's policy before
+    this update; r = pi_prox / pi_behav per token, detached. The objective is then any surrogate against
+    pi_prox with advantages w A, so the trust region is around the learner's policy.
+
+    ``mode`` "tis" (truncated IS, token level): w = min(r, cap). "mis" (masked IS, sequence level): each row's
+    ratio is the geometric mean of its tokens' r (length-normalized, as GSPO's); a row whose ratio leaves
+    [1/cap, cap] gets w = 0 on every token (masked), the others w = that ratio. Equal log-probs give w = 1
+    exactly in both. Stats: the mean weight, the fractions truncated (tis) or masked (mis), and
+    ``mismatch_kl``, the k3 estimate of KL(pi_behav || pi_prox) over the generated tokens."""
     m = mask.to(prox_logp.dtype)
-    w = torch.exp(_log_ratio(prox_logp.detach(), behav_logp.detach()))
-    truncated = (w > cap) & (m > 0)
-    w = torch.where(m > 0, w.clamp(max=cap), torch.ones_like(w))
-    return w, dict(behav_is_mean=float(aggregate(w, m)), behav_is_truncated_frac=float(aggregate(truncated.to(m.dtype),
-                                                                                                  m)))
+    log_r = _log_ratio(prox_logp.detach(), behav_logp.detach())
+    r = torch.exp(log_r)
+    stats = dict(mismatch_kl=float(aggregate((r - 1) - log_r, m)))
+    if mode == "mis":
+        rows = m.sum(-1).clamp(min=1)
+        seq = torch.exp((log_r * m).sum(-1) / rows)  # (B,)
+        keep = (seq <= cap) & (seq >= 1.0 / cap)
+        w = torch.where(m > 0, torch.where(keep, seq, torch.zeros_like(seq))[:, None].expand_as(m),
+                        torch.ones_like(m))
+        has = m.sum(-1) > 0
+        stats.update(behav_is_mean=float(aggregate(w, m)),
+                     behav_is_masked_frac=float((~keep & has).sum()) / max(1, int(has.sum())))
+        return w, stats
+    if mode != "tis":
+        raise ValueError(f"behaviour_weights: mode {mode!r} is not one of tis, mis")
+    truncated = (r > cap) & (m > 0)
+    w = torch.where(m > 0, r.clamp(max=cap), torch.ones_like(r))
+    stats.update(behav_is_mean=float(aggregate(w, m)),
+                 behav_is_truncated_frac=float(aggregate(truncated.to(m.dtype), m)))
+    return w, stats
 
 
 def ppo_objective(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,

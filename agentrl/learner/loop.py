@@ -1,7 +1,7 @@
 """The optimizer loop shared by RL updates, SFT and DPO: one engine step per batch, at an lr set for the loop
 (and per step by a schedule), the engine's own lr put back however the loop ends. ``rl_update`` is the RL
 step's use of it: PPO epochs over shuffled mini-batches, the non-finite policy, the decoupled correction of
-stale samples."""
+stale samples and of the sampler/learner mismatch."""
 from __future__ import annotations
 
 import math
@@ -56,17 +56,36 @@ def nonfinite(s: dict[str, float], cfg: RecipeCfg, step: int, last: Any) -> bool
                    "trainer.nan_policy=skip to drop such updates and count them (nonfinite_skipped)")
 
 
-def decouple(eng: Any, batch: TokenBatch, temperature: float) -> dict[str, float]:
-    """Samples drawn by older weights (the overlap): AReaL's decoupled PPO objective. The surrogate's ratio
-    is taken against the proximal policy (these weights before the update, one extra forward pass) and
-    each token's advantage is weighted by the truncated behaviour ratio pi_prox / pi_behav
-    (``behaviour_weights``); both are fixed over the update's epochs and mini-batches."""
+def decouple(eng: Any, batch: TokenBatch, temperature: float, mode: str = "tis",
+             cap: float = 2.0) -> dict[str, float]:
+    """Samples drawn by another policy than the learner's (older weights under the overlap, or the same weights
+    in a sampler with other kernels or dtype, ``algo.mismatch``): AReaL's decoupled PPO objective. The
+    surrogate's ratio is taken against the proximal policy (these weights before the update, one extra
+    forward pass) and each token's advantage is weighted by the behaviour importance weight pi_prox / pi_behav,
+    truncated (tis) or masked per sequence (mis) (``behaviour_weights``); both are fixed over the update's
+    epochs and mini-batches. ``old_logprob_gap``: the mean absolute sampler/learner difference."""
     from agentrl.algos.losses import behaviour_weights
 
     prox = eng.logprobs(batch, temperature)
-    w, stats = behaviour_weights(prox, batch.old_logprobs, batch.loss_mask)
+    w, stats = behaviour_weights(prox, batch.old_logprobs, batch.loss_mask, cap, mode)
+    stats["old_logprob_gap"] = _gap(prox, batch)
     batch.old_logprobs, batch.advantages = prox, batch.advantages * w
     return stats
+
+
+def mismatch_mode(cfg: RecipeCfg) -> str:
+    """``algo.mismatch`` resolved: "auto" corrects (tis) when vLLM samples (other kernels, often another
+    dtype than the learner's) and not otherwise (the embedded generator and our server run the learner's
+    weights through the same code)."""
+    chosen = cfg.algo.mismatch
+    if chosen == "auto":
+        return "tis" if cfg.trainer.generator == "vllm" else "none"
+    return chosen
+
+
+def _gap(learner: Any, batch: TokenBatch) -> float:
+    m = batch.loss_mask
+    return float(((learner - batch.old_logprobs).abs() * m).sum() / m.sum().clamp(min=1))
 
 
 def learner_logprobs(cfg: RecipeCfg) -> bool:
@@ -80,8 +99,7 @@ def recompute_old(eng: Any, batch: TokenBatch, temperature: float) -> dict[str, 
     denominator then depends on the episodes only, not on which rows shared the generator's batches.
     ``old_logprob_gap``: the mean absolute sampler/learner difference over generated tokens."""
     learner = eng.logprobs(batch, temperature)
-    m = batch.loss_mask
-    gap = float(((learner - batch.old_logprobs).abs() * m).sum() / m.sum().clamp(min=1))
+    gap = _gap(learner, batch)
     batch.old_logprobs = learner
     return dict(old_logprob_gap=gap)
 
@@ -91,8 +109,9 @@ def rl_update(eng: Any, batch: TokenBatch, loss_fn: LossFn, cfg: RecipeCfg, rng:
     """RL step ``step``'s update on ``batch``: ``algo.ppo_epochs`` passes over its mini-batches (shuffled with
     ``rng``), the means of the applied steps' stats. No step when no token has a gradient (every advantage
     zero and no KL, entropy or value term: Adam's momentum would still move the weights). ``stale``: the
-    samples were drawn by older weights (``decouple``); otherwise the old log-probs may come from the learner
-    (``recompute_old``, ``algo.old_logprobs``). ``last``: the last checkpoint, for error messages.
+    samples were drawn by older weights; they, and any samples under ``algo.mismatch`` tis or mis, are
+    corrected (``decouple``); otherwise the old log-probs may come from the learner (``recompute_old``,
+    ``algo.old_logprobs``). ``last``: the last checkpoint, for error messages.
     ``time_learn_s`` counts from after the reference log-probs."""
     a, temp = cfg.algo, cfg.rollout.temperature
     if a.kl != "none" and a.kl_coef > 0:  # only the loss's KL term reads them
@@ -101,8 +120,9 @@ def rl_update(eng: Any, batch: TokenBatch, loss_fn: LossFn, cfg: RecipeCfg, rng:
     if (not need_values and not bool((batch.advantages * batch.loss_mask).abs().gt(0).any())
             and not (a.kl != "none" and a.kl_coef) and not a.entropy_coef):
         return dict(skipped_update=1.0, loss=0.0, grad_norm=0.0, time_learn_s=time.perf_counter() - t)
-    if stale:
-        decoupled = decouple(eng, batch, temp)
+    mode = mismatch_mode(cfg)
+    if stale or mode != "none":  # stale samples are corrected whatever algo.mismatch says (tis by default)
+        decoupled = decouple(eng, batch, temp, "tis" if mode == "none" else mode, a.mismatch_cap)
     else:
         decoupled = recompute_old(eng, batch, temp) if learner_logprobs(cfg) else {}
     order = list(range(len(batch)))
