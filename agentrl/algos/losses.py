@@ -7,8 +7,8 @@ range eps_low/eps_high, DAPO's clip-higher, and dual clip), ``gspo`` (sequence-l
 highest covariance). ``ppo_objective`` adds to the chosen surrogate the Clip-Cov mask, a KL penalty
 (k1/k2/k3) and the entropy bonus, over four aggregation modes. ``behaviour_weights`` decouples the
 behaviour policy from the proximal one: for stale samples, and for a sampler whose kernels or dtype differ
-from the learner's (truncated or masked importance sampling, ``algo.mismatch``). Also the clipped value loss, SFT (NLL on
-action tokens) and DPO.
+from the learner's (truncated or masked importance sampling, ``algo.mismatch``). Also the clipped value
+loss, SFT (NLL on action tokens) and DPO.
 """
 from __future__ import annotations
 
