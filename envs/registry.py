@@ -113,6 +113,9 @@ register("bandit-reversed", "agentrl.envs.bandit:BanditEnv", "bi-arm bandit with
          fast=True, reversed=True)
 register("calc-tools", "agentrl.envs.calc_tools:CalcToolsEnv",
          "arithmetic with a calculator tool: tool calls, tool messages, a final <answer>", fast=True)
+register("shop-tools", "agentrl.envs.shop_tools:ShopToolsEnv",
+         "product search with search and view tools over WebShop's catalogue (retrieval), a final <answer>",
+         fast=True)
 register("textworld", "agentrl.envs.textworld_env:TextWorldEnv", "TextWorld games generated locally (tw-make)")
 register("scienceworld", "agentrl.envs.scienceworld_env:ScienceWorldEnv", "ScienceWorld, 30 tasks (Java)")
 register("alfworld", "agentrl.envs.alfworld_env:AlfWorldEnv",

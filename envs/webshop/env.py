@@ -14,7 +14,7 @@ from typing import Any
 
 from agentrl.envs.base import EnvError, PromptSpec, Task, TextEnv, parse_task_id
 from agentrl.envs.webshop.catalogue import Catalogue, Goal, Product, generate_catalogue, load_webshop_files
-from agentrl.envs.webshop.reward import option_matches, webshop_reward
+from agentrl.envs.webshop.reward import achievable_reward, best_options, webshop_reward
 from agentrl.envs.webshop.search import BM25
 
 SEP = " [SEP] "
@@ -199,16 +199,11 @@ class WebShopEnv(TextEnv):
     def best_options(self, p: Product) -> dict[str, str]:
         """Per option, the value matching the goal best (what a careful shopper clicks)."""
         assert self.goal is not None
-        out = {}
-        for name, values in p.options.items():
-            hits = [v for v in values if option_matches([v], self.goal.options)]
-            if hits:
-                out[name] = hits[0]
-        return out
+        return best_options(p, self.goal)
 
     def achievable(self, asin: str) -> float:
-        p = self.cat.products[asin]
-        return webshop_reward(p, self.goal, p.price, self.best_options(p), self.cat.vocabulary)[0]
+        assert self.goal is not None
+        return achievable_reward(self.cat.products[asin], self.goal, self.cat.vocabulary)
 
     def expert_action(self) -> str | None:
         """A goal-aware scripted shopper: searches the goal's words, opens the best-scoring hit, picks the

@@ -76,3 +76,18 @@ def webshop_reward(product: Product, goal: Goal, price: float, chosen_options: d
     r_price = float(price <= goal.price_upper)
     total = (n_att + n_opt + r_price) / (len(goal.attributes) + len(goal.options) + 1) * rt["r_type"]
     return total, dict(rt, n_attribute_matches=n_att, n_option_matches=n_opt, r_price=r_price)
+
+
+def best_options(product: Product, goal: Goal) -> dict[str, str]:
+    """Per option of ``product``, the value matching the goal best (what a careful shopper clicks)."""
+    out = {}
+    for name, values in product.options.items():
+        hits = [v for v in values if option_matches([v], goal.options)]
+        if hits:
+            out[name] = hits[0]
+    return out
+
+
+def achievable_reward(product: Product, goal: Goal, vocabulary: frozenset[str] = frozenset()) -> float:
+    """WebShop's reward for buying ``product`` at its price with the best options for ``goal``."""
+    return webshop_reward(product, goal, product.price, best_options(product, goal), vocabulary)[0]
