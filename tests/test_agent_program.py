@@ -194,7 +194,8 @@ def test_an_episode_s_requests_stop_at_its_budget(capture):
 # ----- the env spec ------------------------------------------------------------------------------------------
 def test_the_agent_env_spec_and_its_task_sources(tmp_path):
     s = spec("agent:tests.agent_programs:chatty")
-    assert s.entry == "agentrl.envs.agent_program:AgentProgramEnv" and s.kwargs == {"program": "tests.agent_programs:chatty"}
+    assert s.entry == "agentrl.envs.agent_program:AgentProgramEnv"
+    assert s.kwargs == {"program": "tests.agent_programs:chatty"}
     env = make("agent:tests.agent_programs:chatty", tasks=TASKS)
     assert [t.task_id for t in env.tasks("train")][:2] == ["train/00000", "train/00001"]
     assert len(env.tasks("train")) == 6 and len(env.tasks("valid")) == 2 and env.tasks("test") == []
@@ -329,3 +330,32 @@ def test_an_openai_client_agent_trains_two_grpo_steps_through_the_capture_endpoi
             full = next(ids for p, ids in returned if p == tuple(turn.prompt_ids)
                         and ids[:len(turn.gen_ids)] == tuple(turn.gen_ids))
             assert tuple(turn.gen_logprobs) == returned[(tuple(turn.prompt_ids), full)][:len(turn.gen_ids)]
+
+
+def test_a_bad_agent_spec_is_one_line_naming_the_key(tiny_model_dir, tmp_path):
+    from agentrl.config_loader import load_config
+    from agentrl.preflight import preflight
+    from agentrl.schema import ConfigError
+
+    def check(env, *overrides):
+        cfg = load_config("grpo", env=env, overrides=[f"model.name={tiny_model_dir}", f"trainer.out_dir={tmp_path}",
+                                                      *overrides])
+        with pytest.raises(ConfigError) as e:
+            preflight(cfg)
+        return str(e.value)
+
+    assert check("agent:tests.agent_programs:nobody", f"env_kwargs.tasks={TASKS}").startswith("bad value for 'env':")
+    assert "no_such_module" in check("agent:no_such_module:fn", f"env_kwargs.tasks={TASKS}")
+    assert check("agent:tests.agent_programs:chatty").startswith("bad value for 'env_kwargs': ")
+    assert "algo.level" in check("agent:tests.agent_programs:chatty", f"env_kwargs.tasks={TASKS}",
+                                 "algo.level=trajectory", "rollout.chat_mode=full")
+
+
+def test_the_guides_example_is_the_shipped_program():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    guide = (root / "docs/guides/tools.md").read_text()
+    snippet = guide[guide.index("def run_agent"):]
+    assert snippet[:snippet.index("```")].strip() in (root / "examples/calc_agent.py").read_text()
+    assert "agent:examples.calc_agent:run_agent" in guide and "env_kwargs.tasks=examples/calc_tasks.jsonl" in guide
