@@ -191,6 +191,31 @@ def test_an_episode_s_requests_stop_at_its_budget(capture):
     assert len(service.end(eid)) == 2
 
 
+def test_calls_in_the_history_are_rendered_by_the_template_or_in_the_parsers_format(tiny_model_dir):
+    """A template with tools (Qwen-like) lists them itself; whichever template, an assistant message's
+    tool_calls stay in the history (in the parser's format where the template writes content only)."""
+    from agentrl.generation.requests import ToolChatBody, template_messages
+    from tests.test_tools import QWEN_LIKE
+
+    body = ToolChatBody.model_validate({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+3?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "calculator", "arguments": '{"expression": "2+3"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}], "tools": [CALC]})
+    msgs = template_messages(body)
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"expression": "2+3"}  # an object, as templates want
+    for template in (None, QWEN_LIKE):
+        t = load_tokenizer(tiny_model_dir)
+        if template:
+            t.chat_template = template
+        text = t.decode(chat_renderer(t, "hermes")(msgs, body.tools))
+        assert "What is 2+3?" in text
+        assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>' in text
+        assert ("# Tools\n<tools>" in text) == bool(template)  # the template's own tool list, or the parser's text
+        assert ("<tool_call></tool_call> tags" in text) == (not template)
+        assert "<tool_response>\n5\n</tool_response>" in text or "<|im_start|>tool\n5<|im_end|>" in text
+
+
 # ----- the env spec ------------------------------------------------------------------------------------------
 def test_the_agent_env_spec_and_its_task_sources(tmp_path):
     s = spec("agent:tests.agent_programs:chatty")
@@ -239,6 +264,27 @@ def test_episodes_are_token_exact_with_what_the_generator_returned(tiny_generato
     assert stats["turns"] == 8 and stats["generated_tokens"] == sum(len(t.gen_ids) for e in eps for t in e.turns)
 
 
+def test_through_agentrl_serve_the_episodes_are_the_embedded_generators(tiny_generator):
+    """The endpoint goes through the Generator interface: a served generator (``agentrl serve``, batching
+    the episodes' concurrent requests itself) samples the same tokens, each request with its episode's seed."""
+    from agentrl.generation.client import RemoteGenerator
+    from agentrl.generation.server import start_server
+
+    starts = [Start(f"train/0000{i}", i, f"g{i}") for i in range(3)]
+    local, _ = _rollout(tiny_generator, "tests.agent_programs:chatty", starts)
+    srv = start_server(tiny_generator, "tiny-test", port=0)
+    try:
+        client = RemoteGenerator(f"http://127.0.0.1:{srv.server_address[1]}")
+        client.tokenizer = tiny_generator.tokenizer
+        served, stats = _rollout(client, "tests.agent_programs:chatty", starts)
+    finally:
+        srv.shutdown()
+    assert [[(t.prompt_ids, t.gen_ids) for t in e.turns] for e in served] == \
+        [[(t.prompt_ids, t.gen_ids) for t in e.turns] for e in local]
+    assert [e.score for e in served] == [e.score for e in local]
+    assert stats["generate_calls"] == stats["turns"] == 6  # one request per turn, many in flight
+
+
 def test_a_program_that_raises_times_out_or_returns_junk_is_a_failed_episode(tiny_generator, tmp_path):
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(json.dumps({"question": "q", "mode": m}) + "\n" for m in ("ok", "raise", "sleep", "junk")))
@@ -264,6 +310,17 @@ def test_a_program_that_raises_times_out_or_returns_junk_is_a_failed_episode(tin
     while not agent_programs.LATE and time.monotonic() < deadline:
         time.sleep(0.1)
     assert agent_programs.LATE in ([404], ["refused"])
+
+
+def test_a_generator_that_fails_is_the_runs_error_not_the_programs(tok):
+    class Broken(Scripted):
+        def generate(self, prompts, sampling, seeds=None, choices=None):
+            raise RuntimeError("out of memory")
+
+    gen = Broken(tok, None)
+    gen.tokenizer = tok
+    with pytest.raises(RuntimeError, match="generator failed while agent programs ran: RuntimeError: out of memory"):
+        _rollout(gen, "tests.agent_programs:chatty", [Start("train/00000", 0, "g")])
 
 
 def test_an_async_program_with_the_async_client(tiny_generator):
@@ -300,7 +357,8 @@ def test_an_openai_client_agent_trains_two_grpo_steps_through_the_capture_endpoi
     cfg = load_config("grpo", env="agent:tests.agent_programs:chatty", overrides=[
         f"model.name={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=2", "trainer.tensorboard=false",
         "trainer.progress=false", "rollout.groups=2", "rollout.group_size=4", "rollout.slots=4", "rollout.max_turns=3",
-        "rollout.max_new_tokens=24", "eval.tasks=2", "eval.every=2", f"env_kwargs.tasks={TASKS}"])
+        "rollout.max_new_tokens=24", "eval.tasks=2", "eval.every=2", f"env_kwargs.tasks={TASKS}",
+        "rollout.pool=process"])  # the tasks come from env worker processes
     t = Trainer.from_config(cfg)
     gen = Recording(t.generator)
     t.generator = t.sampler.generator = gen

@@ -80,7 +80,7 @@ def cut(c: Completion, tokenizer: Any, max_tokens: int, stop: list[str]) -> tupl
     ids, reason = list(c.ids), c.finish_reason
     if len(ids) > max_tokens:
         ids, reason = ids[:max_tokens], "length"
-    if stop:
+    if stop and any(s in tokenizer.decode(ids, skip_special_tokens=True) for s in stop):
         for k in range(1, len(ids) + 1):  # the first token whose text completes a stop string
             text = tokenizer.decode(ids[:k], skip_special_tokens=True)
             hit = min((text.index(s) for s in stop if s in text), default=-1)
@@ -106,6 +106,8 @@ class CaptureService:
         self.episodes: dict[str, _Episode] = {}
         self.api_key = secrets.token_urlsafe(24)
         self.stats = {"requests": 0, "refused": 0}
+        # the generator's first failure: not the program's fault, so the rollout raises it (rollout/agent_program.py)
+        self.generator_error: BaseException | None = None
         self._lock = threading.Lock()
 
     # ----- episodes ------------------------------------------------------------------------------
@@ -226,7 +228,11 @@ def make_capture_app(service: CaptureService) -> FastAPI:
         except BadRequest:
             service.stats["refused"] += 1
             raise
-        outs = await asyncio.wrap_future(service.sched.submit(prompt, service.seed(eid, k)))
+        try:
+            outs = await asyncio.wrap_future(service.sched.submit(prompt, service.seed(eid, k)))
+        except Exception as e:
+            service.generator_error = service.generator_error or e
+            raise
         return JSONResponse(await run_in_threadpool(service.answer, eid, body, prompt, k, outs))
 
     return app

@@ -12,7 +12,8 @@ them (never re-tokenized), so the learner trains on exactly what was sampled. Th
 turn. A program that raises, returns something that is not a reward, or is still running after
 ``timeout_s`` is a failed episode (``Episode.error``, counted as ``agent_failures``): its turns so far get
 ``failure_reward``, the run goes on. A timed-out program's thread cannot be killed; it is left to finish
-on its own, and every request it makes after its episode ended is refused (404).
+on its own, and every request it makes after its episode ended is refused (404). A generator that fails
+is the run's error: the rollout raises it once the programs have ended.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -55,15 +57,39 @@ class AgentEndpoint:
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout_s)
 
 
+_PROBE_CALL = "probe_call_\u2063"
+_renders_calls: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def renders_tool_calls(tok: Any) -> bool:
+    """Whether this tokenizer's chat template writes an assistant message's ``tool_calls`` (Qwen's does; a
+    template that renders only ``content`` would drop the calls from the history), probed once."""
+    try:
+        return _renders_calls[tok]
+    except (KeyError, TypeError):
+        pass
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": _PROBE_CALL, "arguments": {}}}]}]
+    try:
+        found = _PROBE_CALL in _render(tok, msgs, None, False, generation_prompt=False)
+    except Exception:  # a template that raises on tool_calls renders none
+        found = False
+    try:
+        _renders_calls[tok] = found
+    except TypeError:
+        pass
+    return found
+
+
 def chat_renderer(tok: Any, parser_name: str) -> Any:
     """``render(messages, tools) -> prompt ids`` with the policy's chat template. A template that ignores
-    ``tools`` gets the parser's description of them in the system message and sees assistant calls as the
-    parser writes them; one without a ``tool`` role gets results as a user message (as tool envs do,
-    ``agentrl.rollout.tool_prompts``)."""
+    ``tools`` gets the parser's description of them in the system message; one that does not write an
+    assistant's ``tool_calls`` sees them in its content as the parser writes them; one without a ``tool``
+    role gets results as a user message (as tool envs do, ``agentrl.rollout.tool_prompts``)."""
     parser = tool_parser(parser_name)
 
     def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        tools_ok, role_ok = template_support(tok)
+        (tools_ok, role_ok), calls_ok = template_support(tok), renders_tool_calls(tok)
         msgs: list[dict[str, Any]] = []
         results: list[str] = []
         for m in messages:
@@ -73,7 +99,7 @@ def chat_renderer(tok: Any, parser_name: str) -> Any:
             if results:
                 msgs.append({"role": "user", "content": parser.results_text(results)})
                 results = []
-            if m.get("tool_calls") and not tools_ok:
+            if m.get("tool_calls") and not calls_ok:
                 calls = [ToolCall(c["function"]["name"], a) if isinstance(a := c["function"]["arguments"], dict)
                          else BadCall("", str(a)) for c in m["tool_calls"]]
                 text = parser.render(calls)
@@ -204,4 +230,7 @@ def roll_agents(steps: EpisodeSteps, generator: Any, envs: Any, starts: list[Sta
         steps.stats["generate_calls"] += service.sched.calls
         steps.stats["generate_s"] += service.sched.busy_s
         steps.stats["env_s"] += time.perf_counter() - t0 - service.sched.busy_s
+    if service.generator_error is not None:  # the run's generator broke: the run's error, not the programs'
+        e = service.generator_error
+        raise RuntimeError(f"the generator failed while agent programs ran: {type(e).__name__}: {e}") from e
     return [e for e in out if e is not None]
