@@ -67,6 +67,9 @@ def episode_diagnostics(episodes: list[Episode], reward: Callable[[Episode], flo
     if any("tool_calls" in t.info for t in turns):  # a tool env's turns (agentrl.rollout.tool_prompts)
         out["tool_calls"] = float(sum(t.info.get("tool_calls", 0) for t in turns))
         out["tool_errors"] = float(sum(t.info.get("tool_errors", 0) for t in turns))
+    if episodes[0].env.startswith("agent:"):  # agent programs that raised or timed out (rollout/agent_program.py)
+        out["agent_failures"] = float(sum(bool(e.error) for e in episodes))
+        out["agent_timeouts"] = float(sum(e.error.startswith("TimeoutError") for e in episodes))
     cats: dict[str, list[bool]] = defaultdict(list)
     for e in episodes:
         if e.category:

@@ -76,6 +76,8 @@ def check_env(cfg: Any) -> None:
         spec = registry.spec(cfg.env)
     except EnvError as e:
         raise ConfigError(f"bad value for 'env': {e}") from None
+    if cfg.env.startswith("agent:"):
+        return check_agent_program(cfg)
     if spec.entry != cfg.env:  # a registered env, a suite or a wrapper: its entry is ours
         return
     module, _, attr = cfg.env.partition(":")
@@ -90,6 +92,28 @@ def check_env(cfg: Any) -> None:
     if not attr or not hasattr(mod, attr):
         raise ConfigError(f"bad value for 'env': {cfg.env!r}: module '{module}' has no '{attr}'; give "
                           "package.module:EnvClass")
+
+
+def check_agent_program(cfg: Any) -> None:
+    """``agent:pkg.mod:fn``: the program imports and is a function, its tasks load, the run trains turns."""
+    from agentrl.envs.base import EnvError
+    from agentrl.envs.registry import make
+    from agentrl.registry import RegistryError, load_object
+
+    program = cfg.env.split(":", 1)[1]
+    try:
+        fn = load_object(program, "env")
+    except RegistryError as e:
+        raise ConfigError(f"bad value for 'env': {e}") from None
+    if not callable(fn):
+        raise ConfigError(f"bad value for 'env': {cfg.env!r}: {program} is not a function")
+    try:
+        make(cfg.env, **cfg.env_kwargs)
+    except EnvError as e:
+        raise ConfigError(f"bad value for 'env_kwargs': {e}") from None
+    if cfg.algo.level == "trajectory":
+        # each request is its own prompt (the program re-sends its history): there is no one sequence per episode
+        raise ConfigError("bad value for 'algo.level': an agent program's episodes train per turn (algo.level: turn)")
 
 
 def check_model_folder(cfg: Any) -> None:

@@ -97,6 +97,7 @@ class Episode:
     progress: float = 0.0  # the env's info["progress"] at the end (its score where it reports none)
     dropped: bool = False  # an env worker was lost and the episode could not be rebuilt: never train on it
     truncated: bool = False  # hit the turn limit before the env ended
+    error: str = ""  # an agent program that raised or timed out (envs/agent_program.py): a failed episode
 
     @property
     def total_reward(self) -> float:

@@ -53,10 +53,13 @@ def register(name: str, entry: str, description: str = "", *, fast: bool = False
 def spec(name: str) -> EnvSpec:
     """A registered name, ``"gymnasium:<id>"`` (any Gymnasium text env, ``envs/from_gymnasium.py``),
     ``"latency:<name>"`` (that env with a random per-step delay, ``envs/latency.py``),
+    ``"agent:<package.module:function>"`` (an agent program, ``envs/agent_program.py``),
     ``"gem:<id>"``/``"textarena:<id>"``/``"rg:<dataset>"`` (outside suites, ``envs/suites.py``), or a
     ``"package.module:EnvClass"`` path for an env that is not registered."""
     if name.startswith("gymnasium:"):
         return EnvSpec(name, "agentrl.envs.from_gymnasium:GymnasiumTextEnv", {"gym_id": name.split(":", 1)[1]})
+    if name.startswith("agent:"):  # any agent program, driven through the capture endpoint (envs/agent_program.py)
+        return EnvSpec(name, "agentrl.envs.agent_program:AgentProgramEnv", {"program": name.split(":", 1)[1]})
     if name.startswith("latency:"):  # any env with a random per-step delay (envs/latency.py)
         return EnvSpec(name, "agentrl.envs.latency:LatencyEnv", {"inner": name.split(":", 1)[1]})
     suite, _, inner = name.partition(":")

@@ -4,6 +4,7 @@ then the checks that need the served model (vocabulary, context, budgets). Anyth
 the request reaches the batching worker."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -65,6 +66,9 @@ RULES = {
                         "token-id lists",
     "stream": "'stream' must be false (this server answers whole completions only)",
     "messages": "'messages' must be a non-empty list of {role, content} strings",
+    "tools": "'tools' must be a list of {'type': 'function', 'function': {...}} objects",
+    "tool_choice": "'tool_choice' must be a string or an object",
+    "parallel_tool_calls": "'parallel_tool_calls' must be true or false",
     "path": "'path' must be a non-empty string",
 }
 
@@ -125,6 +129,85 @@ class ChatMessage(BaseModel):
 class ChatBody(_Sampling):
     """``POST /v1/chat/completions``."""
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ToolChatMessage(BaseModel):
+    """A message as OpenAI clients send it when tools are in play: an assistant message may carry
+    ``tool_calls`` and no content, a ``tool`` message answers one by ``tool_call_id``, content may be a list
+    of text parts."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ToolChatBody(_Sampling):
+    """``POST .../v1/chat/completions`` with ``tools`` (the capture endpoint, ``agentrl.generation.capture``):
+    ``messages`` as OpenAI clients send them, ``tools`` their function schemas; ``tool_choice`` and
+    ``parallel_tool_calls`` are accepted (the policy decides whether to call)."""
+    messages: list[ToolChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}: only text content parts are served ({{'type': 'text', 'text': ...}})",
+                             "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def template_messages(body: ToolChatBody) -> list[dict[str, Any]]:
+    """The messages as chat templates take them: content as one string, each assistant tool call as
+    ``{"type": "function", "function": {"name", "arguments": dict}}`` (OpenAI sends the arguments as a JSON
+    string; Hugging Face templates expect an object). Anything unreadable is a ``BadRequest`` naming it."""
+    out = []
+    for i, m in enumerate(body.messages):
+        where = f"message {i}"
+        if m.role not in ROLES:
+            raise BadRequest(f"{where}: role must be one of {', '.join(ROLES)}, got {m.role[:40]!r}", "messages")
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": _text(m.content, where)}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise BadRequest(f"{where}: only assistant messages carry tool_calls", "messages")
+            calls = []
+            for c in m.tool_calls:
+                fn = c.get("function")
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise BadRequest(f"{where}: a tool call is {{'type': 'function', 'function': {{'name': ..., "
+                                     "'arguments': ...}}}}", "messages")
+                args = fn.get("arguments", {})
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass  # kept as the string the model wrote (the template shows it as it was)
+                calls.append({"type": "function", "id": c.get("id"),
+                              "function": {"name": fn["name"], "arguments": args}})
+            msg["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    for t in body.tools or []:
+        if t.get("type", "function") != "function" or not isinstance(t.get("function"), dict) \
+                or not isinstance(t["function"].get("name"), str):
+            raise BadRequest("each entry of 'tools' must be {'type': 'function', 'function': {'name': ..., "
+                             "'description': ..., 'parameters': {...}}}", "tools")
+    return out
 
 
 class LoadWeightsBody(BaseModel):

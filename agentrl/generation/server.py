@@ -460,11 +460,10 @@ def _error(status: int, message: str, param: str | None = None, close: bool = Fa
                         headers=headers)
 
 
-def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="agentrl serve", docs_url=None, redoc_url=None, openapi_url=None)
-    if api_key:
-        app.add_middleware(_ApiKey, key=api_key)
-    limits = service.limits
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-style error bodies for everything a route may raise: ``BadRequest`` (its status, naming its
+    field), refused weights (403), a client gone (499), the server stopping (503), unknown routes (404)
+    and anything else (500), so no exception ever reaches the client as a traceback or a dropped socket."""
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, e: BadRequest) -> JSONResponse:
@@ -497,6 +496,14 @@ def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def crashed(request: Request, e: Exception) -> JSONResponse:
         return _error(500, f"{type(e).__name__}: {e}")
+
+
+def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="agentrl serve", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key)
+    limits = service.limits
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -627,7 +634,7 @@ class RunningServer:
     """``start_server``'s handle: ``server_address`` (host, port); ``shutdown()`` stops it (queued work is
     answered 503, running work stops at its next decode step, the port is closed)."""
 
-    def __init__(self, service: GenerationService, server: uvicorn.Server, sock: socket.socket,
+    def __init__(self, service: Any, server: uvicorn.Server, sock: socket.socket,
                  thread: threading.Thread):
         self.service, self.server, self.sock, self.thread = service, server, sock, thread
         self.server_address: tuple[str, int] = sock.getsockname()[:2]
@@ -654,11 +661,18 @@ def start_server(generator: EmbeddedGenerator, model_name: str, host: str = "127
     ``/load_weights`` may read (none: it refuses every path); ``api_key``: required as ``Authorization:
     Bearer KEY`` on every route but ``/health``; ``limits``: the budgets (``ServerLimits``)."""
     service = GenerationService(generator, model_name, allow_weights_dirs, limits)
+    return serve_app(make_app(service, api_key), service, host, port)
+
+
+def serve_app(app: FastAPI, service: Any, host: str, port: int) -> RunningServer:
+    """``app`` served by uvicorn in a background thread under ``service.limits`` (connections, header
+    deadlines, keep-alive); ``service.close()`` runs at shutdown. The capture endpoint
+    (``agentrl.generation.capture``) is served this way too."""
     lim = service.limits
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
     http = _protocol(lim.header_timeout_s, lim.max_client_connections)
-    config = uvicorn.Config(make_app(service, api_key), http=http, lifespan="off",
+    config = uvicorn.Config(app, http=http, lifespan="off",
                             log_config=None, log_level="error", access_log=False,
                             limit_concurrency=lim.max_connections, timeout_keep_alive=int(lim.keep_alive_s),
                             timeout_graceful_shutdown=3)

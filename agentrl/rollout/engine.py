@@ -47,6 +47,11 @@ class RolloutEngine:
         if streams is None:
             base = self.cfg.sampling.seed or 0
             streams = [mix_seed(base, i) for i in range(len(starts))]
+        if getattr(self.envs.call(0, "prompt_spec"), "style", "") == "agent":
+            # an agent program drives its own episodes through the capture endpoint (rollout/agent_program.py)
+            from agentrl.rollout.agent_program import roll_agents
+
+            return roll_agents(self.steps, self.gen, self.envs, starts, streams)
         if self.cfg.mode == "async":
             return roll_async(self.steps, self.gen, self.envs, starts, streams)
         if self.cfg.refill:

@@ -32,8 +32,9 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "descripti
                                                 "parameters": {"type": "object", "properties": {}}}}
 
 
-def _render(tok: Any, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None, tokenize: bool,
-            generation_prompt: bool = True) -> Any:
+def render_chat(tok: Any, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None, tokenize: bool,
+                generation_prompt: bool = True) -> Any:
+    """The model's chat template over ``messages`` (with ``tools`` when given): text, or its ids."""
     kwargs = {"tools": tools} if tools else {}
     out = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=tokenize, **kwargs)
     if tokenize and hasattr(out, "keys"):  # transformers returns a list or a BatchEncoding depending on version
@@ -49,11 +50,11 @@ def template_support(tok: Any) -> tuple[bool, bool]:
         pass
     msgs = [{"role": "user", "content": "q"}]
     try:
-        tools = _render(tok, msgs, [_PROBE_TOOL], False) != _render(tok, msgs, None, False)
+        tools = render_chat(tok, msgs, [_PROBE_TOOL], False) != render_chat(tok, msgs, None, False)
     except Exception:  # a template that raises on tools= supports none
         tools = False
     try:
-        role = SENTINEL in _render(tok, msgs + [{"role": "assistant", "content": "a"},
+        role = SENTINEL in render_chat(tok, msgs + [{"role": "assistant", "content": "a"},
                                                 {"role": "tool", "content": SENTINEL}], None, False)
     except Exception:  # e.g. "roles must alternate user/assistant"
         role = False
@@ -120,7 +121,7 @@ def tool_messages(tok: Any, spec: Any, instruction: str, obs: str, history: list
 def tool_prompt_ids(tok: Any, spec: Any, instruction: str, obs: str, history: list[tuple[str, str]],
                     note: str = "") -> list[int]:
     msgs, tools = tool_messages(tok, spec, instruction, obs, history, note)
-    return _render(tok, msgs, tools, True)
+    return render_chat(tok, msgs, tools, True)
 
 
 def followup_ids(tok: Any, spec: Any, results: list[str], ended_by_eos: bool) -> list[int]:
@@ -130,7 +131,7 @@ def followup_ids(tok: Any, spec: Any, results: list[str], ended_by_eos: bool) ->
     system, tools = _system(tok, spec)
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": "q"},
             {"role": "assistant", "content": SENTINEL}] + result_messages(tok, spec.tool_parser, results)
-    after = _render(tok, msgs, tools, False).split(SENTINEL, 1)[1]
+    after = render_chat(tok, msgs, tools, False).split(SENTINEL, 1)[1]
     eos = tok.eos_token or ""
     if ended_by_eos and eos and after.startswith(eos):
         after = after[len(eos):]

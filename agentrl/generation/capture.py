@@ -1,0 +1,260 @@
+"""The capture endpoint: an OpenAI-compatible chat-completions server in front of any ``Generator`` that
+records what an agent program made the policy sample, per episode.
+
+An agent program (``--env agent:pkg.mod:fn``, ``agentrl.rollout.agent_program``) gets a base URL that
+carries its episode id in the path, ``http://127.0.0.1:PORT/ep/<episode id>/v1``, and an API key; any
+OpenAI client pointed there works unchanged. ``POST /ep/<id>/v1/chat/completions`` (tools accepted,
+``stream`` refused, ``n`` 1) applies the policy's chat template to the messages and tools (the caller's
+``render``), samples one completion through the run's generator (batched with the other episodes'
+requests by ``agentrl.generation.scheduler``), parses its tool calls (the caller's ``parse``: the tool
+parser registry) and answers OpenAI's ``tool_calls``; it records the prompt ids, the sampled ids and their
+log-probs under the episode id, one record per request. ``GET /ep/<id>/v1/models`` lists the policy.
+
+Sampling is the run's (``rollout.temperature``, ``top_p``, ``max_new_tokens``): the learner scores the
+tokens under that temperature, so a request's ``temperature``/``top_p`` are ignored. A request's
+``max_tokens`` (at most the run's) and ``stop`` cut the sampled tokens after the fact, which draws exactly
+the tokens a shorter generation would have. An unknown or closed episode is a 404; a request past the
+episode's budget (``max_requests``), beyond the context or malformed is a 4xx naming the field, and
+touches no other request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from agentrl.generation.requests import BadRequest, ServerLimits, ToolChatBody, parse_body, template_messages
+from agentrl.generation.scheduler import scheduler_for
+from agentrl.generation.server import RunningServer, _ApiKey, _read_body, install_error_handlers, serve_app
+from agentrl.seeds import mix_seed
+from agentrl.types import Completion, SamplingParams
+
+MODEL_NAME = "policy"  # what /v1/models lists; any model name in a request is accepted
+
+
+@dataclass
+class ParsedReply:
+    """A completion's text read as an assistant message: its content (the text without the calls) and its
+    calls as (name, arguments); ``malformed``: the calls that could not be read (why, for each)."""
+
+    content: str
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    malformed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CapturedCall:
+    """One request of an episode: the prompt ids the template made, what the generator sampled for them
+    (ids and log-probs as it returned them) and how the reply read."""
+
+    prompt_ids: list[int]
+    completion: Completion
+    ids: list[int]  # the sampled ids the reply stands for: ``completion.ids`` cut at max_tokens / a stop string
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    reply: ParsedReply
+
+
+@dataclass
+class _Episode:
+    stream: int
+    max_requests: int
+    calls: list[CapturedCall] = field(default_factory=list)
+    requests: int = 0  # requests taken (answered or in flight): the next one's index and sampling seed
+
+
+def cut(c: Completion, tokenizer: Any, max_tokens: int, stop: list[str]) -> tuple[list[int], str, str]:
+    """(ids, text, finish reason) of ``c`` as a generation with ``max_tokens`` and ``stop`` strings would
+    have ended: after the token that completes a stop string, or after ``max_tokens`` tokens."""
+    ids, reason = list(c.ids), c.finish_reason
+    if len(ids) > max_tokens:
+        ids, reason = ids[:max_tokens], "length"
+    if stop and any(s in tokenizer.decode(ids, skip_special_tokens=True) for s in stop):
+        for k in range(1, len(ids) + 1):  # the first token whose text completes a stop string
+            text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+            hit = min((text.index(s) for s in stop if s in text), default=-1)
+            if hit >= 0:
+                return ids[:k], text[:hit], "stop"
+    text = c.text if ids == c.ids else tokenizer.decode(ids, skip_special_tokens=True)
+    return ids, text, reason
+
+
+class CaptureService:
+    """Episodes, their records and the request handling (see the module's doc). ``render(messages,
+    tools) -> prompt ids`` and ``parse(text) -> ParsedReply`` come from the rollout side (chat template and
+    tool parser); ``in_flight``: how many episodes run at once (the scheduler's lanes for a server)."""
+
+    def __init__(self, generator: Any, tokenizer: Any, sampling: SamplingParams,
+                 render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]],
+                 parse: Callable[[str], ParsedReply], context: int | None = None, in_flight: int = 1,
+                 limits: ServerLimits | None = None):
+        self.tok, self.sampling, self.render, self.parse = tokenizer, sampling, render, parse
+        self.context = context
+        self.limits = limits or ServerLimits()
+        self.sched = scheduler_for(generator, SamplingParams(**{**sampling.to_dict(), "stop": []}), in_flight)
+        self.episodes: dict[str, _Episode] = {}
+        self.api_key = secrets.token_urlsafe(24)
+        self.stats = {"requests": 0, "refused": 0}
+        # the generator's first failure: not the program's fault, so the rollout raises it (rollout/agent_program.py)
+        self.generator_error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    # ----- episodes ------------------------------------------------------------------------------
+    def open(self, stream: int, max_requests: int) -> str:
+        """A new episode id (unguessable); its requests sample from ``stream`` (seed of request k:
+        ``mix_seed(stream, k)``, as a rollout turn's)."""
+        eid = uuid.uuid4().hex
+        with self._lock:
+            self.episodes[eid] = _Episode(stream, max_requests)
+            self.sched.live = len(self.episodes)
+        return eid
+
+    def end(self, eid: str) -> list[CapturedCall]:
+        """The episode's records, in the order they were answered; its later requests are refused (404)."""
+        with self._lock:
+            ep = self.episodes.pop(eid, None)
+            self.sched.live = len(self.episodes)
+        return [] if ep is None else ep.calls
+
+    def close(self) -> None:
+        """Stop the scheduler once the requests it holds are answered (the server is shutting down)."""
+        self.sched.close()
+
+    # ----- requests ------------------------------------------------------------------------------
+    def _episode(self, eid: str) -> _Episode:
+        ep = self.episodes.get(eid)
+        if ep is None:
+            raise BadRequest(f"no open episode '{eid[:40]}' (it ended, or the base URL is wrong)", status=404)
+        return ep
+
+    def prepare(self, eid: str, raw: bytes) -> tuple[ToolChatBody, list[int], int]:
+        """(the body, its prompt ids, the request's index in its episode), or a ``BadRequest``."""
+        ep = self._episode(eid)
+        body: ToolChatBody = parse_body(ToolChatBody, raw)
+        if body.n != 1:
+            raise BadRequest("'n' must be 1 here: each request is one turn of the episode", "n")
+        if body.echo or body.choice_token_ids is not None:
+            raise BadRequest("'echo' and 'choice_token_ids' are not served on the capture endpoint",
+                             "echo" if body.echo else "choice_token_ids")
+        msgs = template_messages(body)
+        if self.context and sum(len(m["content"]) for m in msgs) > 8 * self.context:
+            raise BadRequest(f"'messages' are longer than the model's context ({self.context} tokens)", "messages")
+        try:
+            ids = self.render(msgs, body.tools or None)
+        except BadRequest:
+            raise
+        except Exception as e:  # the template refused these messages (roles out of order, a missing field)
+            raise BadRequest(f"the chat template cannot render these messages: {type(e).__name__}: "
+                             f"{str(e)[:300]}", "messages") from None
+        if self.context and len(ids) + self.sampling.max_new_tokens > self.context:
+            raise BadRequest(f"the prompt has {len(ids)} tokens: with the run's {self.sampling.max_new_tokens} new "
+                             f"tokens it does not fit the model's context of {self.context} tokens", "messages")
+        if body.max_tokens is not None and body.max_tokens < 1:
+            raise BadRequest(f"'max_tokens' must be at least 1, got {body.max_tokens}", "max_tokens")
+        with self._lock:
+            ep = self._episode(eid)
+            if ep.requests >= ep.max_requests:
+                raise BadRequest(f"this episode has made its {ep.max_requests} requests (rollout.max_turns)",
+                                 status=429)
+            k = ep.requests
+            ep.requests += 1
+        return body, ids, k
+
+    def answer(self, eid: str, body: ToolChatBody, prompt: list[int], k: int, c: Completion) -> dict[str, Any]:
+        """Record request ``k``'s completion under its episode and shape the OpenAI reply."""
+        max_tokens = min(body.max_tokens or self.sampling.max_new_tokens, self.sampling.max_new_tokens)
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        ids, text, reason = cut(c, self.tok, max_tokens, stop)
+        reply = self.parse(text)
+        logprobs = list(c.logprobs[:len(ids)])
+        with self._lock:
+            ep = self.episodes.get(eid)
+            if ep is None:  # the episode ended (its program timed out) while this request was sampled
+                raise BadRequest(f"episode '{eid[:40]}' ended while this request ran", status=404)
+            ep.calls.append(CapturedCall(prompt, c, ids, logprobs, text, reason, reply))
+            self.stats["requests"] += 1
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.calls:
+            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                      "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}}
+                                     for n, a in reply.calls]
+            reason = "tool_calls"
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason,
+                                  "token_ids": ids}  # our extension, as on /v1/completions
+        if body.logprobs:
+            choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None,
+                                               "top_logprobs": []} for t, lp in zip(ids, logprobs)]}
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
+                "model": MODEL_NAME, "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                          "total_tokens": len(prompt) + len(ids)}}
+
+    def seed(self, eid: str, k: int) -> int | None:
+        ep = self.episodes.get(eid)
+        return None if ep is None or self.sampling.seed is None else mix_seed(ep.stream, k)
+
+
+def make_capture_app(service: CaptureService) -> FastAPI:
+    app = FastAPI(title="agentrl capture", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_ApiKey, key=service.api_key)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ep/{eid}/v1/models")
+    async def models(eid: str) -> dict[str, Any]:
+        service._episode(eid)
+        return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "max_model_len": service.context}]}
+
+    @app.post("/ep/{eid}/v1/chat/completions")
+    async def chat(eid: str, request: Request) -> JSONResponse:
+        raw = await _read_body(request, service.limits)
+        try:
+            # rendering the template may take a while: off the event loop, so other episodes are not held up
+            body, prompt, k = await run_in_threadpool(service.prepare, eid, raw)
+        except BadRequest:
+            service.stats["refused"] += 1
+            raise
+        try:
+            outs = await asyncio.wrap_future(service.sched.submit(prompt, service.seed(eid, k)))
+        except Exception as e:
+            service.generator_error = service.generator_error or e
+            raise
+        return JSONResponse(await run_in_threadpool(service.answer, eid, body, prompt, k, outs))
+
+    return app
+
+
+class CaptureServer:
+    """A running capture endpoint on 127.0.0.1 (a free port): ``base_url(eid)`` is an episode's OpenAI
+    base URL, ``api_key`` the key it needs; ``close()`` stops it."""
+
+    def __init__(self, service: CaptureService, host: str = "127.0.0.1", port: int = 0):
+        self.service = service
+        self._server: RunningServer = serve_app(make_capture_app(service), service, host, port)
+        h, p = self._server.server_address
+        self.root = f"http://{h}:{p}"
+
+    @property
+    def api_key(self) -> str:
+        return self.service.api_key
+
+    def base_url(self, eid: str) -> str:
+        return f"{self.root}/ep/{eid}/v1"
+
+    def close(self) -> None:
+        self._server.server_close()
+

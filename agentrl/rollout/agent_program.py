@@ -1,0 +1,236 @@
+"""Episodes of an agent program (``--env agent:pkg.mod:fn``, ``agentrl.envs.agent_program``).
+
+For each start, ``roll_agents`` opens an episode on the capture endpoint (``agentrl.generation.capture``)
+and calls the user's ``fn(task, endpoint)`` in a thread of its own, at most ``len(envs)`` (``rollout.slots``)
+at once: ``task`` is the task's dict, ``endpoint`` an ``AgentEndpoint`` (its ``base_url`` carries the
+episode id; ``openai_client()`` is an ``openai.OpenAI`` pointed there). ``fn`` may be ``async def``. It
+returns the episode's reward: a number (success: > 0), or ``{"reward": float, "success": bool}``.
+
+Every request the program made is one turn, in the order they were answered: the prompt ids the chat
+template made of its messages and tools, and the ids and log-probs the generator sampled, as it returned
+them (never re-tokenized), so the learner trains on exactly what was sampled. The reward goes on the last
+turn. A program that raises, returns something that is not a reward, or is still running after
+``timeout_s`` is a failed episode (``Episode.error``, counted as ``agent_failures``): its turns so far get
+``failure_reward``, the run goes on. A timed-out program's thread cannot be killed; it is left to finish
+on its own, and every request it makes after its episode ended is refused (404). A generator that fails
+is the run's error: the rollout raises it once the programs have ended.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.envs.tools import call_action
+from agentrl.generation.capture import MODEL_NAME, CaptureServer, CaptureService, CapturedCall, ParsedReply
+from agentrl.registry import load_object
+from agentrl.rollout.context import context_length
+from agentrl.rollout.episode import EpisodeSteps, Start
+from agentrl.rollout.tool_parsers import BadCall, ToolCall, tool_parser
+from agentrl.rollout.tool_prompts import render_chat, template_support
+from agentrl.types import Episode, Turn
+
+MAX_CALLS = 16  # tool calls read out of one reply
+
+
+@dataclass(frozen=True)
+class AgentEndpoint:
+    """What an agent program gets with its task: an OpenAI base URL and key for this episode."""
+
+    base_url: str  # http://127.0.0.1:PORT/ep/<episode id>/v1
+    api_key: str
+    task_id: str
+    timeout_s: float
+    model: str = MODEL_NAME  # any model name is accepted; this is the one /v1/models lists
+
+    def openai_client(self) -> Any:
+        """An ``openai.OpenAI`` client for this episode (no retries: a refused request is the program's to see)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout_s)
+
+
+_PROBE_CALL = "probe_call_\u2063"
+_renders_calls: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def renders_tool_calls(tok: Any) -> bool:
+    """Whether this tokenizer's chat template writes an assistant message's ``tool_calls`` (Qwen's does; a
+    template that renders only ``content`` would drop the calls from the history), probed once."""
+    try:
+        return _renders_calls[tok]
+    except (KeyError, TypeError):
+        pass
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": _PROBE_CALL, "arguments": {}}}]}]
+    try:
+        found = _PROBE_CALL in render_chat(tok, msgs, None, False, generation_prompt=False)
+    except Exception:  # a template that raises on tool_calls renders none
+        found = False
+    try:
+        _renders_calls[tok] = found
+    except TypeError:
+        pass
+    return found
+
+
+def chat_renderer(tok: Any, parser_name: str) -> Any:
+    """``render(messages, tools) -> prompt ids`` with the policy's chat template. A template that ignores
+    ``tools`` gets the parser's description of them in the system message; one that does not write an
+    assistant's ``tool_calls`` sees them in its content as the parser writes them; one without a ``tool``
+    role gets results as a user message (as tool envs do, ``agentrl.rollout.tool_prompts``)."""
+    parser = tool_parser(parser_name)
+
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        (tools_ok, role_ok), calls_ok = template_support(tok), renders_tool_calls(tok)
+        msgs: list[dict[str, Any]] = []
+        results: list[str] = []
+        for m in messages:
+            if m["role"] == "tool" and not role_ok:
+                results.append(m["content"])
+                continue
+            if results:
+                msgs.append({"role": "user", "content": parser.results_text(results)})
+                results = []
+            if m.get("tool_calls") and not calls_ok:
+                calls = [ToolCall(c["function"]["name"], a) if isinstance(a := c["function"]["arguments"], dict)
+                         else BadCall("", str(a)) for c in m["tool_calls"]]
+                text = parser.render(calls)
+                m = {"role": "assistant", "content": f"{m['content']}\n{text}" if m["content"] else text}
+            msgs.append(m)
+        if results:
+            msgs.append({"role": "user", "content": parser.results_text(results)})
+        if tools and not tools_ok:
+            described = parser.system_text(tools)
+            if msgs and msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{described}"}
+            else:
+                msgs.insert(0, {"role": "system", "content": described})
+        return render_chat(tok, msgs, tools if tools_ok else None, True)
+
+    return render
+
+
+def reply_parser(parser_name: str) -> Any:
+    """``parse(text) -> ParsedReply``: the calls the registry's parser reads, the text before the first
+    call as the message's content."""
+    parser = tool_parser(parser_name)
+    tag = getattr(parser, "open_tag", None)
+
+    def parse(text: str) -> ParsedReply:
+        found = parser.parse(text, MAX_CALLS)
+        if not found.calls:
+            return ParsedReply(text)
+        content = text[:text.find(tag)].strip() if tag and tag in text else ""
+        return ParsedReply(content, [(c.name, c.arguments) for c in found.calls if isinstance(c, ToolCall)],
+                           [c.error for c in found.calls if isinstance(c, BadCall)])
+
+    return parse
+
+
+def read_reward(result: Any) -> tuple[float, bool]:
+    """(reward, success) of what a program returned; a ``ValueError`` saying what is wrong otherwise."""
+    if isinstance(result, dict) and "reward" in result:
+        reward, success = result["reward"], result.get("success")
+    else:
+        reward, success = result, None
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ValueError(f"the program returned {str(result)[:80]!r}; it must return a finite number or "
+                         "{'reward': float, 'success': bool}")
+    return float(reward), bool(success) if success is not None else reward > 0
+
+
+def _call(fn: Any, task: dict[str, Any], endpoint: AgentEndpoint, box: dict[str, Any], done: queue.Queue,
+          i: int) -> None:
+    try:
+        result = fn(task, endpoint)
+        if inspect.iscoroutine(result):  # an ``async def`` program: its own event loop in this thread
+            result = asyncio.run(result)
+        box["reward"] = read_reward(result)
+    except BaseException as e:  # the program's failure is its episode's, never the run's
+        box["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    done.put(i)
+
+
+def to_episode(env_name: str, s: Start, task: dict[str, Any], calls: list[CapturedCall], reward: float,
+               success: bool, error: str, max_requests: int) -> Episode:
+    """The episode the recipes train on: one turn per request, token for token as sampled."""
+    ep = Episode(env_name, s.task_id, s.seed, s.group_id, str(task.get("category", "")),
+                 initial_observation=str(task)[:2000])
+    for k, c in enumerate(calls):
+        actions = [call_action(n, a) for n, a in c.reply.calls]
+        ep.turns.append(Turn(c.prompt_ids, c.ids, c.logprobs, c.text, actions, not c.reply.malformed, "", 0.0, False,
+                             c.finish_reason, info={"tool_calls": len(c.reply.calls) + len(c.reply.malformed),
+                                                    "tool_errors": len(c.reply.malformed), "request": k}))
+    if ep.turns:
+        ep.turns[-1].reward, ep.turns[-1].done = reward, True
+        if error:
+            ep.turns[-1].info["agent_error"] = error
+    ep.won, ep.score, ep.progress = success and not error, reward, reward
+    ep.error = error
+    ep.truncated = len(calls) >= max_requests and bool(error)
+    return ep
+
+
+def roll_agents(steps: EpisodeSteps, generator: Any, envs: Any, starts: list[Start], streams: list[int]
+                ) -> list[Episode]:
+    """Run the env's agent program once per start (see the module's doc); episodes in ``starts`` order."""
+    spec = envs.call(0, "prompt_spec")
+    fn = load_object(spec.program, f"env 'agent:{spec.program}'")
+    if not callable(fn):
+        raise TypeError(f"env 'agent:{spec.program}': {spec.program} is not a function")
+    cfg, slots = steps.cfg, max(1, len(envs))
+    service = CaptureService(generator, steps.tok, cfg.sampling, chat_renderer(steps.tok, spec.tool_parser),
+                             reply_parser(spec.tool_parser), context_length(generator), in_flight=slots)
+    server = CaptureServer(service)
+    out: list[Episode | None] = [None] * len(starts)
+    pending, done = deque(range(len(starts))), queue.Queue()
+    running: dict[int, tuple[str, float, dict[str, Any], dict[str, Any]]] = {}  # start -> (eid, deadline, task, box)
+    t0 = time.perf_counter()
+
+    def finish(i: int, error: str = "") -> None:
+        eid, _, task, box = running.pop(i)
+        calls = service.end(eid)
+        error = error or box.get("error", "")
+        reward, success = (spec.failure_reward, False) if error else box["reward"]
+        out[i] = to_episode(steps.env_name, starts[i], task, calls, reward, success, error, cfg.max_turns)
+        steps.stats["turns"] += len(calls)
+        steps.stats["generated_tokens"] += sum(len(c.ids) for c in calls)
+
+    try:
+        while pending or running:
+            while pending and len(running) < slots:
+                i = pending.popleft()
+                task = envs.call(0, "task_payload", starts[i].task_id)
+                eid = service.open(streams[i], cfg.max_turns)
+                endpoint = AgentEndpoint(server.base_url(eid), server.api_key, starts[i].task_id, spec.timeout_s)
+                box: dict[str, Any] = {}
+                running[i] = (eid, time.monotonic() + spec.timeout_s, task, box)
+                threading.Thread(target=_call, args=(fn, task, endpoint, box, done, i), daemon=True,
+                                 name=f"agentrl-agent-{i}").start()
+            wait = min(d for _, d, _, _ in running.values()) - time.monotonic()
+            try:
+                i = done.get(timeout=max(0.0, wait))
+                if i in running:  # else: it had timed out already
+                    finish(i)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for i in [i for i, (_, d, _, _) in running.items() if d <= now]:
+                finish(i, f"TimeoutError: the program ran past env_kwargs.timeout_s={spec.timeout_s:g} s")
+    finally:
+        server.close()
+        steps.stats["generate_calls"] += service.sched.calls
+        steps.stats["generate_s"] += service.sched.busy_s
+        steps.stats["env_s"] += time.perf_counter() - t0 - service.sched.busy_s
+    if service.generator_error is not None:  # the run's generator broke: the run's error, not the programs'
+        e = service.generator_error
+        raise RuntimeError(f"the generator failed while agent programs ran: {type(e).__name__}: {e}") from e
+    return [e for e in out if e is not None]

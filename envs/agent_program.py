@@ -1,0 +1,114 @@
+"""``agent:pkg.mod:fn``: any agent program as an env. The program, not the rollout engine, drives the
+episode: agentrl calls ``fn(task, endpoint)`` for each task with an OpenAI-compatible endpoint in front
+of the policy (``agentrl.rollout.agent_program``), and every request it makes is a turn.
+
+This env holds what the rest of a run needs from an env: the tasks (splits and ids, for task draws,
+groups and evaluation), each task's payload (the dict handed to ``fn``), and the program's options as its
+``PromptSpec`` (``style == "agent"`` tells the rollout engine to hand the episode to the program).
+
+Options (``env_kwargs``):
+
+* ``tasks``: a JSONL file, one JSON object per line (the payload; an optional ``"split"`` of train / valid /
+  test, default train; an optional ``"category"``), or ``pkg.mod:fn`` returning a list of such dicts. Task
+  ids are ``split/00000`` in the order the tasks come in their split.
+* ``timeout_s`` (300): a program still running after this is a failed episode;
+* ``failure_reward`` (0.0): the reward of a failed episode (the program raised, timed out or returned
+  something that is not a reward);
+* ``tool_parser`` ("hermes"): how the endpoint reads tool calls out of the policy's text
+  (``agentrl.rollout.tool_parsers``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from agentrl.envs.base import SPLITS, EnvError, PromptSpec, Task, TextEnv
+from agentrl.registry import RegistryError, load_object
+
+
+@dataclass
+class AgentSpec(PromptSpec):
+    """An agent program's options, read by the rollout (``agentrl.rollout.agent_program``)."""
+
+    program: str = ""
+    timeout_s: float = 300.0
+    failure_reward: float = 0.0
+    tool_parser: str = "hermes"
+    style: str = "agent"
+
+
+def load_tasks(source: str) -> list[dict[str, Any]]:
+    """The task dicts of a JSONL file or of a ``pkg.mod:fn`` that lists them; one line naming the fault."""
+    if Path(source).expanduser().is_file():
+        out = []
+        for n, line in enumerate(Path(source).expanduser().read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                task = json.loads(line)
+            except ValueError as e:
+                raise EnvError(f"env_kwargs.tasks: {source} line {n} is not JSON ({e})") from None
+            out.append(task)
+    elif ":" in source and not source.endswith((".jsonl", ".json")):
+        try:
+            fn = load_object(source, "env_kwargs.tasks")
+        except RegistryError as e:
+            raise EnvError(str(e)) from None
+        out = list(fn())
+    else:
+        raise EnvError(f"env_kwargs.tasks: {source!r} is neither a file nor a package.module:function")
+    for n, task in enumerate(out, 1):
+        if not isinstance(task, dict):
+            raise EnvError(f"env_kwargs.tasks: task {n} of {source} is a {type(task).__name__}, not a JSON object")
+        if task.get("split", "train") not in SPLITS:
+            raise EnvError(f"env_kwargs.tasks: task {n} of {source} has split {task['split']!r}; allowed: "
+                           f"{', '.join(SPLITS)}")
+    return out
+
+
+class AgentProgramEnv(TextEnv):
+    """The env of ``agent:pkg.mod:fn`` (see the module's doc). It has no steps of its own: ``step`` refuses."""
+
+    name: ClassVar[str] = "agent"
+
+    def __init__(self, program: str = "", tasks: str = "", timeout_s: float = 300.0, failure_reward: float = 0.0,
+                 tool_parser: str = "hermes", max_steps: int | None = None, **kwargs: Any):
+        super().__init__(max_steps=max_steps, **kwargs)  # an unknown option is one line naming it
+        if ":" not in program:
+            raise EnvError(f"env 'agent:{program}': the program must look like agent:package.module:function")
+        if not tasks:
+            raise EnvError(f"env 'agent:{program}': env_kwargs.tasks is required (a JSONL file of tasks, or "
+                           "package.module:function listing them)")
+        if not float(timeout_s) > 0:
+            raise EnvError(f"env_kwargs.timeout_s must be > 0, got {timeout_s!r}")
+        self.name = f"agent:{program}"
+        self.spec = AgentSpec(system="", instruction="", program=program, timeout_s=float(timeout_s),
+                              failure_reward=float(failure_reward), tool_parser=tool_parser)
+        self._payloads: dict[str, dict[str, Any]] = {}
+        self._tasks: dict[str, list[Task]] = {s: [] for s in SPLITS}
+        for task in load_tasks(tasks):
+            split = task.get("split", "train")
+            tid = f"{split}/{len(self._tasks[split]):05d}"
+            self._tasks[split].append(Task(tid, split, str(task.get("category", ""))))
+            self._payloads[tid] = task
+
+    def tasks(self, split: str) -> list[Task]:
+        if split not in self._tasks:
+            raise EnvError(f"unknown split '{split}'; allowed: {', '.join(SPLITS)}")
+        return self._tasks[split]
+
+    def task_payload(self, task_id: str) -> dict[str, Any]:
+        """The task as the program receives it (a copy: a program that edits it changes no other episode's)."""
+        self.get_task(task_id)
+        return json.loads(json.dumps(self._payloads[task_id]))
+
+    def prompt_spec(self) -> PromptSpec:
+        return self.spec
+
+    def _reset(self, task: Task, seed: int) -> tuple[str, dict[str, Any]]:
+        return json.dumps(self._payloads[task.task_id])[:2000], {"admissible_actions": None}
+
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        raise EnvError(f"env '{self.name}' is driven by its program: it takes no env steps")

@@ -1,0 +1,42 @@
+"""An agent program written against the OpenAI client, trained by agentrl through its capture endpoint:
+
+    agentrl train grpo --env agent:examples.calc_agent:run_agent env_kwargs.tasks=examples/calc_tasks.jsonl
+
+Each task is {"expression": ..., "answer": ...}. The agent offers the model a calculator tool, runs the
+calls the model makes, sends the results back as tool messages, and scores the final answer.
+"""
+import json
+
+from agentrl.envs.calculator import CalcError, evaluate, format_number
+
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression and return its value.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def calculator(expression: str) -> str:
+    try:
+        return format_number(evaluate(expression))
+    except CalcError as e:
+        return f"Error: {e}"
+
+
+def run_agent(task: dict, endpoint) -> dict:
+    client = endpoint.openai_client()  # openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)
+    messages = [{"role": "system", "content": "You solve arithmetic with a calculator tool."},
+                {"role": "user", "content": f"Compute {task['expression']}. Answer <answer>NUMBER</answer>."}]
+    for _ in range(4):
+        reply = client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALCULATOR],
+                                               max_tokens=96)
+        msg = reply.choices[0].message
+        if not msg.tool_calls:  # a final answer
+            answer = (msg.content or "").split("<answer>")[-1].split("</answer>")[0].strip()
+            won = answer == str(task["answer"])
+            return {"reward": float(won), "success": won}
+        messages.append(msg.model_dump(exclude_none=True))
+        for call in msg.tool_calls:
+            args = json.loads(call.function.arguments)
+            result = calculator(args.get("expression", "")) if call.function.name == "calculator" \
+                else f"Error: unknown tool {call.function.name}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return {"reward": 0.0, "success": False}

@@ -1,0 +1,56 @@
+"""Agent programs for tests/test_agent_program.py, named by import path as `agent:tests.agent_programs:NAME`."""
+import time
+
+import httpx
+
+
+def chatty(task, endpoint):
+    """Two requests through the openai client, the second with the first reply in its history; the reward
+    depends on what was sampled, so GRPO groups differ."""
+    client = endpoint.openai_client()
+    messages = [{"role": "system", "content": "You are a player."}, {"role": "user", "content": task["question"]}]
+    first = client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=12)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
+    second = client.chat.completions.create(model=endpoint.model, messages=messages)
+    text = (first.choices[0].message.content or "") + (second.choices[0].message.content or "")
+    return float(text.count("o") % 2)
+
+
+def by_mode(task, endpoint):
+    """One request, then what the task's "mode" says: return, raise, outlive the timeout, or return junk."""
+    client = endpoint.openai_client()
+    client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": task["question"]}])
+    mode = task["mode"]
+    if mode == "raise":
+        raise RuntimeError("the agent's own bug")
+    if mode == "sleep":
+        time.sleep(3)
+        # the episode has ended: a request now is refused (404 while the endpoint serves others, no connection
+        # once the rollout is over), and never recorded
+        try:
+            r = httpx.post(f"{endpoint.base_url}/chat/completions", json={"model": "m", "messages": [
+                {"role": "user", "content": "late"}]}, headers={"Authorization": f"Bearer {endpoint.api_key}"})
+            LATE.append(r.status_code)
+        except httpx.TransportError:
+            LATE.append("refused")
+        return 1.0
+    if mode == "junk":
+        return "not a reward"
+    return 0.5
+
+
+LATE: list[int] = []
+
+
+async def async_agent(task, endpoint):
+    """An ``async def`` program with the async client."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    r = await client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": "hi"}])
+    return 1.0 if r.choices[0].message.content is not None else 0.0
+
+
+def tasks():
+    """A task source by import path."""
+    return [{"question": f"Push box {i}.", "split": "train" if i < 6 else "valid"} for i in range(8)]

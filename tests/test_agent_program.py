@@ -1,0 +1,419 @@
+"""Any agent program (`--env agent:pkg.mod:fn`): the capture endpoint in front of the generator, the episodes
+it records (token for token what the generator returned), failures that stay the episode's, and GRPO
+trained through it. Real HTTP servers, the real `openai` client, the real tiny model."""
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from agentrl.envs.base import EnvError
+from agentrl.envs.pool import InProcessEnvs
+from agentrl.envs.registry import make, spec
+from agentrl.generation.capture import CaptureServer, CaptureService
+from agentrl.learner.models import load_tokenizer
+from agentrl.metrics import episode_diagnostics
+from agentrl.rollout.agent_program import chat_renderer, reply_parser
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine, Start
+from agentrl.types import Completion, SamplingParams
+from tests import agent_programs
+
+TASKS = "tests.agent_programs:tasks"
+
+
+class Recording:
+    """The real generator, with every row it returned kept (prompt, ids, log-probs)."""
+
+    def __init__(self, gen):
+        self.gen, self.rows, self.stop_ids = gen, [], getattr(gen, "stop_ids", ())
+        self.model, self.tokenizer = gen.model, gen.tokenizer  # its context, as the rollout reads it
+
+    def generate(self, prompts, sampling, seeds=None, choices=None):
+        outs = self.gen.generate(prompts, sampling, seeds=seeds)
+        self.rows += [(tuple(p), tuple(c.ids), tuple(c.logprobs)) for p, c in zip(prompts, outs)]
+        return outs
+
+    def __getattr__(self, name):
+        return getattr(self.gen, name)
+
+
+class Scripted:
+    """A test double: answers each prompt with the text ``reply(prompt text)`` returns, as token ids."""
+
+    def __init__(self, tok, reply):
+        self.tok, self.reply, self.stop_ids, self.prompts = tok, reply, (), []
+
+    def generate(self, prompts, sampling, seeds=None, choices=None):
+        out = []
+        for p in prompts:
+            self.prompts.append(list(p))
+            text = self.reply(self.tok.decode(p))
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            out.append(Completion(ids, [-0.25] * len(ids), text, "stop"))
+        return out
+
+
+def _rollout(gen, program, starts, max_turns=4, **env_kwargs):
+    envs = InProcessEnvs(f"agent:{program}", 2, {"tasks": TASKS, **env_kwargs})
+    cfg = RolloutConfig(max_turns=max_turns, sampling=SamplingParams(temperature=1.0, max_new_tokens=24, seed=3))
+    engine = RolloutEngine(gen, gen.tokenizer if hasattr(gen, "tokenizer") else gen.tok, envs, f"agent:{program}", cfg)
+    return engine.run(starts), engine.stats
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture
+def capture(tok):
+    """A capture endpoint whose policy calls the calculator once, then answers."""
+    def reply(prompt):
+        if "<|im_start|>tool" in prompt:  # the tiny model's template has a tool role
+            return "<answer>5</answer>"
+        return 'Let me compute.<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+
+    gen = Scripted(tok, reply)
+    service = CaptureService(gen, tok, SamplingParams(max_new_tokens=400), chat_renderer(tok, "hermes"),
+                             reply_parser("hermes"), context=4096)
+    server = CaptureServer(service)
+    yield server, service, gen
+    server.close()
+
+
+CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                         "parameters": {"type": "object",
+                                                        "properties": {"expression": {"type": "string"}}}}}
+
+
+# ----- the endpoint ----------------------------------------------------------------------------------------
+def test_the_openai_client_gets_tool_calls_and_each_request_is_recorded_under_its_episode(capture, tok):
+    server, service, gen = capture
+    eid = service.open(stream=1, max_requests=4)
+    other = service.open(stream=2, max_requests=4)
+    client = openai.OpenAI(base_url=server.base_url(eid), api_key=server.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": "What is 2+3?"}]
+    first = client.chat.completions.create(model="anything", messages=msgs, tools=[CALC])
+    m = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and m.content == "Let me compute."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == \
+        [("calculator", {"expression": "2+3"})]
+    # the assistant message goes back as the client gives it (content and tool_calls), then the tool's result
+    msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "5"}]
+    second = client.chat.completions.create(model="anything", messages=msgs, tools=[CALC])
+    assert second.choices[0].message.content == "<answer>5</answer>" and not second.choices[0].message.tool_calls
+    assert [c.id for c in client.models.list().data] == ["policy"]
+
+    calls = service.end(eid)
+    assert service.end(other) == []  # the other episode recorded nothing of this one's
+    assert len(calls) == 2 and gen.prompts == [c.prompt_ids for c in calls]
+    # the tiny model's template knows no tools: they are described in the system message and the call is
+    # shown as the parser writes it; the result is a tool message
+    first_prompt, second_prompt = (tok.decode(c.prompt_ids) for c in calls)
+    assert '"name": "calculator"' in first_prompt and "<tool_call>" in second_prompt
+    assert "<|im_start|>tool\n5<|im_end|>" in second_prompt
+    assert calls[0].reply.calls == [("calculator", {"expression": "2+3"})] and calls[1].reply.calls == []
+    # the records hold the generator's ids and log-probs as it returned them
+    assert all(c.ids == c.completion.ids and c.logprobs == c.completion.logprobs for c in calls)
+    # the episode has ended: its requests are refused and not recorded
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="anything", messages=msgs)
+
+
+def test_max_tokens_and_stop_cut_the_sampled_ids_exactly(capture, tok):
+    server, service, gen = capture
+    eid = service.open(stream=1, max_requests=4)
+    client = openai.OpenAI(base_url=server.base_url(eid), api_key=server.api_key, max_retries=0)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], max_tokens=3)
+    s = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], stop=["compute"])
+    short, stopped = service.end(eid)
+    assert r.choices[0].finish_reason == "length" and short.ids == short.completion.ids[:3]
+    assert short.logprobs == short.completion.logprobs[:3]
+    assert s.choices[0].message.content == "Let me " and s.choices[0].finish_reason == "stop"
+    assert "compute" in tok.decode(stopped.ids) and "compute" not in tok.decode(stopped.ids[:-1])
+    assert stopped.ids == stopped.completion.ids[:len(stopped.ids)] and len(stopped.ids) < len(stopped.completion.ids)
+
+
+def test_malformed_requests_get_a_4xx_naming_the_fault_and_harm_no_other_request(capture):
+    server, service, gen = capture
+    eid = service.open(stream=1, max_requests=64)
+    url = f"{server.base_url(eid)}/chat/completions"
+    auth = {"Authorization": f"Bearer {server.api_key}"}
+    good = {"model": "m", "messages": [{"role": "user", "content": "What is 2+3?"}], "tools": [CALC]}
+    bad = [
+        (b"{not json", 400, None),
+        (json.dumps({**good, "stream": True}), 400, "stream"),
+        (json.dumps({**good, "n": 2}), 400, "n"),
+        (json.dumps({**good, "messages": []}), 400, "messages"),
+        (json.dumps({**good, "messages": [{"role": "wizard", "content": "x"}]}), 400, "messages"),
+        (json.dumps({**good, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400, "messages"),
+        (json.dumps({**good, "messages": [{"role": "assistant", "tool_calls": [{"function": 3}]}]}), 400, "messages"),
+        (json.dumps({**good, "tools": [{"type": "function", "function": {"description": "no name"}}]}), 400, "tools"),
+        (json.dumps({**good, "temperature": "hot"}), 400, "temperature"),
+        (json.dumps({**good, "messages": [{"role": "user", "content": "x" * 100_000}]}), 400, "messages"),
+        (b"x" * (9 << 20), 413, None),
+    ]
+    results: dict[int, tuple[int, dict]] = {}
+
+    def send(k, body, headers=auth, to=url):
+        r = httpx.post(to, content=body if isinstance(body, bytes) else body.encode(), headers=headers, timeout=60)
+        results[k] = (r.status_code, r.json() if r.headers.get("content-type", "").startswith("application/json")
+                      else {})
+
+    threads = [threading.Thread(target=send, args=(k, body)) for k, (body, _, _) in enumerate(bad)]
+    threads += [threading.Thread(target=send, args=(100 + k, json.dumps(good))) for k in range(4)]
+    threads += [threading.Thread(target=send, args=(200, json.dumps(good), {})),  # no key
+                threading.Thread(target=send, args=(201, json.dumps(good), auth,
+                                                    url.replace(eid, "0" * 32)))]  # no such episode
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k, (_, status, param) in enumerate(bad):
+        assert results[k][0] == status, (k, results[k])
+        assert results[k][1]["error"]["message"] and results[k][1]["error"]["param"] == param
+    assert [results[100 + k][0] for k in range(4)] == [200] * 4
+    assert results[200][0] == 401 and results[201][0] == 404
+    assert len(service.end(eid)) == 4  # the good requests, and nothing of the bad ones
+    assert httpx.get(f"{server.root}/health").status_code == 200
+
+
+def test_an_episode_s_requests_stop_at_its_budget(capture):
+    server, service, gen = capture
+    eid = service.open(stream=1, max_requests=2)
+    client = openai.OpenAI(base_url=server.base_url(eid), api_key=server.api_key, max_retries=0)
+    for _ in range(2):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+    with pytest.raises(openai.RateLimitError, match="made its 2 requests"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+    assert len(service.end(eid)) == 2
+
+
+def test_calls_in_the_history_are_rendered_by_the_template_or_in_the_parsers_format(tiny_model_dir):
+    """A template with tools (Qwen-like) lists them itself; whichever template, an assistant message's
+    tool_calls stay in the history (in the parser's format where the template writes content only)."""
+    from agentrl.generation.requests import ToolChatBody, template_messages
+    from tests.test_tools import QWEN_LIKE
+
+    body = ToolChatBody.model_validate({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+3?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "calculator", "arguments": '{"expression": "2+3"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}], "tools": [CALC]})
+    msgs = template_messages(body)
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"expression": "2+3"}  # an object, as templates want
+    for template in (None, QWEN_LIKE):
+        t = load_tokenizer(tiny_model_dir)
+        if template:
+            t.chat_template = template
+        text = t.decode(chat_renderer(t, "hermes")(msgs, body.tools))
+        assert "What is 2+3?" in text
+        assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>' in text
+        assert ("# Tools\n<tools>" in text) == bool(template)  # the template's own tool list, or the parser's text
+        assert ("<tool_call></tool_call> tags" in text) == (not template)
+        assert "<tool_response>\n5\n</tool_response>" in text or "<|im_start|>tool\n5<|im_end|>" in text
+
+
+# ----- the env spec ------------------------------------------------------------------------------------------
+def test_the_agent_env_spec_and_its_task_sources(tmp_path):
+    s = spec("agent:tests.agent_programs:chatty")
+    assert s.entry == "agentrl.envs.agent_program:AgentProgramEnv"
+    assert s.kwargs == {"program": "tests.agent_programs:chatty"}
+    env = make("agent:tests.agent_programs:chatty", tasks=TASKS)
+    assert [t.task_id for t in env.tasks("train")][:2] == ["train/00000", "train/00001"]
+    assert len(env.tasks("train")) == 6 and len(env.tasks("valid")) == 2 and env.tasks("test") == []
+    assert env.task_payload("valid/00001") == {"question": "Push box 7.", "split": "valid"}
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"q": 1}\n\n{"q": 2, "split": "test", "category": "hard"}\n')
+    env = make("agent:tests.agent_programs:chatty", tasks=str(path))
+    assert env.tasks("test")[0].category == "hard" and env.task_payload("train/00000") == {"q": 1}
+    with pytest.raises(EnvError, match="step"):
+        env.reset("train/00000")
+        env.step("anything")
+    path.write_text('{"q": 1}\n[1, 2\n')
+    with pytest.raises(EnvError, match="line 2 is not JSON"):
+        make("agent:tests.agent_programs:chatty", tasks=str(path))
+    path.write_text('{"split": "holdout"}\n')
+    with pytest.raises(EnvError, match="split 'holdout'"):
+        make("agent:tests.agent_programs:chatty", tasks=str(path))
+    with pytest.raises(EnvError, match="env_kwargs.tasks is required"):
+        make("agent:tests.agent_programs:chatty")
+    with pytest.raises(EnvError, match="unknown option"):
+        make("agent:tests.agent_programs:chatty", tasks=TASKS, bogus=1)
+
+
+# ----- episodes -------------------------------------------------------------------------------------------------
+def test_episodes_are_token_exact_with_what_the_generator_returned(tiny_generator):
+    gen = Recording(tiny_generator)
+    starts = [Start(f"train/0000{i}", i, f"g{i // 2}") for i in range(4)]
+    eps, stats = _rollout(gen, "tests.agent_programs:chatty", starts)
+    assert [e.task_id for e in eps] == [s.task_id for s in starts] and not any(e.error for e in eps)
+    rows = {(p, ids): lp for p, ids, lp in gen.rows}
+    for e in eps:
+        assert len(e.turns) == 2  # each request is a turn
+        first, second = e.turns
+        assert len(first.gen_ids) <= 12  # the request's max_tokens cut the sampled ids
+        for t in e.turns:
+            full = next(ids for p, ids in rows if p == tuple(t.prompt_ids) and ids[:len(t.gen_ids)] == tuple(t.gen_ids))
+            assert tuple(t.gen_logprobs) == rows[(tuple(t.prompt_ids), full)][:len(t.gen_ids)]
+        # the second prompt holds the first reply (as the template renders it back) and the new message
+        assert len(second.prompt_ids) > len(first.prompt_ids)
+        assert second.reward == e.score and second.done and first.reward == 0.0 and not first.done
+    assert stats["turns"] == 8 and stats["generated_tokens"] == sum(len(t.gen_ids) for e in eps for t in e.turns)
+
+
+def test_through_agentrl_serve_the_episodes_are_the_embedded_generators(tiny_generator):
+    """The endpoint goes through the Generator interface: a served generator (``agentrl serve``, batching
+    the episodes' concurrent requests itself) samples the same tokens, each request with its episode's seed."""
+    from agentrl.generation.client import RemoteGenerator
+    from agentrl.generation.server import start_server
+
+    starts = [Start(f"train/0000{i}", i, f"g{i}") for i in range(3)]
+    local, _ = _rollout(tiny_generator, "tests.agent_programs:chatty", starts)
+    srv = start_server(tiny_generator, "tiny-test", port=0)
+    try:
+        client = RemoteGenerator(f"http://127.0.0.1:{srv.server_address[1]}")
+        client.tokenizer = tiny_generator.tokenizer
+        served, stats = _rollout(client, "tests.agent_programs:chatty", starts)
+    finally:
+        srv.shutdown()
+    assert [[(t.prompt_ids, t.gen_ids) for t in e.turns] for e in served] == \
+        [[(t.prompt_ids, t.gen_ids) for t in e.turns] for e in local]
+    assert [e.score for e in served] == [e.score for e in local]
+    assert stats["generate_calls"] == stats["turns"] == 6  # one request per turn, many in flight
+
+
+def test_a_program_that_raises_times_out_or_returns_junk_is_a_failed_episode(tiny_generator, tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps({"question": "q", "mode": m}) + "\n" for m in ("ok", "raise", "sleep", "junk")))
+    envs = InProcessEnvs("agent:tests.agent_programs:by_mode", 4,
+                         {"tasks": str(path), "timeout_s": 1.5, "failure_reward": -1.0})
+    cfg = RolloutConfig(max_turns=4, sampling=SamplingParams(temperature=1.0, max_new_tokens=16, seed=3))
+    engine = RolloutEngine(tiny_generator, tiny_generator.tokenizer, envs, "agent:tests.agent_programs:by_mode", cfg)
+    agent_programs.LATE.clear()
+    eps = engine.run([Start(f"train/0000{i}", 0, f"g{i}") for i in range(4)])
+    ok, raised, slept, junk = eps
+    assert ok.error == "" and ok.score == 0.5 and ok.turns[-1].reward == 0.5 and ok.won
+    assert raised.error == "RuntimeError: the agent's own bug"
+    assert slept.error.startswith("TimeoutError") and "timeout_s=1.5" in slept.error
+    assert "must return a finite number" in junk.error
+    for e in (raised, slept, junk):  # what the program did before it failed is kept, with the failure's reward
+        assert len(e.turns) == 1 and e.turns[-1].reward == -1.0 and not e.won and e.turns[-1].info["agent_error"]
+    d = episode_diagnostics(eps, lambda e: e.total_reward)
+    assert d["agent_failures"] == 3.0 and d["agent_timeouts"] == 1.0
+    # the run goes on: the next rollout works, and the timed-out program's late request was refused
+    again = engine.run([Start("train/00000", 1, "g")])
+    assert again[0].error == "" and len(again[0].turns) == 1
+    deadline = time.monotonic() + 10
+    while not agent_programs.LATE and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert agent_programs.LATE in ([404], ["refused"])
+
+
+def test_a_generator_that_fails_is_the_runs_error_not_the_programs(tok):
+    class Broken(Scripted):
+        def generate(self, prompts, sampling, seeds=None, choices=None):
+            raise RuntimeError("out of memory")
+
+    gen = Broken(tok, None)
+    gen.tokenizer = tok
+    with pytest.raises(RuntimeError, match="generator failed while agent programs ran: RuntimeError: out of memory"):
+        _rollout(gen, "tests.agent_programs:chatty", [Start("train/00000", 0, "g")])
+
+
+def test_an_async_program_with_the_async_client(tiny_generator):
+    eps, _ = _rollout(tiny_generator, "tests.agent_programs:async_agent", [Start("train/00000", 0, "g")])
+    assert eps[0].error == "" and len(eps[0].turns) == 1 and eps[0].score == 1.0
+
+
+def test_the_guides_example_agent_solves_its_tasks_with_a_competent_policy(tok):
+    """examples/calc_agent.py through the endpoint: a policy that calls the calculator on the expression and
+    answers its result wins every task (the example's tool loop and scoring work)."""
+    def reply(prompt):
+        tail = prompt.rsplit("<|im_start|>tool\n", 1)  # the tiny model's template has a tool role
+        if len(tail) == 2:
+            return f"<answer>{tail[1].split('<|im_end|>')[0].strip()}</answer>"
+        expr = prompt.rsplit("Compute ", 1)[1].split(". Answer")[0]
+        return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>' % expr
+
+    gen = Scripted(tok, reply)
+    gen.tokenizer = tok
+    envs = InProcessEnvs("agent:examples.calc_agent:run_agent", 2, {"tasks": "examples/calc_tasks.jsonl"})
+    cfg = RolloutConfig(max_turns=4, sampling=SamplingParams(max_new_tokens=200))
+    engine = RolloutEngine(gen, tok, envs, "agent:examples.calc_agent:run_agent", cfg)
+    eps = engine.run([Start(f"valid/0000{i}", 0, f"g{i}") for i in range(4)])
+    assert [(e.won, e.score, len(e.turns), e.error) for e in eps] == [(True, 1.0, 2, "")] * 4
+    assert all(e.turns[0].actions and json.loads(e.turns[0].actions[0])["name"] == "calculator" for e in eps)
+
+
+# ----- training ------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_an_openai_client_agent_trains_two_grpo_steps_through_the_capture_endpoint(tiny_model_dir, tmp_path):
+    from agentrl import Trainer
+    from agentrl.config_loader import load_config
+
+    cfg = load_config("grpo", env="agent:tests.agent_programs:chatty", overrides=[
+        f"model.name={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=2", "trainer.tensorboard=false",
+        "trainer.progress=false", "rollout.groups=2", "rollout.group_size=4", "rollout.slots=4", "rollout.max_turns=3",
+        "rollout.max_new_tokens=24", "eval.tasks=2", "eval.every=2", f"env_kwargs.tasks={TASKS}",
+        "rollout.pool=process"])  # the tasks come from env worker processes
+    t = Trainer.from_config(cfg)
+    gen = Recording(t.generator)
+    t.generator = t.sampler.generator = gen
+    episodes = []
+    rollout = t.sampler.rollout
+
+    def keep(*a, **k):
+        eps = rollout(*a, **k)
+        episodes.extend(eps)
+        return eps
+
+    t.sampler.rollout = keep
+    try:
+        t.train()
+    finally:
+        t.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        assert r["agent_failures"] == 0.0 and r["turns_per_episode"] == 2.0 and "loss" in r
+    assert any(not r.get("skipped_update") for r in rows[1:])
+    train = [e for e in episodes if not e.group_id.startswith("eval:")]
+    assert len(train) >= 16 and all(len(e.turns) == 2 for e in train)
+    returned = {(p, ids): lp for p, ids, lp in gen.rows}
+    for e in train:  # every turn is what the generator returned, token for token
+        for turn in e.turns:
+            full = next(ids for p, ids in returned if p == tuple(turn.prompt_ids)
+                        and ids[:len(turn.gen_ids)] == tuple(turn.gen_ids))
+            assert tuple(turn.gen_logprobs) == returned[(tuple(turn.prompt_ids), full)][:len(turn.gen_ids)]
+
+
+def test_a_bad_agent_spec_is_one_line_naming_the_key(tiny_model_dir, tmp_path):
+    from agentrl.config_loader import load_config
+    from agentrl.preflight import preflight
+    from agentrl.schema import ConfigError
+
+    def check(env, *overrides):
+        cfg = load_config("grpo", env=env, overrides=[f"model.name={tiny_model_dir}", f"trainer.out_dir={tmp_path}",
+                                                      *overrides])
+        with pytest.raises(ConfigError) as e:
+            preflight(cfg)
+        return str(e.value)
+
+    assert check("agent:tests.agent_programs:nobody", f"env_kwargs.tasks={TASKS}").startswith("bad value for 'env':")
+    assert "no_such_module" in check("agent:no_such_module:fn", f"env_kwargs.tasks={TASKS}")
+    assert check("agent:tests.agent_programs:chatty").startswith("bad value for 'env_kwargs': ")
+    assert "algo.level" in check("agent:tests.agent_programs:chatty", f"env_kwargs.tasks={TASKS}",
+                                 "algo.level=trajectory", "rollout.chat_mode=full")
+
+
+def test_the_guides_example_is_the_shipped_program():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    guide = (root / "docs/guides/tools.md").read_text()
+    snippet = guide[guide.index("def run_agent"):]
+    assert snippet[:snippet.index("```")].strip() in (root / "examples/calc_agent.py").read_text()
+    assert "agent:examples.calc_agent:run_agent" in guide and "env_kwargs.tasks=examples/calc_tasks.jsonl" in guide
