@@ -2,7 +2,8 @@
 
 Launch with ``deepspeed`` or ``torchrun`` on GPU nodes (NCCL); on CPU it runs for real with gloo
 (``DS_ACCELERATOR=cpu``), which is how the test suite covers it. Every rank is handed the same global
-batch and trains on its share (row blocks dealt by tokens); losses are weighted so the averaged
+batch and trains on its share (row blocks dealt by tokens; a batch from ``TokenBatch.from_samples`` collates
+only that share's tensors on the rank); losses are weighted so the averaged
 gradient equals that of the whole batch; the passes without gradient (the KL reference's, a ZeRO-3
 engine of its own, too) run each rank's rows only. A torch AdamW is handed to DeepSpeed (no cpu_adam build
 needed); ``export_weights`` gathers the sharded parameters and rank 0 writes an HF folder;
