@@ -33,7 +33,7 @@ from agentrl import checkpoint as ckpt
 from agentrl import dist
 from agentrl.checkpoint import RunError
 from agentrl.config import ConfigError, RecipeCfg, warm_start_folder
-from agentrl.learner.batch import Sample, collate
+from agentrl.learner.batch import Sample, TokenBatch
 from agentrl.learner.engine import EngineConfig, TorchEngine
 from agentrl.learner.finite import StepGuard
 from agentrl.learner.loop import rl_update
@@ -217,8 +217,10 @@ class Trainer:
         step's episodes are ``behind`` the learner's weights (the overlap) the update is decoupled."""
         # colocated servers give their GPU memory to the update (not while the overlap's producer samples)
         released = self._producer is None and self.generator.release()
-        stats = rl_update(self.engine, collate(samples, self.engine.pad_id), loss_fn, self.cfg, self.rng,
-                          self.step + 1, self.folder.link, need_values, stale=self.behind > 0)
+        # each engine collates only the rows it runs (under DeepSpeed: this rank's share)
+        batch = TokenBatch.from_samples(samples, self.engine.pad_id)
+        stats = rl_update(self.engine, batch, loss_fn, self.cfg, self.rng, self.step + 1, self.folder.link,
+                          need_values, stale=self.behind > 0)
         if "skipped_update" in stats and not released:  # released: the servers wake up with the weights
             return stats
         t = time.perf_counter()
@@ -251,14 +253,14 @@ class Trainer:
 
     def values(self, samples: list[Sample]) -> list[float]:
         """Critic value at the last prompt token of each sample (PPO)."""
-        batch = collate(samples, self.engine.pad_id)
+        batch = TokenBatch.from_samples(samples, self.engine.pad_id)
         _, vals = self.engine.logprobs(batch, values=True)
         return [float(vals[i, s.loss_mask.index(1) - 1]) for i, s in enumerate(samples)]
 
     def token_values(self, samples: list[Sample]) -> list[list[float]]:
         """Critic value before every generated token of each sample, in order (token-level GAE): the value
         head's output at the position that predicts the token."""
-        batch = collate(samples, self.engine.pad_id)
+        batch = TokenBatch.from_samples(samples, self.engine.pad_id)
         _, vals = self.engine.logprobs(batch, values=True)
         return [[float(vals[b, i - 1]) for i, m in enumerate(s.loss_mask) if m] for b, s in enumerate(samples)]
 

@@ -14,10 +14,15 @@ from agentrl.learner.engine import EngineConfig
 ROWS: list[int] = []  # rows of every policy/reference forward on this rank
 
 
-def data(pad_id):
+def samples():
     from tests.test_learner import _samples
 
-    return collate(_samples(n=8, seed=5), pad_id=pad_id)
+    return _samples(n=8, seed=5)
+
+
+def data(pad_id):
+    """The whole batch, as one process collates it (the torch engine's reference run)."""
+    return collate(samples(), pad_id=pad_id)
 
 
 def config():
@@ -51,7 +56,9 @@ def main(model_dir, out_dir):
     critic_rows: list[int] = []
     eng.critic_ds.module.register_forward_pre_hook(lambda m, args: critic_rows.append(len(args[0])))
     eng.set_reference(model_dir)
-    b = data(eng.pad_id)
+    from tests.test_token_batch import rank_batch
+
+    b = rank_batch(samples(), eng.pad_id, eng.rank, eng.world)  # the other rank's rows unreadable
     out, rows = {}, {}
     for name, fn in (("ref", lambda: eng.ref_logprobs(b)), ("prox", lambda: eng.logprobs(b)),
                      ("values", lambda: eng.logprobs(b, values=True)[1])):

@@ -13,10 +13,15 @@ from agentrl.learner.engine import EngineConfig, OptimConfig
 from agentrl.learner.optim_state import reset_optimizer_state
 
 
-def data(pad_id):
+def samples():
     from tests.test_learner import _samples
 
-    return collate(_samples(n=8, seed=3), pad_id=pad_id)
+    return _samples(n=8, seed=3)
+
+
+def data(pad_id):
+    """The whole batch, as one process collates it (the torch engine's reference run)."""
+    return collate(samples(), pad_id=pad_id)
 
 
 def loss_fn(mb, out):
@@ -26,7 +31,9 @@ def loss_fn(mb, out):
 
 def main(model_dir, out_dir, steps):
     eng = DeepSpeedEngine(model_dir, EngineConfig(optim=OptimConfig(lr=1e-3, grad_clip=1.0), token_budget=100_000))
-    b = data(eng.pad_id)
+    from tests.test_token_batch import rank_batch
+
+    b = rank_batch(samples(), eng.pad_id, eng.rank, eng.world)  # the other rank's rows unreadable
     losses = [eng.step(b, loss_fn)["loss"] for _ in range(steps)]
     reset_optimizer_state(eng)  # then one more step: it must move the shards as a fresh optimizer would
     losses.append(eng.step(b, loss_fn)["loss"])

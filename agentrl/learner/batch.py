@@ -3,12 +3,15 @@
 A ``Sample`` is one training sequence: token ids, a loss mask that is 1 exactly on policy-generated
 tokens, and per-token rollout log-probs and advantages (0 where the mask is 0). ``TokenBatch`` right-pads
 samples and shifts everything to target positions: row t of the (B, T-1) tensors is about token t+1.
+``TokenBatch.from_samples`` builds each tensor when first read and only for the rows selected, so a learner
+rank collates only the rows it runs; ``collate`` builds them all at once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from agentrl.types import Episode
@@ -85,6 +88,11 @@ def with_token_targets(s: Sample, advantages: Sequence[float], returns: Sequence
 
 @dataclass
 class TokenBatch:
+    """Padded token tensors of a batch's rows. A batch made by ``from_samples`` keeps its samples and collates
+    each tensor the first time it is read, for its own rows only: ``select`` of such a batch collates nothing,
+    so a rank that runs a share of the batch only ever builds that share's tensors. A tensor assigned to a
+    field (a learner pass's log-probs) is the batch's from then on, and ``select`` takes its rows."""
+    # no defaults: a class attribute would hide ``__getattr__``, which collates a field not yet read
     input_ids: torch.Tensor  # (B, T)
     attention_mask: torch.Tensor  # (B, T)
     loss_mask: torch.Tensor  # (B, T-1), on target positions
@@ -92,19 +100,49 @@ class TokenBatch:
     advantages: torch.Tensor
     returns: torch.Tensor
     old_values: torch.Tensor
-    ref_logprobs: torch.Tensor | None = None
-    value_mask: torch.Tensor | None = None
-    tags: torch.Tensor | None = None  # (B,) Sample.tag
+    ref_logprobs: torch.Tensor | None
+    value_mask: torch.Tensor | None
+    tags: torch.Tensor | None  # (B,) Sample.tag
     # (B, T-1, K): the ids each target was drawn among, -1-padded; a target with none was drawn from the
     # whole vocabulary. None when no row was constrained
-    allowed: torch.Tensor | None = None
+    allowed: torch.Tensor | None
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sample], pad_id: int) -> "TokenBatch":
+        """The batch of ``samples``, right-padded with ``pad_id``, its tensors collated when first read."""
+        batch = cls.__new__(cls)
+        batch._rows = _Rows.of(samples, pad_id)
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        rows = self.__dict__.get("_rows")  # only reached for a field this batch has not collated yet
+        if rows is None or name not in _FIELDS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = rows.field(name)
+        setattr(self, name, value)
+        return value
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's token count (read from the samples when there are some: no tensor collated)."""
+        rows = self.__dict__.get("_rows")
+        return [len(s.ids) for s in rows.samples] if rows is not None else self.attention_mask.sum(-1).tolist()
+
+    @property
+    def target_shape(self) -> tuple[int, int]:
+        """(B, T-1): the shape of the per-target tensors."""
+        rows = self.__dict__.get("_rows")
+        return (len(rows.samples), rows.target_width) if rows is not None else tuple(self.loss_mask.shape)
 
     @property
     def num_targets(self) -> int:
+        rows = self.__dict__.get("_rows")
+        if rows is not None and "loss_mask" not in self.__dict__:
+            return int(sum(sum(s.loss_mask[1:]) for s in rows.samples))
         return int(self.loss_mask.sum())
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        return len(self.lengths)
 
     def to(self, device: str | torch.device) -> "TokenBatch":
         """The same batch on ``device`` (itself when already there)."""
@@ -114,56 +152,109 @@ class TokenBatch:
         return TokenBatch(*(mv(getattr(self, f.name)) for f in fields(self)))
 
     def select(self, idx: list[int]) -> "TokenBatch":
-        i = torch.tensor(idx)
-        width = int(self.attention_mask[i].sum(-1).max())  # trim the shared right padding
-        cut = lambda t: None if t is None else t[i][:, :max(1, width - 1)]  # noqa: E731
-        return TokenBatch(self.input_ids[i][:, :width], self.attention_mask[i][:, :width], cut(self.loss_mask),
-                          cut(self.old_logprobs), cut(self.advantages), cut(self.returns), cut(self.old_values),
-                          cut(self.ref_logprobs), cut(self.value_mask),
-                          None if self.tags is None else self.tags[i], cut(self.allowed))
+        """Rows ``idx``, trimmed to their own longest row: the tensors this batch holds are sliced, the others
+        are collated from the rows' samples when read."""
+        rows = self.__dict__.get("_rows")
+        i = torch.tensor(idx, dtype=torch.long)
+        sub = TokenBatch.__new__(TokenBatch)
+        if rows is not None:
+            sub._rows = rows.subset(idx)
+            width = max(1, max((rows.lengths[k] for k in idx), default=1))
+        else:
+            width = int(self.attention_mask[i].sum(-1).max())  # trim the shared right padding
+        held = self.__dict__
+        for name in _FIELDS:
+            if name in held:
+                t = held[name]
+                if t is None or name == "tags":
+                    value = None if t is None else t[i]
+                elif name in ("input_ids", "attention_mask"):
+                    value = t[i][:, :width]
+                else:
+                    value = t[i][:, :max(1, width - 1)]
+                setattr(sub, name, value)
+        return sub
+
+
+_FIELDS = frozenset(f.name for f in fields(TokenBatch))
+
+
+@dataclass
+class _Rows:
+    """Samples that a batch collates on demand, and what the batch they were first collated in fixed for
+    every later selection of them (the target width's cap, which optional tensors exist, the allowed-ids
+    width), so a selection's tensors equal the same rows of the whole batch's."""
+    samples: list[Sample]
+    lengths: list[int]
+    pad_id: int
+    target_width: int
+    max_target_width: int
+    has_ref: bool
+    has_value_mask: bool
+    allowed_k: int
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample], pad_id: int) -> "_Rows":
+        samples = list(samples)
+        lengths = [len(s.ids) for s in samples]
+        tw = max(lengths, default=1) - 1
+        # getattr: a Sample pickled in a checkpoint (SPEAR's replay buffer) before the field existed lacks it
+        k = max((len(ids) for s in samples for ids in getattr(s, "allowed", {}).values()), default=0)
+        return cls(samples, lengths, pad_id, tw, tw, any(s.ref_logprobs for s in samples),
+                   any(s.value_mask for s in samples), k)
+
+    def subset(self, idx: Sequence[int]) -> "_Rows":
+        lengths = [self.lengths[k] for k in idx]
+        # as slicing the whole batch's tensors would: at least one target column, never wider than the batch's
+        tw = min(max(1, max(lengths, default=1) - 1), self.max_target_width)
+        return _Rows([self.samples[k] for k in idx], lengths, self.pad_id, tw, self.max_target_width, self.has_ref,
+                     self.has_value_mask, self.allowed_k)
+
+    def field(self, name: str) -> torch.Tensor | None:
+        """One field's tensor for these rows. Each row's list goes to numpy in one call (many times faster
+        than ``torch.tensor`` on a list); float32 rounding is the same."""
+        B, width = len(self.samples), max(self.lengths, default=1)
+        if name == "tags":
+            return torch.tensor([s.tag for s in self.samples], dtype=torch.long)
+        if name in ("input_ids", "attention_mask"):
+            out = np.full((B, width), self.pad_id if name == "input_ids" else 0, dtype=np.int64)
+            for b, s in enumerate(self.samples):
+                out[b, :len(s.ids)] = s.ids if name == "input_ids" else 1
+            return torch.from_numpy(out)
+        if name == "allowed":
+            return allowed_targets(self.samples, self.target_width + 1, self.allowed_k)
+        if (name == "ref_logprobs" and not self.has_ref) or (name == "value_mask" and not self.has_value_mask):
+            return None
+        out = np.zeros((B, self.target_width), dtype=np.float32)
+        for b, s in enumerate(self.samples):
+            values = getattr(s, name)  # Sample's per-token lists are named like the batch's fields
+            if len(values) > 1:
+                out[b, :len(values) - 1] = values[1:]
+        return torch.from_numpy(out)
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> TokenBatch:
-    width = max(len(s.ids) for s in samples)
-    B = len(samples)
-    ids = torch.full((B, width), pad_id, dtype=torch.long)
-    att = torch.zeros((B, width), dtype=torch.long)
-    tgt = {k: torch.zeros((B, width - 1)) for k in ("mask", "lp", "adv", "ret", "val", "ref", "vmask")}
-    for b, s in enumerate(samples):
-        n = len(s.ids)
-        ids[b, :n] = torch.tensor(s.ids)
-        att[b, :n] = 1
-        tgt["mask"][b, :n - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float)
-        tgt["lp"][b, :n - 1] = torch.tensor(s.old_logprobs[1:])
-        tgt["adv"][b, :n - 1] = torch.tensor(s.advantages[1:])
-        if s.returns:
-            tgt["ret"][b, :n - 1] = torch.tensor(s.returns[1:])
-        if s.old_values:
-            tgt["val"][b, :n - 1] = torch.tensor(s.old_values[1:])
-        if s.ref_logprobs:
-            tgt["ref"][b, :n - 1] = torch.tensor(s.ref_logprobs[1:])
-        if s.value_mask:
-            tgt["vmask"][b, :n - 1] = torch.tensor(s.value_mask[1:], dtype=torch.float)
-    has_ref = any(s.ref_logprobs for s in samples)
-    has_v = any(s.value_mask for s in samples)
-    return TokenBatch(ids, att, tgt["mask"], tgt["lp"], tgt["adv"], tgt["ret"], tgt["val"],
-                      tgt["ref"] if has_ref else None, tgt["vmask"] if has_v else None,
-                      torch.tensor([s.tag for s in samples]), allowed_targets(samples, width))
+    """The batch of ``samples`` with every tensor collated now."""
+    batch = TokenBatch.from_samples(samples, pad_id)
+    for name in _FIELDS:
+        getattr(batch, name)
+    return batch
 
 
-def allowed_targets(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
+def allowed_targets(samples: Sequence[Sample], width: int, k: int | None = None) -> torch.Tensor | None:
     """``Sample.allowed`` of each row on target positions (token t at row t-1), as one (B, width-1, K) tensor
-    padded with -1; None when no sample was constrained."""
+    padded with -1 (``k``: K, else the widest list); None when no sample was constrained."""
     # getattr: a Sample pickled in a checkpoint (SPEAR's replay buffer) before the field existed lacks it
     rows = [getattr(s, "allowed", {}) for s in samples]
-    k = max((len(ids) for allowed in rows for ids in allowed.values()), default=0)
+    if k is None:
+        k = max((len(ids) for allowed in rows for ids in allowed.values()), default=0)
     if not k:
         return None
-    out = torch.full((len(samples), width - 1, k), -1, dtype=torch.long)
+    out = np.full((len(samples), width - 1, k), -1, dtype=np.int64)
     for b, allowed in enumerate(rows):
         for pos, ids in allowed.items():
-            out[b, pos - 1, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return out
+            out[b, pos - 1, :len(ids)] = ids
+    return torch.from_numpy(out)
 
 
 def row_blocks(n_rows: int, block: int) -> list[list[int]]:
@@ -177,7 +268,7 @@ def micro_batches(batch: TokenBatch, token_budget: int, block: int = 1) -> list[
     """Split row indices into micro-batches of at most ``token_budget`` padded tokens (rows sorted by
     length so padding stays small); a row longer than the budget gets a micro-batch of its own.
     ``block`` > 1 keeps each block of consecutive rows together, in order (see ``row_blocks``)."""
-    lengths = batch.attention_mask.sum(-1).tolist()
+    lengths = batch.lengths
     blocks = row_blocks(len(lengths), block)
     size = [max(lengths[i] for i in b) for b in blocks]
     order = sorted(range(len(blocks)), key=lambda k: size[k])

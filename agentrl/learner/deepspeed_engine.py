@@ -2,7 +2,8 @@
 
 Launch with ``deepspeed`` or ``torchrun`` on GPU nodes (NCCL); on CPU it runs for real with gloo
 (``DS_ACCELERATOR=cpu``), which is how the test suite covers it. Every rank is handed the same global
-batch and trains on its share (row blocks dealt by tokens); losses are weighted so the averaged
+batch and trains on its share (row blocks dealt by tokens; a batch from ``TokenBatch.from_samples`` collates
+only that share's tensors on the rank); losses are weighted so the averaged
 gradient equals that of the whole batch; the passes without gradient (the KL reference's, a ZeRO-3
 engine of its own, too) run each rank's rows only. A torch AdamW is handed to DeepSpeed (no cpu_adam build
 needed); ``export_weights`` gathers the sharded parameters and rank 0 writes an HF folder;
@@ -232,7 +233,7 @@ class DeepSpeedEngine:
 
     def local_rows(self, batch: TokenBatch, row_block: int = 1) -> list[int]:
         """This rank's rows, dealt by tokens (``deal_rows``: a block is never split across ranks)."""
-        return deal_rows(batch.attention_mask.sum(-1).tolist(), self.world, row_block)[self.rank]
+        return deal_rows(batch.lengths, self.world, row_block)[self.rank]
 
     def _plan(self, batch: TokenBatch, row_block: int = 1
               ) -> tuple[list[int], list[list[int]], list[TokenBatch], list[bool]]:
@@ -245,11 +246,13 @@ class DeepSpeedEngine:
         import torch.distributed as dist
 
         rows = self.local_rows(batch, row_block)
+        # a batch from ``TokenBatch.from_samples`` collates nothing here: each micro-batch's tensors (this rank's
+        # rows only) are built when the pass reads them
         local = batch.select(rows) if rows else None
         parts = micro_batches(local, self.cfg.token_budget, row_block) if local is not None else []
         n_parts = torch.tensor([len(parts)], device=self.device)
         dist.all_reduce(n_parts, op=dist.ReduceOp.MAX)
-        stand_in = batch.select(stand_in_rows(batch.attention_mask.sum(-1).tolist(), row_block))
+        stand_in = batch.select(stand_in_rows(batch.lengths, row_block))
         mbs = [(local.select(parts[k]) if k < len(parts) else stand_in) for k in range(int(n_parts))]
         has_prefix = torch.tensor([int(batch_prefix_len(m.input_ids, m.attention_mask) > 0) for m in mbs],
                                   device=self.device)
@@ -263,8 +266,8 @@ class DeepSpeedEngine:
         import torch.distributed as dist
 
         rows, parts, mbs, has_prefix = self._plan(batch)
-        logp = torch.zeros_like(batch.old_logprobs, device=self.device)
-        vals = torch.zeros_like(batch.old_logprobs, device=self.device)
+        logp = torch.zeros(batch.target_shape, device=self.device)  # the whole batch's shape, no tensor of it read
+        vals = torch.zeros(batch.target_shape, device=self.device)
         for k, mb in enumerate(mbs):
             with memory_hint(mb, self.cfg.token_budget, self.device):
                 out = forward(mb.to(self.device), temperature, need_values=values, shared_prefix=has_prefix[k])

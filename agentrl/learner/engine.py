@@ -180,8 +180,8 @@ def batched_forward(forward: Callable[..., dict[str, torch.Tensor]], batch: Toke
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, values) of a whole batch on the CPU, shaped like its target tensors, micro-batch by
     micro-batch on ``device``."""
-    logp = torch.zeros_like(batch.old_logprobs)
-    vals = torch.zeros_like(batch.old_logprobs)
+    logp = torch.zeros(batch.target_shape)  # not ``zeros_like(old_logprobs)``: that collates the whole batch
+    vals = torch.zeros(batch.target_shape)
     for idx in micro_batches(batch, token_budget):
         part = batch.select(idx)
         with memory_hint(part, token_budget, device):
