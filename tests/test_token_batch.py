@@ -147,3 +147,17 @@ def test_the_deepspeed_plan_collates_only_the_rows_dealt_to_its_rank(monkeypatch
         for idx, mb in zip(parts, mbs):
             assert_same(mb.to("cpu"), whole.select([own[i] for i in idx]))
         assert not set(vars(batch)) & set(FIELDS)
+
+
+def test_any_advantage_reads_the_samples_and_agrees_with_the_tensors():
+    from agentrl.learner.batch import TokenBatch, turn_sample
+
+    zero = [turn_sample([1, 2, 3], [7, 8], [-0.5, -0.5], 0.0), turn_sample([1, 2], [9], [-1.0], 0.0)]
+    some = zero + [turn_sample([4, 5], [6, 7], [-0.5, -0.5], -0.25)]
+    for samples, want in ((zero, False), (some, True)):
+        lazy = TokenBatch.from_samples(samples, 0)
+        assert lazy.any_advantage() is want
+        assert "advantages" not in lazy.__dict__ and "input_ids" not in lazy.__dict__  # nothing collated
+        built = TokenBatch.from_samples(samples, 0)
+        _ = built.advantages, built.loss_mask
+        assert built.any_advantage() is want

@@ -141,6 +141,14 @@ class TokenBatch:
             return int(sum(sum(s.loss_mask[1:]) for s in rows.samples))
         return int(self.loss_mask.sum())
 
+    def any_advantage(self) -> bool:
+        """Whether a generated token has a non-zero advantage (read from the samples while neither tensor is
+        collated: a rank does not build the whole batch to learn that a step has nothing to learn)."""
+        rows = self.__dict__.get("_rows")
+        if rows is not None and "advantages" not in self.__dict__ and "loss_mask" not in self.__dict__:
+            return any(a != 0 and m for s in rows.samples for a, m in zip(s.advantages[1:], s.loss_mask[1:]))
+        return bool((self.advantages * self.loss_mask).abs().gt(0).any())
+
     def __len__(self) -> int:
         return len(self.lengths)
 

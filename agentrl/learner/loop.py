@@ -117,7 +117,7 @@ def rl_update(eng: Any, batch: TokenBatch, loss_fn: LossFn, cfg: RecipeCfg, rng:
     if a.kl != "none" and a.kl_coef > 0:  # only the loss's KL term reads them
         batch.ref_logprobs = eng.ref_logprobs(batch, temp)
     t = time.perf_counter()
-    if (not need_values and not bool((batch.advantages * batch.loss_mask).abs().gt(0).any())
+    if (not need_values and not batch.any_advantage()
             and not (a.kl != "none" and a.kl_coef) and not a.entropy_coef):
         return dict(skipped_update=1.0, loss=0.0, grad_norm=0.0, time_learn_s=time.perf_counter() - t)
     mode = mismatch_mode(cfg)
