@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 # Turn.info key of a turn stage 2 trains on: a list of [term, position] (a turn on several kept successful
 # paths is rehearsed once per path); a counterfactual also carries its tau
 SFT_KEY = "leafe_sft"
+IWM_KEY = "iwm_step"  # Turn.info key of a step early_exp's world-model fit trains on: its draw's position
 STEP_RE = re.compile(r"<step>\s*(\d+)\s*</step>", re.S)
 EXP_RE = re.compile(r"<experience>(.*?)</experience>", re.S)
 
@@ -288,7 +289,13 @@ def world_model_prompt(instruction: str, history: list[tuple[str, str]], obs: st
 
 class EarlyExp(GroupRecipe):
     """Step 1: implicit world modelling (IWM) SFT on the policy's own rollouts; every later step: GRPO
-    (the recipe's ``algo``), as the LEAFE paper runs EarlyExp: IWM training, then RL."""
+    (the recipe's ``algo``), as the LEAFE paper runs EarlyExp: IWM training, then RL.
+
+    Both are ``collect`` then ``learn``: the IWM collect marks the (history, action) -> next observation
+    steps it drew in the best rollouts' turns (``IWM_KEY``), and ``learn`` fits the marked ones (or is
+    GRPO's, after a GRPO collect). Which stage comes next is the collect's to decide (``iwm_done``), so
+    with ``trainer.max_staleness`` N the first GRPO collect runs while the IWM fit does, with the weights
+    from before it; the IWM targets are observations, which need no importance correction."""
 
     Params = EarlyExpParams
 
@@ -296,11 +303,19 @@ class EarlyExp(GroupRecipe):
         super().__init__(cfg)
         self.iwm_done = False
 
-    def step(self, trainer: "Run") -> dict[str, float]:
+    def collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
         if self.iwm_done:
-            return super().step(trainer)
-        stats = self.world_model_step(trainer)
+            return super().collect(trainer)
         self.iwm_done = True
+        return self.world_model_collect(trainer)
+
+    def learn(self, trainer: "Run", episodes: list[Episode], collected: dict[str, float]) -> dict[str, float]:
+        if "iwm_samples" not in collected:  # a GRPO step's collect
+            return super().learn(trainer, episodes, collected)
+        stats = dict(collected)
+        samples = self.world_model_samples(trainer.tokenizer, episodes)
+        if samples:
+            stats.update(fit_sft(trainer, samples, self.p.epochs, self.p.batch_size, self.p.lr))
         return stats
 
     def state_dict(self) -> dict[str, Any]:
@@ -310,33 +325,45 @@ class EarlyExp(GroupRecipe):
         super().load_state_dict(state)
         self.iwm_done = bool(state.get("iwm_done", False))
 
-    def world_model_step(self, trainer: "Run") -> dict[str, float]:
+    def world_model_collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
+        """``rollouts`` per sampled task; in each task's best-scoring one, up to ``pairs_per_task`` steps
+        drawn and marked (their order kept in the mark)."""
         p = self.p
         tasks = trainer.sample_tasks(p.tasks)
         eps = trainer.rollout([Start(t, s, f"iwm:{i}") for i, (t, s) in enumerate(tasks) for _ in range(p.rollouts)])
         rng = random.Random(trainer.rng.randrange(2**31))
-        tok, samples = trainer.tokenizer, []
-        eos = [tok.eos_token_id]
+        marked, n = [], 0
         for i in range(len(tasks)):
             group = [e for e in eps[i * p.rollouts:(i + 1) * p.rollouts] if not e.dropped]
             if not group:
                 continue
             best = max(group, key=lambda e: (e.score, e.won))
-            steps, obs, history = [], best.initial_observation, []
+            steps = [k for k, t in enumerate(best.turns) if t.actions]
+            for k in rng.sample(steps, min(p.pairs_per_task, len(steps))):
+                best.turns[k].info[IWM_KEY] = n
+                n += 1
+            marked.append(best)
+        return marked, dict(iwm_samples=float(n), iwm_rollout_success=sum(e.won for e in eps) / max(1, len(eps)))
+
+    @staticmethod
+    def world_model_samples(tok: Any, episodes: list[Episode]) -> list[Sample]:
+        """The marked steps as SFT rows, in the order they were drawn: the prompt (the instruction, the last
+        five (observation, action) pairs before the step, its observation and action), the next observation."""
+        rows = []
+        for best in episodes:
+            obs, history = best.initial_observation, []
             for turn in best.turns:
                 if turn.actions:
-                    steps.append((list(history), obs, " || ".join(turn.actions), turn.observation))
-                    history.append((obs, " || ".join(turn.actions)))
+                    action = " || ".join(turn.actions)
+                    if IWM_KEY in turn.info:
+                        text = world_model_prompt(best.instruction, history[-5:], obs, action, len(history))
+                        prompt = chat_ids(tok, [{"role": "user", "content": text}])
+                        target = tok(turn.observation, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                        rows.append((turn.info[IWM_KEY], turn_sample(prompt, target, [0.0] * len(target), 1.0,
+                                                                     dict(task=best.task_id))))
+                    history.append((obs, action))
                 obs = turn.observation
-            for hist, o, a, nxt in rng.sample(steps, min(p.pairs_per_task, len(steps))):
-                prompt = chat_ids(tok, [{"role": "user",
-                                         "content": world_model_prompt(best.instruction, hist[-5:], o, a, len(hist))}])
-                target = tok(nxt, add_special_tokens=False)["input_ids"] + eos
-                samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, dict(task=best.task_id)))
-        stats = dict(iwm_samples=float(len(samples)), iwm_rollout_success=sum(e.won for e in eps) / max(1, len(eps)))
-        if samples:
-            stats.update(fit_sft(trainer, samples, p.epochs, p.batch_size, p.lr))
-        return stats
+        return [s for _, s in sorted(rows, key=lambda r: r[0])]
 
 
 RECIPES.register("leafe")(LEAFE)

@@ -10,9 +10,8 @@ from agentrl.config import ConfigError
 from agentrl.config_loader import load_config
 from agentrl.types import Episode, Turn
 
-OVERLAP = ("grpo", "crps", "exp_replay", "spear", "leafe", "rro", "rft")
-REFUSED = {"sft": "rolls nothing out", "eval": "trains nothing", "ipr": "its step is its own",
-           "early_exp": "its step is its own"}
+OVERLAP = ("grpo", "crps", "exp_replay", "spear", "leafe", "early_exp", "rro", "rft")
+REFUSED = {"sft": "rolls nothing out", "eval": "trains nothing", "ipr": "its step is its own"}
 
 
 def small(tmp_path, model_dir, *extra):
@@ -201,22 +200,28 @@ def test_spear_one_step_ahead_keeps_its_schedules_and_replay_and_resumes_exactly
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("method", ["leafe", "rro", "rft", "crps_dynamic_sampling"])
+@pytest.mark.parametrize("method", ["leafe", "early_exp", "rro", "rft", "crps_dynamic_sampling"])
 def test_recipe_trains_on_work_collected_one_step_ahead(method, sokoban_sft_model_dir, tmp_path):
+    """Three steps at staleness 1: after the first, each step fits (SFT, DPO, GRPO) what its collect drew
+    with the weights one update back, the recipe's own figures alongside."""
     over = {"leafe": ["extra.tasks=4", "extra.budget=2", "extra.period=1", "extra.reflect_tokens=8",
                       "rollout.max_turns=5"],
             "rro": ["extra.tasks=4", "extra.mc_rollouts=2", "extra.max_candidates=3", "extra.fixed_candidates=true"],
+            "early_exp": ["extra.tasks=2", "extra.rollouts=2"],
             "rft": [],
             "crps_dynamic_sampling": ["rollout.fill_groups=2", "rollout.max_rounds=3"]}[method]
-    name = method.split("_")[0]
+    name = "crps" if method == "crps_dynamic_sampling" else method
     run(load_config(name, env="sokoban", overrides=small(tmp_path, sokoban_sft_model_dir, "rollout.max_turns=3",
                                                          *over)))
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [0, 1, 2, 3] and got[1]["staleness_max"] == 0.0
-    trained = {"leafe": "sft_loss_first", "rro": "dpo_loss_first", "rft": "sft_loss_first",
-               "crps_dynamic_sampling": "loss"}[method]
+    trained = {"leafe": "sft_loss_first", "early_exp": "all_zero_groups", "rro": "dpo_loss_first",
+               "rft": "sft_loss_first", "crps_dynamic_sampling": "loss"}[method]
     stale = [r for r in got[2:] if r["staleness_max"] == 1.0 and trained in r]
     assert stale, f"no step trained on work collected one update back: {got[2:]}"
+    if method == "early_exp":  # the world-model fit, then GRPO steps, the first collected beside that fit
+        assert got[1]["iwm_samples"] > 0 and "sft_loss_first" in got[1]
+        assert all("iwm_samples" not in r and r["staleness_max"] == 1.0 for r in got[2:])
     if method == "crps_dynamic_sampling":  # the rounds (and the buffer's updates) run inside the one collect
         assert all(1.0 <= r["rollout_rounds"] <= 3.0 for r in got[1:]) and any(r["rollout_rounds"] > 1 for r in got[1:])
 
