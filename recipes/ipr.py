@@ -38,6 +38,7 @@ class IPRParams(RROParams):
 
 class IPR(RRO):
     Params = IPRParams
+    overlap_refused = "its step fits expert trajectories it plays itself, not a collect's episodes"
 
     def collect_ipr(self, trainer: "Run") -> tuple[list[TrajectoryPair], list[PreferencePair], list, dict]:
         p, env, max_turns = self.p, self.cfg.env, self.cfg.rollout.max_turns

@@ -11,7 +11,7 @@ from agentrl.config_loader import load_config
 from agentrl.types import Episode, Turn
 
 OVERLAP = ("grpo", "crps", "exp_replay", "spear", "leafe", "early_exp", "rro", "rft")
-REFUSED = {"sft": "rolls nothing out", "eval": "trains nothing", "ipr": "its step is its own"}
+REFUSED = {"sft": "rolls nothing out", "eval": "trains nothing", "ipr": "expert trajectories it plays itself"}
 
 
 def small(tmp_path, model_dir, *extra):
