@@ -10,8 +10,8 @@ from agentrl.config import ConfigError
 from agentrl.config_loader import load_config
 from agentrl.types import Episode, Turn
 
-OVERLAP = ("grpo", "crps", "exp_replay", "spear", "leafe", "early_exp", "rro", "rft")
-REFUSED = {"sft": "rolls nothing out", "eval": "trains nothing", "ipr": "expert trajectories it plays itself"}
+OVERLAP = ("grpo", "crps", "exp_replay", "spear", "leafe", "early_exp", "rro", "ipr", "rft")
+REFUSED = {"sft": "rolls nothing out", "eval": "trains nothing"}
 
 
 def small(tmp_path, model_dir, *extra):
@@ -145,6 +145,28 @@ def test_leafe_and_rro_rebuild_their_rows_from_marked_turns_after_a_checkpoint()
     assert all(p.prompt_ids == [7, 8] for p in pairs)
 
 
+def test_ipr_rebuilds_its_three_terms_from_a_collected_step():
+    """IPR's collect hands on the expert's turns (its responses in ``info``), the agent's episode of an
+    outcome pair and the candidates of step pairs; learn rebuilds the pairs (the expert's side without the
+    end-of-text) and the SFT rows (with it), also after the checkpoint's plain containers."""
+    from agentrl import checkpoint as ckpt
+    from agentrl.recipes.ipr import EXPERT_GROUP, EXPERT_KEY, OUTCOME_KEY, STEP_KEY, ipr_terms
+
+    eos = 0
+    expert = Episode("sokoban", "t1", 5, f"{EXPERT_GROUP}0", turns=[
+        Turn([1], [], [], "", [], True, "", 0.0, False, info={EXPERT_KEY: [20, eos]}),
+        Turn([2], [], [], "", [], True, "", 0.0, False, info={EXPERT_KEY: [21, 22, eos]})])
+    agent = Episode("sokoban", "t1", 5, "ipr-agent:0", turns=[_turn([30], {OUTCOME_KEY: 0}), _turn([31])])
+    cands = [Episode("sokoban", "t1", 5, f"ipr:0:{t}", turns=[_turn([40 + t], {STEP_KEY: [j, 0, t, 1.0, 0.0]})])
+             for j, t in ((1, 0), (0, 1))]
+    outcome, steps, sft = ipr_terms(ckpt.from_plain(ckpt.to_plain([expert, agent, *cands])), eos)
+    assert [(p.chosen, p.rejected, p.meta) for p in outcome] == [
+        ([([1], [20]), ([2], [21, 22])], [([7, 8], [30]), ([7, 8], [31])], dict(task="t1"))]
+    assert [(p.prompt_ids, p.chosen_ids, p.rejected_ids, p.meta["step"]) for p in steps] == [
+        ([7, 8], [21, 22], [41], 1), ([7, 8], [20], [40], 0)]  # in the order the collect found them
+    assert [s.ids for s in sft] == [[1, 20, eos], [2, 21, 22, eos]]
+
+
 def _killed_and_resumed(cfg, monkeypatch, after=2):
     """Run ``cfg`` killed right after step ``after``'s checkpoint, then again from it."""
     from agentrl.trainer import Trainer
@@ -200,7 +222,7 @@ def test_spear_one_step_ahead_keeps_its_schedules_and_replay_and_resumes_exactly
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("method", ["leafe", "early_exp", "rro", "rft", "crps_dynamic_sampling"])
+@pytest.mark.parametrize("method", ["leafe", "early_exp", "rro", "ipr", "rft", "crps_dynamic_sampling"])
 def test_recipe_trains_on_work_collected_one_step_ahead(method, sokoban_sft_model_dir, tmp_path):
     """Three steps at staleness 1: after the first, each step fits (SFT, DPO, GRPO) what its collect drew
     with the weights one update back, the recipe's own figures alongside."""
@@ -208,6 +230,7 @@ def test_recipe_trains_on_work_collected_one_step_ahead(method, sokoban_sft_mode
                       "rollout.max_turns=5"],
             "rro": ["extra.tasks=4", "extra.mc_rollouts=2", "extra.max_candidates=3", "extra.fixed_candidates=true"],
             "early_exp": ["extra.tasks=2", "extra.rollouts=2"],
+            "ipr": ["extra.tasks=2", "extra.mc_rollouts=2", "extra.max_candidates=2"],
             "rft": [],
             "crps_dynamic_sampling": ["rollout.fill_groups=2", "rollout.max_rounds=3"]}[method]
     name = "crps" if method == "crps_dynamic_sampling" else method
@@ -216,12 +239,14 @@ def test_recipe_trains_on_work_collected_one_step_ahead(method, sokoban_sft_mode
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [0, 1, 2, 3] and got[1]["staleness_max"] == 0.0
     trained = {"leafe": "sft_loss_first", "early_exp": "all_zero_groups", "rro": "dpo_loss_first",
-               "rft": "sft_loss_first", "crps_dynamic_sampling": "loss"}[method]
+               "ipr": "outcome_dpo_loss_first", "rft": "sft_loss_first", "crps_dynamic_sampling": "loss"}[method]
     stale = [r for r in got[2:] if r["staleness_max"] == 1.0 and trained in r]
     assert stale, f"no step trained on work collected one update back: {got[2:]}"
     if method == "early_exp":  # the world-model fit, then GRPO steps, the first collected beside that fit
         assert got[1]["iwm_samples"] > 0 and "sft_loss_first" in got[1]
         assert all("iwm_samples" not in r and r["staleness_max"] == 1.0 for r in got[2:])
+    if method == "ipr":  # the three terms, from the expert's turns handed on as episodes
+        assert all("dpo_pairs" in r and "sft_loss_first" in r for r in got[1:])
     if method == "crps_dynamic_sampling":  # the rounds (and the buffer's updates) run inside the one collect
         assert all(1.0 <= r["rollout_rounds"] <= 3.0 for r in got[1:]) and any(r["rollout_rounds"] > 1 for r in got[1:])
 
