@@ -541,13 +541,13 @@ def _check_contradictions(cfg: RecipeCfg) -> None:
     if t.vllm_gpus and t.generator == "vllm" and not t.generator_url and len(t.vllm_gpus) < t.vllm_servers:
         raise ConfigError(f"trainer.vllm_gpus lists {len(t.vllm_gpus)} device sets for trainer.vllm_servers="
                           f"{t.vllm_servers}: give one per server (e.g. trainer.vllm_gpus=[6,7]) or start fewer")
-    if t.max_staleness > 0 and not _recipe_can_overlap(cfg.method):
-        raise ConfigError(f"trainer.max_staleness={t.max_staleness} collects the next step while this one "
-                          f"learns, and method={cfg.method} decides its next rollouts from this step's (buffers, "
-                          "controllers, branches, replay) or has its own step; set trainer.max_staleness=0")
+    why = _overlap_refusal(cfg.method) if t.max_staleness > 0 else ""
+    if why:
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness} collects later steps while this one learns, and "
+                          f"method={cfg.method} cannot: {why}; set trainer.max_staleness=0")
 
 
-def _recipe_can_overlap(method: str) -> bool:
+def _overlap_refusal(method: str) -> str:
     from agentrl.recipe import RECIPES
 
-    return lookup(RECIPES, method, "method").can_overlap()
+    return lookup(RECIPES, method, "method").overlap_refusal()

@@ -4,7 +4,10 @@ online group-RL step (GRPO and the baselines) that most recipes extend.
 The trainer calls ``before_training`` once (default: the SFT warm start, ``agentrl.sft.warm_start``), then
 ``step`` each step; ``state_dict`` / ``load_state_dict`` carry a recipe's buffers and controllers through
 checkpoints; ``reward`` scores episodes for the run's diagnostics. A recipe whose step is ``collect`` then
-``learn`` says so with ``can_overlap`` (``trainer.max_staleness``).
+``learn`` (``Recipe.step``'s default) can run with ``trainer.max_staleness`` > 0, where the trainer calls
+``collect`` for a later step while ``learn`` runs for this one: state that both read or write is then
+either touched by ``collect`` alone (checkpointed after it) or by ``learn`` alone; ``overlap_refused``
+names why a recipe's step cannot be split.
 
 ``GroupRecipe``'s step: ``starts`` (which states to roll out from) -> rollout -> ``after_rollout``
 (bookkeeping: buffers, controllers) -> ``make_batch`` (rewards, filters, advantages, training samples) ->
@@ -28,7 +31,7 @@ from agentrl.types import Episode
 
 if TYPE_CHECKING:
     from agentrl.config import RecipeCfg
-    from agentrl.run import Run
+    from agentrl.run import RolloutSide, Run
 
 RECIPES = Registry("recipe", fill="agentrl.recipes")  # the built-in recipes register on first lookup
 
@@ -61,9 +64,25 @@ class Recipe:
 
         return warm_start(trainer, self.cfg)
 
+    # why trainer.max_staleness > 0 cannot run this recipe, one line for the config check ("": nothing stands
+    # against it once its step is collect then learn)
+    overlap_refused = ""
+
     def step(self, trainer: "Run") -> dict[str, float]:
-        """One training step; returns its metrics."""
-        raise NotImplementedError(f"{type(self).__name__} must define step(trainer)")
+        """One training step; returns its metrics. By default ``collect`` then ``learn``."""
+        episodes, collected = self.collect(trainer)
+        return self.learn(trainer, episodes, collected)
+
+    def collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
+        """This step's episodes and the collect's metrics; only the rollout side of the run is used (under
+        ``trainer.max_staleness`` > 0 a step's ``RolloutSampler``, in a thread of its own). Anything a
+        recipe builds from the episodes that ``learn`` needs travels in them (``Turn.info``): the
+        trainer checkpoints a collected step as its episodes and metrics."""
+        raise NotImplementedError(f"{type(self).__name__} must define step(trainer), or collect and learn")
+
+    def learn(self, trainer: "Run", episodes: list[Episode], collected: dict[str, float]) -> dict[str, float]:
+        """The step after ``collect``: train on its episodes; returns the step's metrics."""
+        raise NotImplementedError(f"{type(self).__name__} must define step(trainer), or collect and learn")
 
     def estimator(self) -> Estimator:
         """The ``algo.estimator`` (the trainer builds a value head when it needs values)."""
@@ -91,10 +110,17 @@ class Recipe:
         return float(ep.won) if self.cfg.algo.reward == "success" else ep.score
 
     @classmethod
+    def overlap_refusal(cls) -> str:
+        """Why ``trainer.max_staleness`` > 0 cannot run this recipe, in a line; "" when it can: its step is
+        ``Recipe.step`` (``collect`` then ``learn``) and ``overlap_refused`` is empty."""
+        if cls.step is not Recipe.step:
+            return cls.overlap_refused or "its step is its own, not a collect then a learn"
+        return cls.overlap_refused
+
+    @classmethod
     def can_overlap(cls) -> bool:
-        """Whether ``trainer.max_staleness`` > 0 may run this recipe (its step is ``collect`` then ``learn``,
-        with nothing in between that needs this step's policy)."""
-        return False
+        """Whether ``trainer.max_staleness`` > 0 may run this recipe (``overlap_refusal`` is empty)."""
+        return not cls.overlap_refusal()
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs; recipes with buffers or controllers extend it (and call super)."""
@@ -130,8 +156,9 @@ class GroupRecipe(Recipe):
             out += [Start(task_id, seed, gid) for _ in range(self.cfg.rollout.group_size)]
         return out
 
-    def after_rollout(self, trainer: "Run", episodes: list[Episode]) -> None:
-        pass
+    def after_rollout(self, trainer: "RolloutSide", episodes: list[Episode]) -> None:
+        """Part of ``collect`` (each round): state kept here (buffers, controllers) is collect's alone, and
+        ``learn`` reads none of it; what the step's metrics need goes out with the collect's metrics."""
 
     def variance_signal(self, ep: Episode) -> float:
         """What the variance filters and dynamic sampling compare within a group (``algo.filter_on``)."""
@@ -250,9 +277,9 @@ class GroupRecipe(Recipe):
         return mb.loss_mask, {}
 
     def after_update(self, trainer: "Run", stats: dict[str, float]) -> None:
-        pass
+        """Part of ``learn``: state kept here, and in ``make_batch`` and ``extra_samples``, is learn's alone."""
 
-    def collect(self, trainer: "Run") -> tuple[list[Episode], dict[str, float]]:
+    def collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
         """This step's episodes: one round of ``starts`` -> rollout -> ``after_rollout``, repeated while
         fewer than ``rollout.fill_groups`` groups vary (DAPO's dynamic sampling; ``algo.filter_on``), up to
         ``rollout.max_rounds`` rounds. Without it a batch of 16 Sokoban groups held ~5 groups with any
@@ -277,10 +304,6 @@ class GroupRecipe(Recipe):
         return episodes, dict(seen, **self.tasks.gauges(), rollout_rounds=float(rounds),
                               informative_groups=float(informative))
 
-    def step(self, trainer: "Run") -> dict[str, float]:
-        episodes, collected = self.collect(trainer)
-        return self.learn(trainer, episodes, collected)
-
     def learn(self, trainer: "Run", episodes: list[Episode], collected: dict[str, float]) -> dict[str, float]:
         """The step after ``collect``: batch, update, ``after_update``. With ``trainer.max_staleness`` > 0 the
         trainer calls ``collect`` for the next step (in a producer thread) while this runs."""
@@ -299,16 +322,6 @@ class GroupRecipe(Recipe):
         """Rows trained alongside this step's batch with their own advantages (SPEAR's self-imitation
         replay); recipes may also add to ``metrics`` here."""
         return []
-
-    @classmethod
-    def can_overlap(cls) -> bool:
-        """Whether ``trainer.max_staleness`` > 0 may run this recipe: its step is the default ``collect`` then
-        ``learn`` and its starts and rollout hooks keep no state that needs this step's policy (CRPS's
-        buffer and controller, LEAFE's branches, SPEAR's replay, the staged recipes' own steps do)."""
-        base = GroupRecipe
-        return (cls.step is base.step and cls.collect is base.collect and cls.learn is base.learn
-                and cls.starts is base.starts and cls.after_rollout is base.after_rollout
-                and cls.extra_samples is base.extra_samples)
 
     def state_dict(self) -> dict[str, Any]:
         out = dict(tasks=self.tasks.state_dict()) if self.cfg.rollout.task_sampler != "uniform" else {}

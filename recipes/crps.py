@@ -7,6 +7,12 @@ reset, verified against the recorded fingerprints) and lets the current policy f
 prefix is prompt context (the history window), never a loss target. Fresh successes enter the buffer
 when their group's accuracy is <= alpha_max (eq. 7) with k0 from eq. 9; each replay group's success
 rate drives that entry's k controller (eq. 10-12). Everything else is GRPO.
+
+The buffer and the controllers belong to ``collect``: its starts draw from them and its rollouts update
+them, and the step's CRPS figures leave with the collect's metrics, so ``learn`` reads none of it. With
+``trainer.max_staleness`` N the collect for step t runs with weights up to N updates old: the buffer and
+the controllers then decide from, and are updated by, episodes up to N versions old (in step order, so a
+seeded run repeats and resumes exactly: a checkpoint holds the buffer after the collects it carries).
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from agentrl.types import Episode
 
 if TYPE_CHECKING:
     from agentrl.config import RecipeCfg
-    from agentrl.run import Run
+    from agentrl.run import RolloutSide
 
 GROUP_KEYS = ("success", "all_zero_groups", "all_one_groups", "group_entropy_bits", "in_group_reward_std")
 
@@ -83,7 +89,7 @@ class CRPS(GroupRecipe):
         return KController(k0, p.k_min, k_max, p.ema, p.band[0], p.band[1], p.delta)
 
     # ----- hooks -------------------------------------------------------------------------------
-    def starts(self, trainer: "Run") -> list[Start]:
+    def starts(self, trainer: "RolloutSide") -> list[Start]:
         r, p = self.cfg.rollout, self.p
         self._replays = {}
         replay_groups = sum(trainer.rng.random() < p.p_replay for _ in range(r.groups)) if len(self.buffer) else 0
@@ -99,7 +105,7 @@ class CRPS(GroupRecipe):
                           max_turns=max(1, r.max_turns - t0)) for _ in range(r.group_size)]
         return out
 
-    def after_rollout(self, trainer: "Run", episodes: list[Episode]) -> None:
+    def after_rollout(self, trainer: "RolloutSide", episodes: list[Episode]) -> None:
         p = self.p
         groups: dict[str, list[Episode]] = defaultdict(list)
         for e in episodes:
@@ -132,7 +138,7 @@ class CRPS(GroupRecipe):
         acc_step["replay"] += [e for e in episodes if e.group_id in self._replays]
         acc_step["replay_groups"] += len(self._replays)
 
-    def _add_expert(self, trainer: "Run", instances: list[tuple[str, int]]) -> int:
+    def _add_expert(self, trainer: "RolloutSide", instances: list[tuple[str, int]]) -> int:
         """Play the env's expert on each instance (task id, reset seed) and buffer its solved episodes;
         returns how many were tried."""
         from agentrl.envs import registry
@@ -183,9 +189,18 @@ class CRPS(GroupRecipe):
             m["buffer_k_mean"] = sum(all_k) / len(all_k)
         return m
 
-    def after_update(self, trainer: "Run", stats: dict[str, float]) -> None:
-        stats.update(self.step_metrics())
+    def collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
+        """The base collect (its rounds), then the step's CRPS figures, taken here: the buffer a later
+        collect changes is never read by ``learn``."""
         self._step = {}
+        episodes, stats = super().collect(trainer)
+        return episodes, dict(stats, **self.end_step())
+
+    def end_step(self) -> dict[str, float]:
+        """The step's CRPS figures (``step_metrics``); the next collect starts from nothing."""
+        out = self.step_metrics()
+        self._step = {}
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), buffer=self.buffer.state_dict())

@@ -10,6 +10,12 @@ done, from its history up to the reflection point. Budget B branches per task, m
 Stage 2: SFT on counterfactual samples (the revised action given the history WITHOUT the experience)
 plus beta x rehearsal on 20% of the successful trajectories: L = L_cf + beta L_reh.
 
+The step is ``collect`` (stage 1: the branches, the reflections, the draw of the counterfactual and
+rehearsal turns, marked in the turns' ``info`` under ``SFT_KEY``) then ``learn`` (stage 2 on the marked
+turns), and LEAFE keeps no state across steps. With ``trainer.max_staleness`` N stage 1 for step t runs
+with weights up to N updates old (its branches, reflections and revised actions are that policy's), and
+stage 2 fits them at step t: supervised targets, which need no importance correction.
+
 ``early_exp`` (implicit world modelling, from the model's own rollouts): 4 rollouts per task, the
 best-scoring one gives 3 (history, action) -> next observation samples; SFT on predicting them.
 """
@@ -32,8 +38,12 @@ from agentrl.envs.replay import Trace
 
 if TYPE_CHECKING:
     from agentrl.config import RecipeCfg
-    from agentrl.run import Run
+    from agentrl.run import RolloutSide, Run
 
+# Turn.info key of a turn stage 2 trains on: a list of [term, position] (a turn on several kept successful
+# paths is rehearsed once per path); a counterfactual also carries its tau
+SFT_KEY = "leafe_sft"
+IWM_KEY = "iwm_step"  # Turn.info key of a step early_exp's world-model fit trains on: its draw's position
 STEP_RE = re.compile(r"<step>\s*(\d+)\s*</step>", re.S)
 EXP_RE = re.compile(r"<experience>(.*?)</experience>", re.S)
 
@@ -131,14 +141,16 @@ class LEAFE(GroupRecipe):
             raise ConfigError(f"bad value for 'extra.fallback': {self.p.fallback!r}; allowed: random, none")
 
     # ----- stage 1 ----------------------------------------------------------------------------
-    def explore(self, trainer: "Run") -> tuple[list[Sample], list[Sample], dict[str, float]]:
+    def collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
+        """Stage 1: the episodes holding the turns stage 2 trains on (marked under ``SFT_KEY``)."""
         p, env = self.p, self.cfg.env
         rng = random.Random(trainer.rng.randrange(2**31))
         tasks = trainer.sample_tasks(p.tasks)
         queues = {i: deque([Branch(t, s, [], [], [])]) for i, (t, s) in enumerate(tasks)}
         counts = {i: 0 for i in queues}
         successes: dict[int, list[list[Turn]]] = {i: [] for i in queues}
-        cf: dict[int, list[tuple[Sample, bool]]] = {i: [] for i in queues}
+        cf: dict[int, list[tuple[tuple[Turn, int], bool]]] = {i: [] for i in queues}  # (first turn, tau), won
+        rolled: list[Episode] = []
         n = dict(branches=0, reflections=0, parsed=0, unparsed=0, fallback=0, enqueued=0, depth_capped=0)
         while True:
             wave = []
@@ -158,6 +170,7 @@ class LEAFE(GroupRecipe):
                                     note=experience_note(b.experience) if b.experience else "",
                                     max_turns=max(1, self.cfg.rollout.max_turns - len(b.prefix))))
             eps = trainer.rollout(starts)
+            rolled += eps
             n["branches"] += len(eps)
             reflect: list[tuple[int, Branch, Episode, int, bool]] = []
             for (i, b), ep in zip(wave, eps):
@@ -170,9 +183,7 @@ class LEAFE(GroupRecipe):
                     first = ep.turns[0]
                     plain = first.info.get("plain_prompt_ids")
                     if plain and first.gen_ids:  # counterfactual: the revised action, without the experience
-                        cf[i].append((turn_sample(plain, first.gen_ids, [0.0] * len(first.gen_ids), 1.0,
-                                                  dict(task=b.task_id, tau=len(b.prefix) + 1,
-                                                       sft_term="counterfactual")), ep.won))
+                        cf[i].append(((first, len(b.prefix) + 1), ep.won))
                 T = len(path)
                 points = [t for t in range(p.period, T + 1, p.period) if t > len(b.prefix)]
                 failed = not ep.won and (ep.turns[-1].done or ep.truncated)
@@ -183,17 +194,20 @@ class LEAFE(GroupRecipe):
                 self._reflect(trainer, reflect, queues, n, rng)
         all_paths = [(i, path) for i, paths in successes.items() for path in paths]
         keep = rng.sample(all_paths, max(1, round(p.rehearsal_frac * len(all_paths)))) if all_paths else []
-        rehearsal = [turn_sample(t.info.get("plain_prompt_ids") or t.prompt_ids, t.gen_ids,
-                                 [0.0] * len(t.gen_ids), 1.0, dict(sft_term="rehearsal"))
-                     for _, path in keep for t in path if t.gen_ids]
+        rehearsal = [t for _, path in keep for t in path if t.gen_ids]
         counterfactual = pick_counterfactuals(cf, p.cf_per_task, rng)
+        for j, (t, tau) in enumerate(counterfactual):
+            t.info.setdefault(SFT_KEY, []).append(["counterfactual", j, tau])
+        for j, t in enumerate(rehearsal):
+            t.info.setdefault(SFT_KEY, []).append(["rehearsal", j])
         stats = {f"leafe_{k}": float(v) for k, v in n.items()}
         stats.update(leafe_tasks_solved=sum(bool(v) for v in successes.values()) / max(1, len(successes)),
                      leafe_successful_paths=float(len(all_paths)), leafe_cf_samples=float(len(counterfactual)),
                      leafe_rehearsal_samples=float(len(rehearsal)))
-        return counterfactual, rehearsal, stats
+        # every turn of a path is one of the rolled-out episodes' own (a branch's prefix reuses its parent's)
+        return [e for e in rolled if any(SFT_KEY in t.info for t in e.turns)], stats
 
-    def _reflect(self, trainer: "Run", points: list, queues: dict, n: dict, rng: random.Random) -> None:
+    def _reflect(self, trainer: "RolloutSide", points: list, queues: dict, n: dict, rng: random.Random) -> None:
         p = self.p
         prompts = []
         for _i, b, ep, t, failed in points:
@@ -231,13 +245,28 @@ class LEAFE(GroupRecipe):
             queues[i].append(Branch(b.task_id, b.seed, prefix, obs[:tau], fps[:n_actions + 1], e, b.depth + 1))
             n["enqueued"] += 1
 
-    def step(self, trainer: "Run") -> dict[str, float]:
-        counterfactual, rehearsal, stats = self.explore(trainer)
-        samples = counterfactual + rehearsal
+    # ----- stage 2 ----------------------------------------------------------------------------
+    def learn(self, trainer: "Run", episodes: list[Episode], collected: dict[str, float]) -> dict[str, float]:
+        stats = dict(collected)
+        samples = sft_samples(episodes)
         if samples:  # L = L_cf + beta L_reh, each a token-mean over its own rows
             stats.update(fit_sft(trainer, samples, self.p.epochs, self.p.batch_size, self.p.lr,
                                  term_weights=dict(counterfactual=1.0, rehearsal=self.p.rehearsal_beta)))
         return stats
+
+
+def sft_samples(episodes: list[Episode]) -> list[Sample]:
+    """Stage 2's rows from the turns stage 1 marked: the counterfactuals (the revised action given the
+    history without the experience), then the rehearsed turns, each in the order stage 1 drew them."""
+    rows: list[tuple[int, int, Sample]] = []
+    for e in episodes:
+        for t in e.turns:
+            for term, j, *tau in t.info.get(SFT_KEY, []):
+                cf = term == "counterfactual"
+                meta = dict(task=e.task_id, tau=tau[0], sft_term=term) if cf else dict(sft_term=term)
+                rows.append((0 if cf else 1, j, turn_sample(t.info.get("plain_prompt_ids") or t.prompt_ids, t.gen_ids,
+                                                            [0.0] * len(t.gen_ids), 1.0, meta)))
+    return [s for *_, s in sorted(rows, key=lambda r: r[:2])]
 
 
 @dataclass
@@ -260,7 +289,13 @@ def world_model_prompt(instruction: str, history: list[tuple[str, str]], obs: st
 
 class EarlyExp(GroupRecipe):
     """Step 1: implicit world modelling (IWM) SFT on the policy's own rollouts; every later step: GRPO
-    (the recipe's ``algo``), as the LEAFE paper runs EarlyExp: IWM training, then RL."""
+    (the recipe's ``algo``), as the LEAFE paper runs EarlyExp: IWM training, then RL.
+
+    Both are ``collect`` then ``learn``: the IWM collect marks the (history, action) -> next observation
+    steps it drew in the best rollouts' turns (``IWM_KEY``), and ``learn`` fits the marked ones (or is
+    GRPO's, after a GRPO collect). Which stage comes next is the collect's to decide (``iwm_done``), so
+    with ``trainer.max_staleness`` N the first GRPO collect runs while the IWM fit does, with the weights
+    from before it; the IWM targets are observations, which need no importance correction."""
 
     Params = EarlyExpParams
 
@@ -268,11 +303,19 @@ class EarlyExp(GroupRecipe):
         super().__init__(cfg)
         self.iwm_done = False
 
-    def step(self, trainer: "Run") -> dict[str, float]:
+    def collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
         if self.iwm_done:
-            return super().step(trainer)
-        stats = self.world_model_step(trainer)
+            return super().collect(trainer)
         self.iwm_done = True
+        return self.world_model_collect(trainer)
+
+    def learn(self, trainer: "Run", episodes: list[Episode], collected: dict[str, float]) -> dict[str, float]:
+        if "iwm_samples" not in collected:  # a GRPO step's collect
+            return super().learn(trainer, episodes, collected)
+        stats = dict(collected)
+        samples = self.world_model_samples(trainer.tokenizer, episodes)
+        if samples:
+            stats.update(fit_sft(trainer, samples, self.p.epochs, self.p.batch_size, self.p.lr))
         return stats
 
     def state_dict(self) -> dict[str, Any]:
@@ -282,33 +325,45 @@ class EarlyExp(GroupRecipe):
         super().load_state_dict(state)
         self.iwm_done = bool(state.get("iwm_done", False))
 
-    def world_model_step(self, trainer: "Run") -> dict[str, float]:
+    def world_model_collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
+        """``rollouts`` per sampled task; in each task's best-scoring one, up to ``pairs_per_task`` steps
+        drawn and marked (their order kept in the mark)."""
         p = self.p
         tasks = trainer.sample_tasks(p.tasks)
         eps = trainer.rollout([Start(t, s, f"iwm:{i}") for i, (t, s) in enumerate(tasks) for _ in range(p.rollouts)])
         rng = random.Random(trainer.rng.randrange(2**31))
-        tok, samples = trainer.tokenizer, []
-        eos = [tok.eos_token_id]
+        marked, n = [], 0
         for i in range(len(tasks)):
             group = [e for e in eps[i * p.rollouts:(i + 1) * p.rollouts] if not e.dropped]
             if not group:
                 continue
             best = max(group, key=lambda e: (e.score, e.won))
-            steps, obs, history = [], best.initial_observation, []
+            steps = [k for k, t in enumerate(best.turns) if t.actions]
+            for k in rng.sample(steps, min(p.pairs_per_task, len(steps))):
+                best.turns[k].info[IWM_KEY] = n
+                n += 1
+            marked.append(best)
+        return marked, dict(iwm_samples=float(n), iwm_rollout_success=sum(e.won for e in eps) / max(1, len(eps)))
+
+    @staticmethod
+    def world_model_samples(tok: Any, episodes: list[Episode]) -> list[Sample]:
+        """The marked steps as SFT rows, in the order they were drawn: the prompt (the instruction, the last
+        five (observation, action) pairs before the step, its observation and action), the next observation."""
+        rows = []
+        for best in episodes:
+            obs, history = best.initial_observation, []
             for turn in best.turns:
                 if turn.actions:
-                    steps.append((list(history), obs, " || ".join(turn.actions), turn.observation))
-                    history.append((obs, " || ".join(turn.actions)))
+                    action = " || ".join(turn.actions)
+                    if IWM_KEY in turn.info:
+                        text = world_model_prompt(best.instruction, history[-5:], obs, action, len(history))
+                        prompt = chat_ids(tok, [{"role": "user", "content": text}])
+                        target = tok(turn.observation, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                        rows.append((turn.info[IWM_KEY], turn_sample(prompt, target, [0.0] * len(target), 1.0,
+                                                                     dict(task=best.task_id))))
+                    history.append((obs, action))
                 obs = turn.observation
-            for hist, o, a, nxt in rng.sample(steps, min(p.pairs_per_task, len(steps))):
-                prompt = chat_ids(tok, [{"role": "user",
-                                         "content": world_model_prompt(best.instruction, hist[-5:], o, a, len(hist))}])
-                target = tok(nxt, add_special_tokens=False)["input_ids"] + eos
-                samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, dict(task=best.task_id)))
-        stats = dict(iwm_samples=float(len(samples)), iwm_rollout_success=sum(e.won for e in eps) / max(1, len(eps)))
-        if samples:
-            stats.update(fit_sft(trainer, samples, p.epochs, p.batch_size, p.lr))
-        return stats
+        return [s for _, s in sorted(rows, key=lambda r: r[0])]
 
 
 RECIPES.register("leafe")(LEAFE)

@@ -7,6 +7,12 @@ candidate's reward reaches the previous step's (r_t >= r_{t-1}; r_0 is the Monte
 initial state) or ``max_candidates`` are drawn (``fixed_candidates``: always that many). The pair is the
 highest- vs the lowest-reward candidate (kept when they differ), and the walk continues with the highest.
 Fit: DPO on the pairs, the policy before the fit being the reference.
+
+The step is ``collect`` (the walks; each pair's two candidate turns marked in their ``info`` under
+``PAIR_KEY``) then ``learn`` (DPO on the marked pairs), and RRO keeps no state across steps. With
+``trainer.max_staleness`` N the walks for step t (candidates and Monte Carlo process rewards) use weights
+up to N updates old, and the DPO fit at step t takes the policy before it as the reference, as always:
+DPO needs no importance correction for pairs an older policy sampled.
 """
 from __future__ import annotations
 
@@ -20,7 +26,11 @@ from agentrl.types import Episode, Turn
 from agentrl.envs.replay import Trace
 
 if TYPE_CHECKING:
-    from agentrl.run import Run
+    from agentrl.run import RolloutSide, Run
+
+
+# Turn.info key of a candidate in a pair: [pair index, "chosen" or "rejected", task, walk step, its reward]
+PAIR_KEY = "rro_pair"
 
 
 @dataclass
@@ -41,6 +51,7 @@ class Candidate:
     reward: float
     ended: bool
     won: bool = False
+    episode: Episode | None = None  # the one-turn episode it was drawn in
 
 
 @dataclass
@@ -82,14 +93,15 @@ class RRO(Recipe):
     def outcome(self, ep: Episode) -> float:
         return ep.score if self.cfg.algo.reward == "score" else float(ep.won)
 
-    def _mc(self, trainer: "Run", starts: list[Start]) -> list[float]:
+    def _mc(self, trainer: "RolloutSide", starts: list[Start]) -> list[float]:
         """Mean outcome of ``mc_rollouts`` policy rollouts from each start."""
         m = self.p.mc_rollouts
         eps = trainer.rollout([s for s in starts for _ in range(m)])
         return [sum(self.outcome(e) for e in eps[i * m:(i + 1) * m]) / m for i in range(len(starts))]
 
-    def preference_pairs(self, trainer: "Run") -> tuple[list[PreferencePair], dict[str, float]]:
-        """This step's (chosen, rejected) responses from the walks, and the walks' stats."""
+    def collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
+        """The walks: the candidate episodes of this step's pairs (their turns marked under ``PAIR_KEY``)
+        and the walks' stats."""
         p, env, max_turns = self.p, self.cfg.env, self.cfg.rollout.max_turns
         walks = [_Walk(t, s) for t, s in trainer.sample_tasks(p.tasks)]
         # r_0 and the initial fingerprints, from Monte Carlo rollouts of the initial states
@@ -99,7 +111,7 @@ class RRO(Recipe):
             chunk = first[i * p.mc_rollouts:(i + 1) * p.mc_rollouts]
             w.r_prev = sum(self.outcome(e) for e in chunk) / len(chunk)
             w.fingerprints, w.obs = [chunk[0].initial_fingerprint], chunk[0].initial_observation
-        pairs: list[PreferencePair] = []
+        paired: list[Episode] = []  # the candidates' episodes, chosen and rejected of each pair in turn
         per_step: list[int] = []
         for t in range(max_turns):
             active = [w for w in walks if not w.done]
@@ -136,7 +148,7 @@ class RRO(Recipe):
                         continue
                     turn = ce.turns[0]
                     r = values[mc_of[i]] if i in mc_of else self.outcome(ce)
-                    w.candidates.append(Candidate(turn, r, i not in mc_of, ce.won))
+                    w.candidates.append(Candidate(turn, r, i not in mc_of, ce.won, ce))
                     if not should_stop(w.candidates, w.r_prev, p.max_candidates, p.fixed_candidates):
                         still.append(w)
                 open_ = still
@@ -146,9 +158,10 @@ class RRO(Recipe):
                 per_step.append(len(w.candidates))
                 pair = select_pair(w.candidates)
                 if pair:
-                    pairs.append(PreferencePair(pair[0].turn.prompt_ids, pair[0].turn.gen_ids, pair[1].turn.gen_ids,
-                                                dict(task=w.task_id, step=t, chosen=pair[0].reward,
-                                                     rejected=pair[1].reward)))
+                    j = len(paired) // 2
+                    for c, role in zip(pair, ("chosen", "rejected")):
+                        c.turn.info[PAIR_KEY] = [j, role, w.task_id, t, c.reward]
+                        paired.append(c.episode)
                 best = max(w.candidates, key=lambda c: c.reward)
                 w.actions += best.turn.actions
                 w.fingerprints += best.turn.fingerprints
@@ -157,14 +170,32 @@ class RRO(Recipe):
                 w.obs, w.r_prev, w.turns = best.turn.observation, best.reward, w.turns + 1
                 if best.ended:
                     w.done, w.won = True, best.won
-        stats = dict(candidates_per_step=sum(per_step) / max(1, len(per_step)), pairs=float(len(pairs)),
+        stats = dict(candidates_per_step=sum(per_step) / max(1, len(per_step)), pairs=float(len(paired) // 2),
                      walk_success=sum(w.won for w in walks) / max(1, len(walks)), walk_steps=float(len(per_step)))
-        return pairs, stats
+        return paired, stats
 
-    def step(self, trainer: "Run") -> dict[str, float]:
-        pairs, stats = self.preference_pairs(trainer)
-        stats.update(fit_dpo(trainer, pairs, self.p.epochs, self.p.batch_size, self.p.lr, self.p.beta))
+    def learn(self, trainer: "Run", episodes: list[Episode], collected: dict[str, float]) -> dict[str, float]:
+        stats = dict(collected)
+        stats.update(fit_dpo(trainer, preference_pairs(episodes), self.p.epochs, self.p.batch_size, self.p.lr,
+                             self.p.beta))
         return stats
+
+
+def preference_pairs(episodes: list[Episode]) -> list[PreferencePair]:
+    """The (chosen, rejected) responses of the turns ``collect`` marked, in the order they were found: the
+    chosen candidate's prompt (both were drawn from the same state) and each one's generated tokens."""
+    sides: dict[int, dict[str, list]] = {}
+    for e in episodes:
+        for t in e.turns:
+            if PAIR_KEY in t.info:
+                j, role, task, step, reward = t.info[PAIR_KEY]
+                sides.setdefault(j, {})[role] = [t, task, step, reward]
+    out = []
+    for j in sorted(sides):
+        (chosen, task, step, r_c), (rejected, *_, r_r) = sides[j]["chosen"], sides[j]["rejected"]
+        out.append(PreferencePair(chosen.prompt_ids, chosen.gen_ids, rejected.gen_ids,
+                                  dict(task=task, step=step, chosen=r_c, rejected=r_r)))
+    return out
 
 
 RECIPES.register("rro")(RRO)

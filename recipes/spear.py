@@ -20,10 +20,17 @@ update (as verl recomputes old log-probs), so the clipped ratio starts at 1 for 
 linear in the advantage, so scaling the on-policy rows' advantages by N/N_on and the replay rows' by
 gamma N/N_SIL (N: the batch's tokens, or rows for a per-sequence aggregation) turns the batch's one mean into
 the sum of the two means (exact over the batch; over each shuffled mini-batch in expectation).
+
+Both buffers, the covariance bounds and the self-imitation update belong to ``learn`` (``extra_samples``),
+and ``collect`` is GRPO's. With ``trainer.max_staleness`` N the step's episodes were drawn by weights up to N
+updates old; they enter D and D_R when they are trained on, and the replay is drawn from D at that
+update, its old log-probs recomputed under the current policy as always. The schedules' t is the step's
+own in both halves (an episode's intrinsic reward uses mu of the step it is collected for).
 """
 from __future__ import annotations
 
 import math
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,7 +46,7 @@ from agentrl.types import Episode
 
 if TYPE_CHECKING:
     from agentrl.config import RecipeCfg
-    from agentrl.run import Run
+    from agentrl.run import RolloutSide, Run
 
 SIL_TAG = 1
 
@@ -153,10 +160,20 @@ class SPEAR(GroupRecipe):
         r = cfg.rollout
         self.sil = SILBuffer(self.p.buffer_size or paper_buffer_size(r.groups * r.group_size))
         self.baseline = BaselineBuffer(self.p.baseline_size)
-        self.t = 0  # training iteration, for the schedules
+        # the training iteration of the schedules: the step being collected or learned, set by each of the two
+        # for its own thread (collect runs a step ahead under trainer.max_staleness)
+        self._iteration = threading.local()
         self.bounds: tuple[float, float] | None = tuple(self.p.cov_bounds) if self.p.cov_bounds else None
         self.cov_masked = 0  # tokens the last update's covariance clipping took out
         self._kept: list[Episode] = []  # the last filter's episodes (make_batch's samples index them)
+
+    @property
+    def t(self) -> int:
+        return getattr(self._iteration, "t", 0)
+
+    @t.setter
+    def t(self, value: int) -> None:
+        self._iteration.t = value
 
     def mu(self) -> float:
         return cosine_decay(self.t, self.p.decay_steps)
@@ -241,9 +258,13 @@ class SPEAR(GroupRecipe):
         stats.update(masked_overlong=float(len(samples) - len(kept)), samples=len(kept))
         return kept, stats
 
-    def step(self, trainer: "Run") -> dict[str, float]:
+    def collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
         self.t = trainer.step + 1  # t_iter of eq. 13-14 counts from 1 (the logged step)
-        return super().step(trainer)
+        return super().collect(trainer)
+
+    def learn(self, trainer: "Run", episodes: list[Episode], collected: dict[str, float]) -> dict[str, float]:
+        self.t = trainer.step + 1
+        return super().learn(trainer, episodes, collected)
 
     def extra_samples(self, trainer: "Run", episodes: list[Episode], samples: list[Sample],
                       metrics: dict[str, float]) -> list[Sample]:

@@ -7,15 +7,17 @@ from typing import TYPE_CHECKING
 from agentrl.learner.batch import turn_sample
 from agentrl.recipe import RECIPES, GroupRecipe, Recipe
 from agentrl.sft import expert_samples, fit_sft
+from agentrl.types import Episode
 
 if TYPE_CHECKING:
-    from agentrl.run import Run
+    from agentrl.run import RolloutSide, Run
 
 
 @RECIPES.register("sft")
 class SFT(Recipe):
     """Each step fits another slice of expert demonstrations (sft.demos episodes, sft.epochs passes)."""
     task_sampling = False
+    overlap_refused = "it rolls nothing out (expert demonstrations), so there is no collect to run ahead"
 
     def before_training(self, trainer: "Run") -> dict[str, float]:
         return {}
@@ -30,12 +32,15 @@ class SFT(Recipe):
 
 @RECIPES.register("rft")
 class RFT(GroupRecipe):
-    """Roll out groups, keep the successful episodes, SFT on their generated tokens."""
+    """Roll out groups, keep the successful episodes, SFT on their generated tokens. With
+    ``trainer.max_staleness`` N the groups are drawn by weights up to N updates old: supervised targets."""
     task_sampling = False
 
-    def step(self, trainer: "Run") -> dict[str, float]:
-        episodes = trainer.rollout(self.starts(trainer))
-        metrics = trainer.diagnostics(episodes, self)
+    def collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:
+        return trainer.rollout(self.starts(trainer)), {}
+
+    def learn(self, trainer: "Run", episodes: list[Episode], collected: dict[str, float]) -> dict[str, float]:
+        metrics = dict(collected, **trainer.diagnostics(episodes, self))
         keep = [e for e in episodes if e.won and not e.dropped]
         samples = [turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, 1.0, gen_allowed=t.gen_allowed)
                    for e in keep for t in e.turns if t.gen_ids]
@@ -49,6 +54,7 @@ class RFT(GroupRecipe):
 @RECIPES.register("eval")
 class Eval(Recipe):
     task_sampling = False
+    overlap_refused = "it trains nothing, so there is no update to collect alongside"
 
     def before_training(self, trainer: "Run") -> dict[str, float]:
         return {}
