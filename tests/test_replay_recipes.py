@@ -197,13 +197,11 @@ def test_crps_step_metrics_cover_every_dynamic_sampling_round():
     trainer = SimpleNamespace(step=0)
     recipe.after_rollout(trainer, [ep("a", "train/00001", False), ep("a", "train/00001", False)])  # round 1
     recipe.after_rollout(trainer, [ep("b", "train/00002", True), ep("b", "train/00002", False)])  # round 2
-    stats: dict = {}
-    recipe.after_update(trainer, stats)
+    stats = recipe.end_step()  # what CRPS.collect hands on with its metrics
     # over both rounds: one all-zero group of two, 1 success in 4 rollouts, one buffer insertion (round 2)
     assert stats["fresh/all_zero_groups"] == 0.5 and stats["fresh/success"] == 0.25
     assert stats["buffer_inserted"] == 1.0 and stats["buffer_size"] == 1.0 and stats["replay_groups"] == 0.0
-    after: dict = {}
-    recipe.after_update(trainer, after)  # the next step starts from nothing
+    after = recipe.end_step()  # the next step starts from nothing
     assert "fresh/success" not in after
 
 
@@ -271,7 +269,7 @@ def test_crps_expert_entries_for_unsolved_instances_hand_over_before_the_goal():
     *_, info = env.step(entry.trace.actions[t0_steps])
     assert info["won"]
     env.close()
-    recipe.after_update(trainer, stats := {})
+    stats = recipe.end_step()
     assert stats["buffer_expert"] == 1.0
     solved = ("train/00001", 5)
     recipe.after_rollout(trainer, [ep("c", *a, False), ep("d", *solved, True), ep("d", *solved, False)])
