@@ -114,6 +114,25 @@ def _select_rows(cache: Any, sel: torch.Tensor) -> None:
         layer.batch_size = len(sel)
 
 
+class StagedWeights:
+    """A copy of a policy's parameters in host memory, under the names and dtypes of a generator's module
+    (tied ones once, as ``named_parameters`` gives them): the engine's ``copy_weights_to`` fills it as it
+    would the module."""
+
+    def __init__(self, like: Any):
+        self.tensors = {n: torch.empty(t.shape, dtype=t.dtype, device="cpu") for n, t in like.named_parameters()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def named_parameters(self) -> Any:
+        return iter(self.tensors.items())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
 class EmbeddedGenerator:
     def __init__(self, model: Any, tokenizer: Any, stop_ids: list[int], device: str = "cpu"):
         self.model, self.tokenizer, self.stop_ids, self.device = model.eval(), tokenizer, set(stop_ids), device
@@ -134,6 +153,14 @@ class EmbeddedGenerator:
             self.load_weights(engine)
         return {}
 
+    def stage(self, engine: Any) -> "StagedWeights":
+        """A host-memory copy of the engine's weights in this generator's names and dtypes, for a collect
+        that starts later (``trainer.max_staleness`` > 1 keeps up to that many; ``load_weights`` takes it).
+        Collective under DeepSpeed, like ``receive``."""
+        staged = StagedWeights(self.model)
+        engine.copy_weights_to(staged)
+        return staged
+
     def release(self) -> bool:
         return False  # holds nothing an update could use
 
@@ -146,6 +173,8 @@ class EmbeddedGenerator:
         if hasattr(source, "copy_weights_to"):
             source.copy_weights_to(self.model)
             return
+        if isinstance(source, StagedWeights):
+            source = source.tensors
         if isinstance(source, (str, Path)):
             from agentrl.learner.models import load_model
 
