@@ -110,7 +110,7 @@ class Trainer:
         self._sync_due = False  # an update during an overlapped step: its weights go out after the step
         self._in_step = False
         # updates between the weights this step's episodes were drawn with and the learner's: 0 on-policy; the
-        # overlap sets it per step (1 after its first), and ``update`` then corrects for it
+        # overlap sets it per step (min(step, N)), and ``update`` then corrects for it
         self.behind = 0
         self.generator: Generator = self._make_generator()
         self.envs: EnvSlots = self._make_envs()

@@ -177,6 +177,28 @@ def test_staleness_one_records_versions_corrects_and_resumes_exactly(tiny_model_
     assert rows(tmp_path / "killed") == got
 
 
+def test_staged_weights_are_the_learners_and_a_missed_parameter_is_named(tiny_model_dir):
+    """EmbeddedGenerator.stage: a host copy of the engine's weights that loads into the generator as they
+    are; a parameter the engine does not fill is an error, not garbage weights sampled from."""
+    from types import SimpleNamespace
+
+    from agentrl.generation.embedded import EmbeddedGenerator
+    from agentrl.learner.engine import TorchEngine
+
+    eng, gen = TorchEngine(tiny_model_dir), EmbeddedGenerator.from_folder(tiny_model_dir)
+    with torch.no_grad():
+        for p in eng.model.parameters():
+            p.add_(0.01)
+    staged = gen.stage(eng)
+    assert all(t.device.type == "cpu" for t in staged.tensors.values())
+    assert staged.nbytes == sum(p.numel() * p.element_size() for p in gen.model.parameters())
+    gen.load_weights(staged)
+    learner = eng.model.state_dict()
+    assert all(torch.equal(p, learner[n]) for n, p in gen.model.state_dict().items())
+    with pytest.raises(RuntimeError, match="did not fill the generator's"):
+        EmbeddedGenerator.from_folder(tiny_model_dir).stage(SimpleNamespace(copy_weights_to=lambda m: None))
+
+
 @pytest.mark.timeout(900)
 def test_staleness_two_draws_step_t_with_version_t_minus_2_and_resumes_exactly(tiny_model_dir, tmp_path,
                                                                                  monkeypatch):

@@ -166,12 +166,13 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
 
     times: dict[int, list[float]] = {n: [] for n in (0, *staleness)}
     learn: list[float] = []  # the on-policy steps' update time: what the overlap can hide at most
+    waits: dict[int, list[float]] = {n: [] for n in times}  # how long the learner waited for its collect
     for _ in range(repeats):
-        for staleness in times:
+        for n in times:
             with tempfile.TemporaryDirectory(prefix="agentrl-bench-overlap-") as out:
                 cfg = load_config("grpo", env=env, overrides=[
                     f"model.name={model}", f"trainer.out_dir={out}", f"trainer.steps={steps}",
-                    f"trainer.max_staleness={staleness}", f"trainer.checkpoint_every={steps + 1}",
+                    f"trainer.max_staleness={n}", f"trainer.checkpoint_every={steps + 1}",
                     "trainer.progress=false", "trainer.tensorboard=false", "sft.enabled=false", "eval.tasks=0",
                     f"rollout.groups={max(1, slots // 4)}", "rollout.group_size=4", f"rollout.slots={slots}",
                     f"rollout.max_turns={turns}", f"rollout.max_new_tokens={max_new}", "rollout.mode=async",
@@ -183,15 +184,17 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
                 finally:
                     trainer.close()
                 got = [r for r in read_metrics(Path(out)) if r.get("step", 0) > 1]
-                times[staleness] += [r["time_step_s"] for r in got]
-                learn += [r.get("time_learn_s", 0.0) for r in got] if staleness == 0 else []
+                times[n] += [r["time_step_s"] for r in got]
+                learn += [r.get("time_learn_s", 0.0) for r in got] if n == 0 else []
+                waits[n] += [r.get("time_wait_collect_s", 0.0) for r in got]
     sync, overlap = statistics.median(times[0]), statistics.median(times[1])
-    out = dict(overlap_steps=steps, sync_step_s=sync, sync_learn_s=statistics.median(learn), overlap_step_s=overlap,
-               overlap_speedup=sync / overlap)
+    fig = dict(overlap_steps=steps, sync_step_s=sync, sync_learn_s=statistics.median(learn), overlap_step_s=overlap,
+               overlap_speedup=sync / overlap, overlap_wait_collect_s=statistics.median(waits[1]))
     for n in staleness[1:]:
-        out.update({f"staleness{n}_step_s": statistics.median(times[n]),
-                    f"staleness{n}_speedup": sync / statistics.median(times[n])})
-    return out
+        fig.update({f"staleness{n}_step_s": statistics.median(times[n]),
+                    f"staleness{n}_speedup": sync / statistics.median(times[n]),
+                    f"staleness{n}_wait_collect_s": statistics.median(waits[n])})
+    return fig
 
 
 def run(args: argparse.Namespace) -> int:

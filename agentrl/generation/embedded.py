@@ -119,8 +119,11 @@ class StagedWeights:
     (tied ones once, as ``named_parameters`` gives them): the engine's ``copy_weights_to`` fills it as it
     would the module."""
 
-    def __init__(self, like: Any):
+    def __init__(self, like: Any, fill: float | None = None):
         self.tensors = {n: torch.empty(t.shape, dtype=t.dtype, device="cpu") for n, t in like.named_parameters()}
+        if fill is not None:
+            for t in self.tensors.values():
+                t.fill_(fill)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.tensors
@@ -137,6 +140,7 @@ class EmbeddedGenerator:
     def __init__(self, model: Any, tokenizer: Any, stop_ids: list[int], device: str = "cpu"):
         self.model, self.tokenizer, self.stop_ids, self.device = model.eval(), tokenizer, set(stop_ids), device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._staged_once = False  # ``stage`` checks its first copy for parameters the engine did not fill
         self.context = model_context(model.config, tokenizer)
 
     @classmethod
@@ -157,8 +161,14 @@ class EmbeddedGenerator:
         """A host-memory copy of the engine's weights in this generator's names and dtypes, for a collect
         that starts later (``trainer.max_staleness`` > 1 keeps up to that many; ``load_weights`` takes it).
         Collective under DeepSpeed, like ``receive``."""
-        staged = StagedWeights(self.model)
+        first = not self._staged_once
+        staged = StagedWeights(self.model, fill=float("nan") if first else None)
         engine.copy_weights_to(staged)
+        if first:  # once per run: every parameter was written (a name the engine does not give stays NaN)
+            missed = [n for n, t in staged.tensors.items() if t.isnan().any()]
+            if missed:
+                raise RuntimeError(f"the learner's weights did not fill the generator's {', '.join(missed[:3])}")
+            self._staged_once = True
         return staged
 
     def release(self) -> bool:

@@ -146,9 +146,8 @@ class Producer:
             self._thread.join(timeout=10.0)
 
     def _raise(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        if self._error is not None:  # kept: the thread has ended, every later wait must fail too
+            raise self._error
 
     # ----- the producer's thread -----------------------------------------------------------------
     def _ready(self) -> bool:
