@@ -264,8 +264,9 @@ class TrainerCfg:
     # a non-finite loss or parameter: "stop" ends the run with one line naming the step; "skip" drops that
     # update (weights restored from before it) and counts it in the metrics
     nan_policy: Literal["stop", "skip"] = "stop"
-    # 1: the next step's rollouts are collected while the learner trains (weights one update old, the loss
-    # corrects the gap; base-step recipes, any number of ranks; docs: the asynchronous loop). 0: on-policy
+    # N > 0: the next N steps' rollouts are collected while the learner trains, step t's with the weights
+    # after t - N updates (the loss corrects the gap; base-step recipes, any number of ranks; N > 1 with the
+    # embedded generator only, N host copies of the weights; docs: the asynchronous loop). 0: on-policy
     max_staleness: int = 0
     ray_address: str = ""  # rollout.pool=ray: attach to this Ray cluster (or RAY_ADDRESS); empty: a local one
     engine: Literal["torch", "deepspeed"] = "torch"  # deepspeed: ZeRO-3, one rank or many under a launcher

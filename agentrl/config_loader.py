@@ -502,9 +502,9 @@ def _check_ranges(cfg: RecipeCfg) -> None:
         ("trainer.steps", t.steps, t.steps >= 0, ">= 0"),
         ("trainer.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 1, ">= 1"),
         ("trainer.time_limit_s", t.time_limit_s, t.time_limit_s >= 0, ">= 0 (0: no limit)"),
-        # one collect runs ahead of the learner, so samples are at most one update old; more would only age them
-        ("trainer.max_staleness", t.max_staleness, t.max_staleness in (0, 1),
-         "0 (the on-policy loop) or 1 (the next step collected while this one learns)"),
+        # N collects run ahead of the learner, step t's drawn with the weights after t - N updates
+        ("trainer.max_staleness", t.max_staleness, t.max_staleness >= 0,
+         ">= 0 (0: the on-policy loop; N: the next N steps collected while this one learns)"),
     ]
     for key, value, ok, allowed in rules:
         if not ok:
@@ -541,6 +541,10 @@ def _check_contradictions(cfg: RecipeCfg) -> None:
     if t.vllm_gpus and t.generator == "vllm" and not t.generator_url and len(t.vllm_gpus) < t.vllm_servers:
         raise ConfigError(f"trainer.vllm_gpus lists {len(t.vllm_gpus)} device sets for trainer.vllm_servers="
                           f"{t.vllm_servers}: give one per server (e.g. trainer.vllm_gpus=[6,7]) or start fewer")
+    if t.max_staleness > 1 and t.generator != "embedded":
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness} with trainer.generator={t.generator}: a server "
+                          "holds one weights version and its push reads the learner's current weights, so it "
+                          "cannot be handed older staged ones; use trainer.max_staleness=1 or the embedded generator")
     why = _overlap_refusal(cfg.method) if t.max_staleness > 0 else ""
     if why:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness} collects later steps while this one learns, and "

@@ -10,7 +10,7 @@ ranks. Every method is collective unless it says otherwise; rank 0 alone writes 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +82,14 @@ def check_free_space(out_dir: Path, model_dir: Path, keep: int, engine: str, ecf
 @dataclass
 class Resumed:
     """What a checkpoint gives back to the trainer: its step, env steps, random stream, the recipe's state
-    and the overlap's collected step not yet trained on (None without one)."""
+    and the overlap's collected steps not yet trained on, in step order (``trainer.max_staleness`` of them)."""
 
     folder: Path
     step: int
     env_steps: int
     rng: Any
     recipe: dict[str, Any]
-    collected: Any = None
+    collected: list[Any] = field(default_factory=list)
 
 
 class RunFolder:
@@ -248,7 +248,9 @@ class RunFolder:
         # checkpoints from before the budget existed: the steps are in the metrics logged up to this one
         env_steps = state["env_steps"] if "env_steps" in state else int(sum(
             r.get("env_steps", 0) for r in read_metrics(self.path) if 0 < r.get("step", 0) <= step))
-        collected = ckpt.from_plain(state["collected"]) if "collected" in state else None
+        collected = ckpt.from_plain(state["collected"]) if "collected" in state else []
+        if not isinstance(collected, list):  # a checkpoint of before max_staleness > 1: its one collected step
+            collected = [collected]
         return Resumed(folder, step, env_steps, state["rng"], recipe_state, collected)
 
     def _after_resume(self, got: Resumed, target: Path | None, dangling: bool,

@@ -14,9 +14,10 @@ update) is taken on the global episodes, identically on every rank, and every ra
 collectives. The engine then trains each rank on its rows. Rank 0 alone prints, logs and writes the
 trainer's and recipe's state; checkpoints are collective.
 
-With ``trainer.max_staleness: 1`` the next step's ``collect`` runs in a producer thread while this step
-learns (on every rank, its gathers on a process group of their own), and the loss corrects for samples one
-update old (``_overlapped_step``, ``agentrl.rollout.overlap``, docs/guides/async.md).
+With ``trainer.max_staleness: N`` > 0 a producer thread runs the ``collect`` of the next N steps while this
+step learns (on every rank, its gathers on a process group of their own), step t's drawn with the weights
+after t - N updates, and the loss corrects for samples updates old (``_overlapped_step``,
+``agentrl.rollout.overlap``, docs/guides/async.md).
 """
 from __future__ import annotations
 
@@ -102,12 +103,14 @@ class Trainer:
         self.engine: LearnerEngine = self._make_engine()
         self._step_guard = StepGuard(self.engine)  # an optimizer step with a NaN or infinite gradient is not applied
         self.tokenizer = self.engine.tokenizer
-        # trainer.max_staleness > 0: the next step's collect runs in a producer thread while this step learns
+        # trainer.max_staleness > 0: the next steps' collects run in a producer thread while this step learns
         # (under several ranks its gathers go to a group of their own, apart from the engine's collectives)
-        self._producer = Producer(dist.side_group()) if cfg.trainer.max_staleness > 0 else None
-        self._sync_due = False
+        side = dist.side_group() if cfg.trainer.max_staleness > 0 else None
+        self._producer: Producer | None = None  # made below, once the sampler exists
+        self._sync_due = False  # an update during an overlapped step: its weights go out after the step
+        self._in_step = False
         # updates between the weights this step's episodes were drawn with and the learner's: 0 on-policy; the
-        # overlap sets it per step (1 after its first), and ``update`` then corrects for it
+        # overlap sets it per step (min(step, N)), and ``update`` then corrects for it
         self.behind = 0
         self.generator: Generator = self._make_generator()
         self.envs: EnvSlots = self._make_envs()
@@ -115,6 +118,11 @@ class Trainer:
         # the rollout side of the run (rollout, generate, task draws), on the run's own random stream
         self.sampler = RolloutSampler(cfg, self.generator, self.tokenizer, self.envs, self.rng, lambda: self.step,
                                       world=self.world, rank=self.rank)
+        if cfg.trainer.max_staleness > 0:
+            # the in-process generator's copy takes staged weights in the producer's thread; servers are
+            # synced by the learner between collects (max_staleness 1 only: config_loader)
+            load = self.generator.load_weights if hasattr(self.generator, "stage") else None
+            self._producer = Producer(self.sampler, self.recipe.collect, cfg.trainer.max_staleness, load, side)
         self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict()) \
             if self.is_main else None
         self._tasks = None
@@ -158,7 +166,7 @@ class Trainer:
         from agentrl.learner.models import stop_token_ids
 
         model = getattr(self.engine, "model", None)
-        if model is None or self._producer is not None:
+        if model is None or self.cfg.trainer.max_staleness > 0:
             # DeepSpeed, or the overlap (the producer samples while the learner trains): a copy of the policy,
             # refreshed in memory after each update
             return EmbeddedGenerator.from_folder(self.model_dir, self.cfg.model.dtype, self.device)
@@ -229,27 +237,45 @@ class Trainer:
         return stats
 
     def _overlapped_step(self) -> dict[str, float]:
-        """One step with trainer.max_staleness > 0: this step's episodes were collected during the last step
-        (by the generator's weights of then); the next step's are collected now, in a producer thread, while
-        this one learns. The new weights reach the generator once that collect is done, so a sample is one
-        update old when trained on (the first step's, collected now, none)."""
-        p = self._producer
-        got = p.take(self.sampler, self.recipe.collect, self.step)
-        # also on the last step: its checkpoint carries the collect, so a run trained on later goes on exactly
-        p.start(self.sampler, self.recipe.collect, self.step + 1, self.step)
-        gaps = [self.step - t.policy_version for e in got.episodes for t in e.turns if t.gen_ids]
+        """One step with trainer.max_staleness = N > 0: step s releases the collect of step s + N (drawn
+        with the weights after s updates), takes its own (collected ahead with the weights after s - N, or
+        waited for), learns, and hands the new weights on (``_hand_on``). Also on the last step: its
+        checkpoint carries the collects ahead, so a run trained on later goes on exactly."""
+        p, s = self._producer, self.step
+        assert p is not None
+        p.release(s + p.ahead)
+        got, waited = p.take(s)
+        depth = len(p.queue)  # collected steps already waiting behind this one
+        gaps = [s - t.policy_version for e in got.episodes for t in e.turns if t.gen_ids]
         self.sampler.stats, self.behind = got.rollout_stats, max(gaps, default=0)
+        self._in_step = True
         try:
             metrics = self.recipe.learn(self, got.episodes, got.stats)
-        except BaseException:
-            p.join(raise_error=False)
-            raise
-        p.join()
-        if self._sync_due:
-            self._sync_due = False
-            self.sync_weights()
-        metrics.update(staleness_mean=sum(gaps) / max(1, len(gaps)), staleness_max=float(max(gaps, default=0)))
+        finally:
+            self._in_step = False
+        metrics.update(self._hand_on(s + 1))
+        metrics.update(staleness_mean=sum(gaps) / max(1, len(gaps)), staleness_max=float(max(gaps, default=0)),
+                       overlap_queue_depth=float(depth), time_wait_collect_s=waited,
+                       time_wait_weights_s=p.wait_weights_s)
+        p.wait_weights_s = 0.0
         return metrics
+
+    def _hand_on(self, version: int) -> dict[str, float]:
+        """After step ``version - 1``'s learning, its weights (version ``version``) for the collect that needs
+        them: staged as a host copy (the in-process generator; collective under DeepSpeed, so here, in the
+        learner's thread), or pushed to the servers once the collect in flight is done."""
+        p, due, self._sync_due = self._producer, self._sync_due, False
+        assert p is not None
+        t = time.perf_counter()
+        if p.stages:  # collect version + N needs it, and is not released yet: always staged (a step
+            # that skipped its update stages the same weights again)
+            p.stage(version, self.generator.stage(self.engine))  # type: ignore[attr-defined]
+            return dict(time_stage_s=time.perf_counter() - t)
+        p.drain()
+        if due:
+            self._sync_stats = self.generator.receive(self.engine, self.out_dir)
+        p.set_loaded(version)
+        return {}
 
     def values(self, samples: list[Sample]) -> list[float]:
         """Critic value at the last prompt token of each sample (PPO)."""
@@ -267,12 +293,28 @@ class Trainer:
     def sync_weights(self) -> None:
         """After an update the generator must sample from the new policy (see ``Generator.receive``:
         nothing to do for the learner's own module, an in-memory copy per rank under DeepSpeed, an
-        exported folder for our server, an in-place push and check for vLLM servers). While the overlap's
-        producer samples with the generator, the push waits for its collect to end."""
-        if self._producer is not None and self._producer.busy:
+        exported folder for our server, an in-place push and check for vLLM servers). Under the overlap an
+        update's weights go out after its step (``_hand_on``); outside a step the producer is let finish
+        its released collects first."""
+        p = self._producer
+        if p is not None and self._in_step:
             self._sync_due = True
             return
+        if p is not None:
+            p.drain()
         self._sync_stats = self.generator.receive(self.engine, self.out_dir)
+        if p is not None:
+            p.set_loaded(self.step)
+
+    def _generator_current(self) -> None:
+        """Before an evaluation under the overlap: the producer idle and the generator on the learner's
+        weights (their staged copy where there is one)."""
+        p = self._producer
+        if p is None:
+            return
+        p.drain()
+        if p.loaded != self.step and not p.load_staged(self.step):
+            self.sync_weights()
 
     def diagnostics(self, episodes: list[Episode], recipe: "Recipe") -> dict[str, float]:
         """Collective (every rank calls it in ``Recipe.step``): episode statistics, timings, and the env
@@ -292,6 +334,7 @@ class Trainer:
     # ----- evaluation --------------------------------------------------------------------------
     def evaluate(self, n_tasks: int | None = None, samples: int | None = None, split: str | None = None,
                  ks: tuple[int, ...] | None = None, temperature: float | None = None) -> dict[str, float]:
+        self._generator_current()
         e = self.cfg.eval
         split, n_tasks, samples = split or e.split, n_tasks or e.tasks, samples or e.samples
         if ks is None:  # pass@1, 2, 4, ... up to the samples drawn per task
@@ -320,17 +363,23 @@ class Trainer:
     # ----- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """Collective: this step's checkpoint (``RunFolder.save``): the engine's state on every rank; the step,
-        env steps, random stream, the recipe's state and the overlap's collected step from rank 0."""
+        env steps, random stream, the recipe's state and the overlap's collected steps from rank 0. The
+        producer first finishes its released collects (up to this step + N - 1: the queue full), so no
+        staged old weights need storing: each collect still to come is drawn with this step's or later."""
+        if self._producer is not None:
+            self._producer.drain()
         state = dict(step=self.step, env_steps=self.env_steps, rng=self.rng.getstate(),
                      recipe=ckpt.to_plain(self.recipe.state_dict(), "recipe state"), **self._in_flight()) \
             if self.is_main else {}
         return self.folder.save(self.step, self.engine, state)
 
     def _in_flight(self) -> dict[str, Any]:
-        """The overlap's collected step not yet trained on (its episodes with their versions), as plain
+        """The overlap's collected steps not yet trained on (their episodes with their versions), as plain
         containers: a resumed run trains on the very episodes the uninterrupted one would."""
-        got = self._producer.pending if self._producer is not None else None
-        return dict(collected=ckpt.to_plain(got, "collected step")) if got is not None else {}
+        p = self._producer
+        if p is None or not p.queue:
+            return {}
+        return dict(collected=ckpt.to_plain([p.queue[k] for k in sorted(p.queue)], "collected steps"))
 
     def load_checkpoint(self) -> bool:
         """Resume from the run folder's newest intact checkpoint (``RunFolder.resume``); False: a new run."""
@@ -340,9 +389,9 @@ class Trainer:
         self.step, self.env_steps = got.step, got.env_steps
         self.rng.setstate(got.rng)
         self.recipe.load_state_dict(got.recipe)
-        if self._producer is not None:
-            self._producer.pending = got.collected
         self.sync_weights()
+        if self._producer is not None:
+            self._producer.restore(self.step, got.collected, loaded=self.step)
         return True
 
     # ----- the run -----------------------------------------------------------------------------
@@ -453,6 +502,8 @@ class Trainer:
                       f"{self.cfg.eval.split} tasks" + (f" ({cats})" if cats else ""))
 
     def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
         self.recipe.close()
         self.generator.close()
         self.envs.close()

@@ -35,7 +35,8 @@ def rows(folder):
     out = []
     for line in (folder / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out.append({k: v for k, v in r.items() if "time" not in k and not k.endswith("_s") and k != "peak_rss_gib"})
+        out.append({k: v for k, v in r.items() if "time" not in k and not k.endswith("_s")
+                    and k not in ("peak_rss_gib", "overlap_queue_depth")})  # the queue's depth depends on timing
     return out
 
 
@@ -69,13 +70,56 @@ def test_recipes_that_need_this_steps_decisions_are_refused():
 
     ok = load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=1"])
     assert ok.trainer.max_staleness == 1 and RECIPES.get("grpo").can_overlap()
-    for method in ("crps", "leafe", "spear", "sft"):
-        with pytest.raises(ConfigError, match=rf"trainer.max_staleness=1 .*method={method}"):
-            load_config(method, env="alfworld" if method == "crps" else "sokoban",
-                        overrides=["trainer.max_staleness=1"])
-    for bad in (-1, 2):  # one collect runs ahead: a bound above 1 would never be reached
-        with pytest.raises(ConfigError, match=rf"'trainer.max_staleness': {bad}; allowed: 0 .* or 1"):
-            load_config("grpo", env="sokoban", overrides=[f"trainer.max_staleness={bad}"])
+    for method in ("sft", "eval"):  # every other recipe overlaps: tests/test_recipes_overlap.py
+        with pytest.raises(ConfigError, match=rf"trainer.max_staleness=1 .*method={method} cannot: "):
+            load_config(method, env="sokoban", overrides=["trainer.max_staleness=1"])
+    with pytest.raises(ConfigError, match=r"'trainer.max_staleness': -1; allowed: >= 0"):
+        load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=-1"])
+    assert load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=4"]).trainer.max_staleness == 4
+    for gen in ("vllm", "remote"):  # a server holds one version and is pushed the learner's current weights
+        assert load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=1", f"trainer.generator={gen}",
+                                                              "trainer.generator_url=http://x:1"])
+        with pytest.raises(ConfigError, match=rf"trainer.max_staleness=2 with trainer.generator={gen}: "):
+            load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=2", f"trainer.generator={gen}",
+                                                           "trainer.generator_url=http://x:1"])
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+def test_producer_schedule_versions_staged_copies_and_queue(ahead):
+    """The producer's schedule on its own (a fake collect and fake weights): step t is drawn with version
+    max(0, t - N), each staged version is loaded once just before its collect, at most N copies are staged,
+    and after a drain the queue holds the next N steps."""
+    import random
+    import time
+    from types import SimpleNamespace
+
+    from agentrl.rollout.overlap import Producer
+
+    rnd = random.Random(ahead)
+
+    def collect(mine):
+        time.sleep(rnd.random() * 0.01)  # the two threads interleave differently each run
+        return [], dict(version=mine.policy_version)
+
+    sampler = SimpleNamespace(for_step=lambda step, v: SimpleNamespace(step=step, policy_version=v, stats={}))
+    loads = []
+    p = Producer(sampler, collect, ahead, load=loads.append)
+    most = 0
+    try:
+        for s in range(8):
+            p.release(s + ahead)
+            got, _ = p.take(s)
+            assert got.step == s and got.stats["version"] == max(0, s - ahead)
+            time.sleep(rnd.random() * 0.01)  # the update
+            p.stage(s + 1, f"w{s + 1}")
+            most = max(most, len(p.staged))
+            if s in (3, 7):
+                p.drain()  # as before a checkpoint: every released collect queued, none of the old weights staged
+                assert sorted(p.queue) == list(range(s + 1, s + 1 + ahead)) and set(p.staged) <= {s + 1}
+    finally:
+        p.close()
+    assert most <= ahead
+    assert loads == [f"w{k}" for k in range(1, 8)]  # the last release (step 7 + N) needs version 7
 
 
 @pytest.mark.timeout(600)
@@ -112,7 +156,7 @@ def test_staleness_one_records_versions_corrects_and_resumes_exactly(tiny_model_
     for r in got[2:]:
         assert r["staleness_mean"] == 1.0 and r["staleness_max"] == 1.0
         assert 0 <= r["behav_is_truncated_frac"] <= 1 and r["behav_is_mean"] != 1.0 and "clip_frac" in r
-    assert whole._producer.pending is not None and whole._producer.pending.step == 3  # kept in the checkpoint
+    assert sorted(whole._producer.queue) == [3]  # kept in the checkpoint
 
     save = Trainer.save_checkpoint
 
@@ -129,6 +173,74 @@ def test_staleness_one_records_versions_corrects_and_resumes_exactly(tiny_model_
         run(cfg)
     monkeypatch.setattr(Trainer, "save_checkpoint", save)
     run(cfg)
+    assert rows(tmp_path / "killed") == got
+
+
+def test_staged_weights_are_the_learners_and_a_missed_parameter_is_named(tiny_model_dir):
+    """EmbeddedGenerator.stage: a host copy of the engine's weights that loads into the generator as they
+    are; a parameter the engine does not fill is an error, not garbage weights sampled from."""
+    from types import SimpleNamespace
+
+    from agentrl.generation.embedded import EmbeddedGenerator
+    from agentrl.learner.engine import TorchEngine
+
+    eng, gen = TorchEngine(tiny_model_dir), EmbeddedGenerator.from_folder(tiny_model_dir)
+    with torch.no_grad():
+        for p in eng.model.parameters():
+            p.add_(0.01)
+    staged = gen.stage(eng)
+    assert all(t.device.type == "cpu" for t in staged.tensors.values())
+    assert staged.nbytes == sum(p.numel() * p.element_size() for p in gen.model.parameters())
+    gen.load_weights(staged)
+    learner = eng.model.state_dict()
+    assert all(torch.equal(p, learner[n]) for n, p in gen.model.state_dict().items())
+    with pytest.raises(RuntimeError, match="did not fill the generator's"):
+        EmbeddedGenerator.from_folder(tiny_model_dir).stage(SimpleNamespace(copy_weights_to=lambda m: None))
+
+
+@pytest.mark.timeout(900)
+def test_staleness_two_draws_step_t_with_version_t_minus_2_and_resumes_exactly(tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    """trainer.max_staleness=2: every turn of step t's episodes records version max(0, t - 2); a checkpoint
+    holds the two steps collected ahead; a run killed after a checkpoint resumes to the very metrics (the
+    evaluations included) of an uninterrupted one."""
+    from agentrl.rollout.overlap import Producer
+    from agentrl.trainer import Trainer
+
+    versions: dict[int, set[int]] = {}
+    take = Producer.take
+
+    def recorded(self, step):
+        got, waited = take(self, step)
+        versions[step] = {t.policy_version for e in got.episodes for t in e.turns if t.gen_ids}
+        return got, waited
+
+    monkeypatch.setattr(Producer, "take", recorded)
+    args = ("trainer.max_staleness=2", "trainer.steps=4", "eval.every=2")
+    whole, _ = run(load_config("grpo", env="bandit", overrides=small(tmp_path / "whole", tiny_model_dir, *args)))
+    assert versions == {0: {0}, 1: {0}, 2: {0}, 3: {1}}
+    got = rows(tmp_path / "whole")
+    assert [(r["staleness_mean"], r["staleness_max"]) for r in got[1:]] == [(0, 0), (1, 1), (2, 2), (2, 2)]
+    assert all("behav_is_mean" in r for r in got[2:]) and "eval/success" in got[2]
+    # the last checkpoint's queue: the two steps ahead; staged at most the learner's current weights
+    assert sorted(whole._producer.queue) == [4, 5] and set(whole._producer.staged) <= {4}
+
+    save = Trainer.save_checkpoint
+
+    def killed_after_step_2(self):
+        folder = save(self)
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return folder
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", killed_after_step_2)
+    cfg = load_config("grpo", env="bandit", overrides=small(tmp_path / "killed", tiny_model_dir, *args))
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg)
+    monkeypatch.setattr(Trainer, "save_checkpoint", save)
+    versions.clear()
+    run(cfg)
+    assert versions == {2: {0}, 3: {1}}  # the resumed run's steps, both from the checkpoint's queue
     assert rows(tmp_path / "killed") == got
 
 
@@ -217,3 +329,24 @@ def test_two_seeded_async_runs_end_with_the_same_weights(tiny_model_dir, tmp_pat
         weights.append({n: p.detach().clone() for n, p in t.engine.model.named_parameters()})
         assert any("old_logprob_gap" in r for r in rows(tmp_path / str(k)))
     assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_staleness_two_on_two_ranks_matches_one_process(sokoban_sft_model_dir, tmp_path):
+    """trainer.max_staleness=2 on two DeepSpeed ranks (each rank stages its gathered weights in the learner's
+    thread, its producer gathers its share of the steps ahead on a group of its own): the numbers of the
+    same run in one process, and step t trains on samples min(t, 2) updates old."""
+    from tests.test_multirank import RUN, assert_same_numbers, launch
+    from tests.test_multirank import rows as rows_by_step
+
+    args = RUN + [f"model.name={sokoban_sft_model_dir}", "trainer.max_staleness=2", "eval.every=2"]
+    one = launch(1, args + [f"trainer.out_dir={tmp_path / 'w1'}"])
+    two = launch(2, args + [f"trainer.out_dir={tmp_path / 'w2'}"], launcher="deepspeed")
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    a, b = rows_by_step(tmp_path / "w1"), rows_by_step(tmp_path / "w2")
+    assert sorted(b) == [0, 1, 2, 3]
+    assert_same_numbers(a, b, [0, 1, 2, 3])
+    assert [b[s]["staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 2.0]
+    assert "eval/success" in b[2] and any("loss" in b[s] for s in (2, 3)), "no corrected update: vacuous"

@@ -9,7 +9,8 @@ step of each turn, not for their sum. Throughput is generated tokens over wall t
 Where vLLM is installed (``make vllm-setup``), the loop through a vLLM server is also compared with vLLM
 alone on the same requests at the same concurrency (``loop_over_vllm``, with every repeat's pair; the plain
 env, so env time does not count against the loop).
-Then a GRPO training step with ``trainer.max_staleness`` 0 and 1 (``sync_step_s``, ``overlap_step_s``).
+Then a GRPO training step with ``trainer.max_staleness`` 0, 1, 2 and 4 (``sync_step_s``, ``overlap_step_s``,
+``staleness2_step_s``, ``staleness4_step_s``, each with its gain over synchronous).
 ``--parts`` picks which of the three run (e.g. ``--parts vllm --model PATH`` on a GPU node).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 
 PARTS = ("loop", "vllm", "overlap")
+STALENESS = (1, 2, 4)  # the overlap's trainer.max_staleness values, each against 0
 
 
 def _parts(text: str) -> str:
@@ -45,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="async: a seconds-long smoke run (4 slots, 2 turns)")
     p.add_argument("--parts", type=_parts, default=",".join(PARTS),
                    help="async: which comparisons to run, comma-separated: loop (lockstep vs async), vllm "
-                   "(the loop through vLLM vs vLLM alone), overlap (staleness 0 vs 1); default all")
+                   "(the loop through vLLM vs vLLM alone), overlap (staleness 0 vs 1, 2, 4); default all")
 
 
 def _signature(episodes: list[Any]) -> list[Any]:
@@ -150,25 +152,27 @@ def vllm_figures(model_dir: Path, tok: Any, env: str, starts: list[Any], slots: 
 
 
 def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slots: int, turns: int, max_new: int,
-                    steps: int, repeats: int) -> dict[str, Any]:
-    """A training step's wall time with ``trainer.max_staleness`` 0 (collect, then learn) and 1 (the next
-    step's collect while this one learns): GRPO on the same config otherwise, ``steps`` steps a run, the
-    median over the steps after the first (whose collect nothing overlaps) and over ``repeats`` alternating
-    runs. Every step updates (entropy bonus, no group filtered), so each has learning to overlap."""
+                    steps: int, repeats: int, staleness: tuple[int, ...] = STALENESS) -> dict[str, Any]:
+    """A training step's wall time with ``trainer.max_staleness`` 0 (collect, then learn) and N in
+    ``staleness`` (the next N steps' collects while this one learns): GRPO on the same config otherwise,
+    ``steps`` steps a run, the median over the steps after the first (whose collect nothing overlaps) and
+    over ``repeats`` alternating runs. Every step updates (entropy bonus, no group filtered), so each has
+    learning to overlap."""
     import tempfile
 
     from agentrl.config_loader import load_config
     from agentrl.metrics import read_metrics
     from agentrl.trainer import Trainer
 
-    times: dict[int, list[float]] = {0: [], 1: []}
+    times: dict[int, list[float]] = {n: [] for n in (0, *staleness)}
     learn: list[float] = []  # the on-policy steps' update time: what the overlap can hide at most
+    waits: dict[int, list[float]] = {n: [] for n in times}  # how long the learner waited for its collect
     for _ in range(repeats):
-        for staleness in (0, 1):
+        for n in times:
             with tempfile.TemporaryDirectory(prefix="agentrl-bench-overlap-") as out:
                 cfg = load_config("grpo", env=env, overrides=[
                     f"model.name={model}", f"trainer.out_dir={out}", f"trainer.steps={steps}",
-                    f"trainer.max_staleness={staleness}", f"trainer.checkpoint_every={steps + 1}",
+                    f"trainer.max_staleness={n}", f"trainer.checkpoint_every={steps + 1}",
                     "trainer.progress=false", "trainer.tensorboard=false", "sft.enabled=false", "eval.tasks=0",
                     f"rollout.groups={max(1, slots // 4)}", "rollout.group_size=4", f"rollout.slots={slots}",
                     f"rollout.max_turns={turns}", f"rollout.max_new_tokens={max_new}", "rollout.mode=async",
@@ -180,11 +184,17 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
                 finally:
                     trainer.close()
                 got = [r for r in read_metrics(Path(out)) if r.get("step", 0) > 1]
-                times[staleness] += [r["time_step_s"] for r in got]
-                learn += [r.get("time_learn_s", 0.0) for r in got] if staleness == 0 else []
+                times[n] += [r["time_step_s"] for r in got]
+                learn += [r.get("time_learn_s", 0.0) for r in got] if n == 0 else []
+                waits[n] += [r.get("time_wait_collect_s", 0.0) for r in got]
     sync, overlap = statistics.median(times[0]), statistics.median(times[1])
-    return dict(overlap_steps=steps, sync_step_s=sync, sync_learn_s=statistics.median(learn), overlap_step_s=overlap,
-                overlap_speedup=sync / overlap)
+    fig = dict(overlap_steps=steps, sync_step_s=sync, sync_learn_s=statistics.median(learn), overlap_step_s=overlap,
+               overlap_speedup=sync / overlap, overlap_wait_collect_s=statistics.median(waits[1]))
+    for n in staleness[1:]:
+        fig.update({f"staleness{n}_step_s": statistics.median(times[n]),
+                    f"staleness{n}_speedup": sync / statistics.median(times[n]),
+                    f"staleness{n}_wait_collect_s": statistics.median(waits[n])})
+    return fig
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         fig.update(vllm_figures(model_dir, tok, args.env, starts, slots, turns, max_new, args.port, repeats))
     if "overlap" in parts:
         fig.update(overlap_figures(str(model_dir), env_name, kwargs, pool, min(slots, 16), turns, max_new,
-                                   2 if args.quick else 4, repeats))
+                                   2 if args.quick else 4, repeats, STALENESS[:2] if args.quick else STALENESS))
     line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in fig.items()})
     print(line)
     if args.json:

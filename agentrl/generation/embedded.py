@@ -114,10 +114,33 @@ def _select_rows(cache: Any, sel: torch.Tensor) -> None:
         layer.batch_size = len(sel)
 
 
+class StagedWeights:
+    """A copy of a policy's parameters in host memory, under the names and dtypes of a generator's module
+    (tied ones once, as ``named_parameters`` gives them): the engine's ``copy_weights_to`` fills it as it
+    would the module."""
+
+    def __init__(self, like: Any, fill: float | None = None):
+        self.tensors = {n: torch.empty(t.shape, dtype=t.dtype, device="cpu") for n, t in like.named_parameters()}
+        if fill is not None:
+            for t in self.tensors.values():
+                t.fill_(fill)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def named_parameters(self) -> Any:
+        return iter(self.tensors.items())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
 class EmbeddedGenerator:
     def __init__(self, model: Any, tokenizer: Any, stop_ids: list[int], device: str = "cpu"):
         self.model, self.tokenizer, self.stop_ids, self.device = model.eval(), tokenizer, set(stop_ids), device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._staged_once = False  # ``stage`` checks its first copy for parameters the engine did not fill
         self.context = model_context(model.config, tokenizer)
 
     @classmethod
@@ -134,6 +157,20 @@ class EmbeddedGenerator:
             self.load_weights(engine)
         return {}
 
+    def stage(self, engine: Any) -> "StagedWeights":
+        """A host-memory copy of the engine's weights in this generator's names and dtypes, for a collect
+        that starts later (``trainer.max_staleness`` > 1 keeps up to that many; ``load_weights`` takes it).
+        Collective under DeepSpeed, like ``receive``."""
+        first = not self._staged_once
+        staged = StagedWeights(self.model, fill=float("nan") if first else None)
+        engine.copy_weights_to(staged)
+        if first:  # once per run: every parameter was written (a name the engine does not give stays NaN)
+            missed = [n for n, t in staged.tensors.items() if t.isnan().any()]
+            if missed:
+                raise RuntimeError(f"the learner's weights did not fill the generator's {', '.join(missed[:3])}")
+            self._staged_once = True
+        return staged
+
     def release(self) -> bool:
         return False  # holds nothing an update could use
 
@@ -146,6 +183,8 @@ class EmbeddedGenerator:
         if hasattr(source, "copy_weights_to"):
             source.copy_weights_to(self.model)
             return
+        if isinstance(source, StagedWeights):
+            source = source.tensors
         if isinstance(source, (str, Path)):
             from agentrl.learner.models import load_model
 

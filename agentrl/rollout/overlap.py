@@ -1,15 +1,23 @@
-"""Overlap of rollout and learning (``trainer.max_staleness`` > 0): a producer thread runs the recipe's
-``collect`` for the next step while the learner trains on this one.
+"""Overlap of rollout and learning (``trainer.max_staleness`` = N > 0): a producer thread runs the recipe's
+``collect`` for the steps ahead while the learner trains on this one.
 
-The producer hands ``collect`` the step's own rollout sampler (``RolloutSampler.for_step``): the run's
-generator, env slots and tokenizer, but the step it collects for, a random stream of its own drawn from
-(run seed, that step), its own rollout stats, and the version of the weights the generator holds, which
-every turn records. So what it collects depends on the seed and the step only, never on the learner's
-mini-batch shuffles or on timing. Nothing here imports the trainer or the recipes.
+The schedule is fixed, so seeded runs repeat and N ranks match one: step t's collect is drawn with the
+weights of version v(t) = max(0, t - N) (version k: the weights after k updates). At the start of step s
+the learner releases the collect of step s + N; the producer runs the released collects in step order,
+each once its version is in the generator or staged (a copy the learner made after that update), and
+queues them; the learner takes step s's and waits only when it is not there yet. At most N collected
+steps wait in the queue and at most N staged copies exist (version k serves the one collect k + N).
+
+Each collect gets the step's own rollout sampler (``RolloutSampler.for_step``): the run's generator, env
+slots and tokenizer, but the step it collects for, a random stream drawn from (run seed, that step), its
+own rollout stats, and the version of the weights the generator holds, which every turn records. So what
+it collects depends on the seed, the step and the version only, never on timing. Nothing here imports the
+trainer or the recipes.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,44 +48,144 @@ def collect(sampler: RolloutSampler, collect_fn: CollectFn, step: int, version: 
 
 
 class Producer:
-    """At most one collect in flight, in a thread, and the collected step waiting to be trained on. Under
-    several ranks the collect's gathers go to ``group`` (``dist.side_group``), apart from the learner's."""
+    """The collects of the steps ahead, in one thread, on the schedule above (``ahead`` = N). ``load`` puts a
+    staged copy into the generator (None: the learner syncs the generator itself, between collects, and says
+    which version it holds with ``set_loaded``). Under several ranks the collects' gathers go to ``group``
+    (``dist.side_group``), apart from the learner's."""
 
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-        self.pending: Collected | None = None
+    def __init__(self, sampler: RolloutSampler, collect_fn: CollectFn, ahead: int,
+                 load: Callable[[Any], None] | None = None, group: Any = None) -> None:
+        self.sampler, self.collect_fn, self.ahead, self._load, self.group = sampler, collect_fn, ahead, load, group
+        self.queue: dict[int, Collected] = {}  # collected steps not yet trained on, by step
+        self.next = 0  # the next step to collect
+        self.released = 0  # collects of steps below this may start
+        self.loaded = 0  # the weights version the generator holds
+        self.staged: dict[int, Any] = {}  # version -> its copy, until the collect that needs it starts
+        self.wait_weights_s = 0.0  # the producer's time waiting for a released collect's weights (read and reset)
+        self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._busy = False  # a collect in flight
+        self._stop = False
+
+    def version(self, step: int) -> int:
+        """The weights version step ``step`` is collected with."""
+        return max(0, step - self.ahead)
+
+    # ----- the learner's side --------------------------------------------------------------------
+    def restore(self, step: int, queued: list[Collected], loaded: int) -> None:
+        """A resumed run at ``step``: the checkpoint's queued steps, the generator holding version ``loaded``."""
+        with self._cond:
+            self.queue = {c.step: c for c in queued if c.step >= step}
+            self.next = max([step, *(s + 1 for s in self.queue)])
+            self.released, self.loaded, self.staged = self.next, loaded, {}
+
+    def release(self, upto: int) -> None:
+        """Collects up to step ``upto`` may start (the producer thread starts with the first release)."""
+        with self._cond:
+            self.released = max(self.released, upto + 1)
+            self._cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="agentrl-collect", daemon=True)
+            self._thread.start()
 
     @property
-    def busy(self) -> bool:
-        return self._thread is not None
+    def stages(self) -> bool:
+        """Whether the learner hands its weights on as staged copies (else it syncs the generator itself)."""
+        return self._load is not None
 
-    def start(self, sampler: RolloutSampler, collect_fn: CollectFn, step: int, version: int) -> None:
-        def work() -> None:
-            try:
-                with dist.collectives_on(self.group):
-                    self.pending = collect(sampler, collect_fn, step, version)
-            except BaseException as e:  # raised in the learner's thread by ``join``
-                self._error = e
+    def stage(self, version: int, weights: Any) -> None:
+        """Version ``version``'s copy, for the collect that needs it."""
+        with self._cond:
+            self.staged[version] = weights
+            self._cond.notify_all()
 
-        self._thread = threading.Thread(target=work, name=f"agentrl-collect-{step}", daemon=True)
-        self._thread.start()
+    def take(self, step: int) -> tuple[Collected, float]:
+        """Step ``step``'s collect and the seconds the learner waited for it (its error raised here)."""
+        t = time.perf_counter()
+        with self._cond:
+            while step not in self.queue:
+                self._raise()
+                if self.next > step and not self._busy:
+                    raise RuntimeError(f"step {step}'s collect is neither queued nor coming (next: {self.next})")
+                self._cond.wait()
+            return self.queue.pop(step), time.perf_counter() - t
 
-    def join(self, raise_error: bool = True) -> None:
-        """Wait for the collect in flight; its error, if any, is raised here (or dropped: the learner's own
-        error is on its way)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None and raise_error:
-            raise error
+    def drain(self) -> None:
+        """Wait until every released collect is queued, so the producer is idle (a checkpoint stores the
+        queue; an evaluation uses the generator). The point is the same on every rank: the releases are."""
+        with self._cond:
+            while self._busy or (self.next < self.released and self._thread is not None):
+                self._raise()
+                self._cond.wait()
+            self._raise()
 
-    def take(self, sampler: RolloutSampler, collect_fn: CollectFn, step: int) -> Collected:
-        """Step ``step``'s collect: the one made ahead, or (the first step, a run trained on after it had
-        finished) one made now with the current weights."""
-        got, self.pending = self.pending, None
-        if got is not None and got.step == step:
-            return got
-        return collect(sampler, collect_fn, step, step)
+    def set_loaded(self, version: int) -> None:
+        """The learner put version ``version`` into the generator (while the producer is drained)."""
+        with self._cond:
+            self.loaded = version
+
+    def load_staged(self, version: int) -> bool:
+        """The generator to version ``version`` from its staged copy (kept for its collect), while the
+        producer is drained; False when there is none."""
+        with self._cond:
+            weights = self.staged.get(version)
+        if weights is None or self._load is None:
+            return False
+        self._load(weights)
+        self.set_loaded(version)
+        return True
+
+    def close(self) -> None:
+        """Stop the thread: at once when idle; a collect in flight is left to end on its own (a daemon)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            busy = self._busy
+        if self._thread is not None and not busy:
+            self._thread.join(timeout=10.0)
+
+    def _raise(self) -> None:
+        if self._error is not None:  # kept: the thread has ended, every later wait must fail too
+            raise self._error
+
+    # ----- the producer's thread -----------------------------------------------------------------
+    def _ready(self) -> bool:
+        if self.next >= self.released:
+            return False
+        v = self.version(self.next)
+        # an older version than the generator's that is not staged is gone (a run resumed with a larger N):
+        # the collect takes the generator's, and its turns record that
+        return v <= self.loaded or v in self.staged
+
+    def _run(self) -> None:
+        try:
+            with dist.collectives_on(self.group):
+                while True:
+                    with self._cond:
+                        while not self._stop and not self._ready():
+                            released = self.next < self.released  # waiting for weights, not for the learner
+                            t = time.perf_counter()
+                            self._cond.wait()
+                            if released:
+                                self.wait_weights_s += time.perf_counter() - t
+                        if self._stop:
+                            return
+                        step, v = self.next, self.version(self.next)
+                        weights = self.staged.pop(v, None)
+                        for old in [k for k in self.staged if k < v]:  # never needed again
+                            del self.staged[old]
+                        self._busy = True
+                    if weights is not None and v != self.loaded:
+                        assert self._load is not None
+                        self._load(weights)
+                        self.loaded = v
+                    got = collect(self.sampler, self.collect_fn, step, self.loaded)
+                    with self._cond:
+                        self.queue[step] = got
+                        self.next, self._busy = step + 1, False
+                        self._cond.notify_all()
+        except BaseException as e:  # raised in the learner's thread by ``take`` or ``drain``
+            with self._cond:
+                self._error, self._busy, self._stop = e, False, True
+                self._cond.notify_all()
