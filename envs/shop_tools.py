@@ -11,13 +11,12 @@ The expert searches the goal's words, views the best hit and answers it.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from agentrl.envs.base import EnvError, Task, parse_task_id
 from agentrl.envs.tools import Tool, ToolEnv, answer_action, call_action, decode_action
 from agentrl.envs.webshop.catalogue import Goal, Product
-from agentrl.envs.webshop.env import catalogue, department
+from agentrl.envs.webshop.env import open_catalogue
 from agentrl.envs.webshop.reward import achievable_reward, best_options, webshop_reward
 
 HITS = 5  # results a search lists
@@ -36,13 +35,7 @@ class ShopToolsEnv(ToolEnv):
 
     def __init__(self, data_dir: str | None = None, catalogue_seed: int = 0, **kwargs: Any):
         super().__init__(**kwargs)
-        data_dir = data_dir or os.environ.get("WEBSHOP_DATA") or None
-        try:
-            self.cat, self.index = catalogue(data_dir, catalogue_seed)
-        except FileNotFoundError as e:
-            raise EnvError(f"shop-tools: {e}") from None
-        self._tasks = {s: [Task(f"{s}/{i:05d}", s, department(g)) for i, g in enumerate(goals)]
-                       for s, goals in self.cat.goals.items()}
+        self.cat, self.index, self._tasks = open_catalogue(self.name, data_dir, catalogue_seed)
         self.goal: Goal | None = None
         self._tools = [Tool("search", "Search the catalogue; returns the best matching products.", SEARCH,
                             self.search),

@@ -38,6 +38,18 @@ def department(goal: Goal) -> str:
     return goal.category_path()[0] if goal.product_category else "all"
 
 
+def open_catalogue(env_name: str, data_dir: str | None, seed: int) -> tuple[Catalogue, BM25, dict[str, list[Task]]]:
+    """The catalogue an env of WebShop's goals reads (``data_dir``, else ``$WEBSHOP_DATA``, else the generated
+    one), its index, and its goals as tasks per split; a missing file is the env's error."""
+    try:
+        cat, index = catalogue(data_dir or os.environ.get("WEBSHOP_DATA") or None, seed)
+    except FileNotFoundError as e:
+        raise EnvError(f"{env_name}: {e}") from None
+    tasks = {s: [Task(f"{s}/{i:05d}", s, department(g)) for i, g in enumerate(goals)]
+             for s, goals in cat.goals.items()}
+    return cat, index, tasks
+
+
 class WebShopEnv(TextEnv):
     name = "webshop"
     supports_snapshot = True
@@ -45,13 +57,7 @@ class WebShopEnv(TextEnv):
 
     def __init__(self, data_dir: str | None = None, catalogue_seed: int = 0, **kwargs: Any):
         super().__init__(**kwargs)
-        data_dir = data_dir or os.environ.get("WEBSHOP_DATA") or None
-        try:
-            self.cat, self.index = catalogue(data_dir, catalogue_seed)
-        except FileNotFoundError as e:
-            raise EnvError(f"webshop: {e}") from None
-        self._tasks = {s: [Task(f"{s}/{i:05d}", s, department(g)) for i, g in enumerate(goals)]
-                       for s, goals in self.cat.goals.items()}
+        self.cat, self.index, self._tasks = open_catalogue(self.name, data_dir, catalogue_seed)
         self.goal: Goal | None = None
         self.state: dict[str, Any] = {}
 
