@@ -226,7 +226,6 @@ def test_the_update_releases_a_colocated_generator_and_wakes_it(monkeypatch, rel
             return released
 
     monkeypatch.setattr(tr, "rl_update", lambda *a, **k: calls.append("update") or {"skipped_update": 1.0})
-    monkeypatch.setattr(tr, "collate", lambda samples, pad: samples)
     fake = SimpleNamespace(_producer=producer, generator=Gen(), engine=SimpleNamespace(pad_id=0), cfg=None,
                            rng=None, step=0, folder=SimpleNamespace(link=None), behind=0,
                            sync_weights=lambda: calls.append("sync"))
