@@ -126,7 +126,7 @@ class TokenBatch:
     def lengths(self) -> list[int]:
         """Each row's token count (read from the samples when there are some: no tensor collated)."""
         rows = self.__dict__.get("_rows")
-        return [len(s.ids) for s in rows.samples] if rows is not None else self.attention_mask.sum(-1).tolist()
+        return list(rows.lengths) if rows is not None else self.attention_mask.sum(-1).tolist()
 
     @property
     def target_shape(self) -> tuple[int, int]:
