@@ -266,8 +266,11 @@ class TrainerCfg:
     nan_policy: Literal["stop", "skip"] = "stop"
     # N > 0: the next N steps' rollouts are collected while the learner trains, step t's with the weights
     # after t - N updates (the loss corrects the gap; base-step recipes, any number of ranks; N > 1 with the
-    # embedded generator only, N host copies of the weights; docs: the asynchronous loop). 0: on-policy
+    # embedded generator only, N or N + 1 host copies of the weights; docs: the asynchronous loop). 0: on-policy
     max_staleness: int = 0
+    # with max_staleness > 0 and the embedded generator: each update's weights load into the generator at its next
+    # forward pass, mid-collect, and every token records the version that drew it (docs: the asynchronous loop)
+    inflight_updates: bool = False
     ray_address: str = ""  # rollout.pool=ray: attach to this Ray cluster (or RAY_ADDRESS); empty: a local one
     engine: Literal["torch", "deepspeed"] = "torch"  # deepspeed: ZeRO-3, one rank or many under a launcher
     deepspeed_config: str = ""  # a DeepSpeed JSON (configs/deepspeed/); empty: ZeRO-3 in fp32

@@ -44,7 +44,7 @@ from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics
 from agentrl.preflight import check_launch, resolve_device
 from agentrl.progress import Progress
 from agentrl.rollout.episode import RolloutConfig, Start
-from agentrl.rollout.overlap import Producer
+from agentrl.rollout.overlap import Producer, inflight_metrics
 from agentrl.rollout.sampler import RolloutSampler
 from agentrl.run_folder import RunFolder, check_free_space, check_run_folder
 from agentrl.types import Completion, Episode, SamplingParams
@@ -108,6 +108,7 @@ class Trainer:
         side = dist.side_group() if cfg.trainer.max_staleness > 0 else None
         self._producer: Producer | None = None  # made below, once the sampler exists
         self._sync_due = False  # an update during an overlapped step: its weights go out after the step
+        self._inflight_loads = 0  # the generator's in-flight loads logged so far
         self._in_step = False
         # updates between the weights this step's episodes were drawn with and the learner's: 0 on-policy; the
         # overlap sets it per step (min(step, N)), and ``update`` then corrects for it
@@ -122,7 +123,12 @@ class Trainer:
             # the in-process generator's copy takes staged weights in the producer's thread; servers are
             # synced by the learner between collects (max_staleness 1 only: config_loader)
             load = self.generator.load_weights if hasattr(self.generator, "stage") else None
-            self._producer = Producer(self.sampler, self.recipe.collect, cfg.trainer.max_staleness, load, side)
+            inflight = None
+            if cfg.trainer.inflight_updates:  # the embedded generator (config_loader): loads offers mid-collect
+                inflight = self.generator
+                inflight.inflight = True  # type: ignore[attr-defined]
+            self._producer = Producer(self.sampler, self.recipe.collect, cfg.trainer.max_staleness, load, side,
+                                      inflight)
         self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict()) \
             if self.is_main else None
         self._tasks = None
@@ -246,7 +252,8 @@ class Trainer:
         p.release(s + p.ahead)
         got, waited = p.take(s)
         depth = len(p.queue)  # collected steps already waiting behind this one
-        gaps = [s - t.policy_version for e in got.episodes for t in e.turns if t.gen_ids]
+        turns = [t for e in got.episodes for t in e.turns if t.gen_ids]
+        gaps = [s - t.policy_version for t in turns]
         self.sampler.stats, self.behind = got.rollout_stats, max(gaps, default=0)
         self._in_step = True
         try:
@@ -258,6 +265,9 @@ class Trainer:
                        overlap_queue_depth=float(depth), time_wait_collect_s=waited,
                        time_wait_weights_s=p.wait_weights_s)
         p.wait_weights_s = 0.0
+        if p.inflight is not None:
+            metrics.update(inflight_metrics(turns, s, p.inflight.inflight_loads - self._inflight_loads))
+            self._inflight_loads = p.inflight.inflight_loads
         return metrics
 
     def _hand_on(self, version: int) -> dict[str, float]:

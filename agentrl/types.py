@@ -50,6 +50,9 @@ class Completion:
     # constrained decoding (``generate(..., choices=...)``): the token ids each token was drawn among, one
     # list per token; ``logprobs`` are then under softmax over those ids only. Empty: the whole vocabulary
     allowed: list[list[int]] = field(default_factory=list)
+    # in-flight weight updates (trainer.inflight_updates): the weights version each token was drawn with, one
+    # per token (weights can change between two tokens of one completion). Empty: the generator's one version
+    versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -72,6 +75,9 @@ class Turn:
     # the updates the sampling weights had seen (the trainer's step when they were synced); the learner's
     # step minus this is the sample's staleness (0 in the on-policy loop, up to trainer.max_staleness)
     policy_version: int = 0
+    # ``Completion.versions``: per generated token, the weights version that drew it (in-flight updates; the
+    # turn's ``policy_version`` is then their oldest). Empty: every token is ``policy_version``'s
+    gen_versions: list[int] = field(default_factory=list)
 
     @property
     def action_text(self) -> str:

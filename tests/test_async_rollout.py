@@ -316,6 +316,9 @@ def test_bench_async_quick(tmp_path, capsys):
     assert fig["lockstep_tok_s"] > 0 and fig["async_tok_s"] > 0
     assert math.isclose(fig["speedup"], fig["async_tok_s"] / fig["lockstep_tok_s"], rel_tol=1e-3)
     assert "vllm_alone_tok_s" in fig or fig["vllm"].startswith("skipped")
+    # the overlap at staleness 1 whole-episode and with in-flight updates: no token more than 1 version behind
+    assert fig["inflight1_step_s"] > 0 and 0 <= fig["inflight1_token_staleness"] <= 1
+    assert 0 <= fig["overlap_token_staleness"] <= 1
 
 
 def test_bench_async_parts_runs_only_what_is_asked(tmp_path, capsys):

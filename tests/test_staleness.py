@@ -87,8 +87,9 @@ def test_recipes_that_need_this_steps_decisions_are_refused():
 @pytest.mark.parametrize("ahead", [1, 2, 3])
 def test_producer_schedule_versions_staged_copies_and_queue(ahead):
     """The producer's schedule on its own (a fake collect and fake weights): step t is drawn with version
-    max(0, t - N), each staged version is loaded once just before its collect, at most N copies are staged,
-    and after a drain the queue holds the next N steps."""
+    max(0, t - N), each staged version is loaded once just before its collect, at most N + 1 copies are
+    staged (N + 1 when an update ends before the collect that needs the oldest has started), and after a
+    drain the queue holds the next N steps."""
     import random
     import time
     from types import SimpleNamespace
@@ -118,7 +119,7 @@ def test_producer_schedule_versions_staged_copies_and_queue(ahead):
                 assert sorted(p.queue) == list(range(s + 1, s + 1 + ahead)) and set(p.staged) <= {s + 1}
     finally:
         p.close()
-    assert most <= ahead
+    assert most <= ahead + 1
     assert loads == [f"w{k}" for k in range(1, 8)]  # the last release (step 7 + N) needs version 7
 
 

@@ -10,7 +10,9 @@ Where vLLM is installed (``make vllm-setup``), the loop through a vLLM server is
 alone on the same requests at the same concurrency (``loop_over_vllm``, with every repeat's pair; the plain
 env, so env time does not count against the loop).
 Then a GRPO training step with ``trainer.max_staleness`` 0, 1, 2 and 4 (``sync_step_s``, ``overlap_step_s``,
-``staleness2_step_s``, ``staleness4_step_s``, each with its gain over synchronous).
+``staleness2_step_s``, ``staleness4_step_s``, each with its gain over synchronous), and at 1 and 2 with in-flight
+weight updates (``inflight1_step_s``, ``inflight2_step_s``); ``*_token_staleness``: how many versions behind the
+learner the trained tokens were, on average.
 ``--parts`` picks which of the three run (e.g. ``--parts vllm --model PATH`` on a GPU node).
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 PARTS = ("loop", "vllm", "overlap")
 STALENESS = (1, 2, 4)  # the overlap's trainer.max_staleness values, each against 0
+INFLIGHT = (1, 2)  # the same with trainer.inflight_updates
 
 
 def _parts(text: str) -> str:
@@ -47,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="async: a seconds-long smoke run (4 slots, 2 turns)")
     p.add_argument("--parts", type=_parts, default=",".join(PARTS),
                    help="async: which comparisons to run, comma-separated: loop (lockstep vs async), vllm "
-                   "(the loop through vLLM vs vLLM alone), overlap (staleness 0 vs 1, 2, 4); default all")
+                   "(the loop through vLLM vs vLLM alone), overlap (staleness 0 vs 1, 2, 4, and 1, 2 with in-flight "
+                   "weight updates); default all")
 
 
 def _signature(episodes: list[Any]) -> list[Any]:
@@ -152,9 +156,11 @@ def vllm_figures(model_dir: Path, tok: Any, env: str, starts: list[Any], slots: 
 
 
 def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slots: int, turns: int, max_new: int,
-                    steps: int, repeats: int, staleness: tuple[int, ...] = STALENESS) -> dict[str, Any]:
+                    steps: int, repeats: int, staleness: tuple[int, ...] = STALENESS,
+                    inflight: tuple[int, ...] = INFLIGHT) -> dict[str, Any]:
     """A training step's wall time with ``trainer.max_staleness`` 0 (collect, then learn) and N in
-    ``staleness`` (the next N steps' collects while this one learns): GRPO on the same config otherwise,
+    ``staleness`` (the next N steps' collects while this one learns), and N in ``inflight`` with in-flight weight
+    updates (each update's weights loaded mid-collect): GRPO on the same config otherwise,
     ``steps`` steps a run, the median over the steps after the first (whose collect nothing overlaps) and
     over ``repeats`` alternating runs. Every step updates (entropy bonus, no group filtered), so each has
     learning to overlap."""
@@ -164,15 +170,18 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
     from agentrl.metrics import read_metrics
     from agentrl.trainer import Trainer
 
-    times: dict[int, list[float]] = {n: [] for n in (0, *staleness)}
+    runs = [(0, False), *((n, False) for n in staleness), *((n, True) for n in inflight)]
+    times: dict[tuple[int, bool], list[float]] = {r: [] for r in runs}
     learn: list[float] = []  # the on-policy steps' update time: what the overlap can hide at most
-    waits: dict[int, list[float]] = {n: [] for n in times}  # how long the learner waited for its collect
+    waits: dict[tuple[int, bool], list[float]] = {r: [] for r in runs}  # the learner's wait for its collect
+    behind: dict[tuple[int, bool], list[float]] = {r: [] for r in runs}  # versions behind, per token
     for _ in range(repeats):
-        for n in times:
+        for n, flying in runs:
             with tempfile.TemporaryDirectory(prefix="agentrl-bench-overlap-") as out:
                 cfg = load_config("grpo", env=env, overrides=[
                     f"model.name={model}", f"trainer.out_dir={out}", f"trainer.steps={steps}",
-                    f"trainer.max_staleness={n}", f"trainer.checkpoint_every={steps + 1}",
+                    f"trainer.max_staleness={n}", f"trainer.inflight_updates={str(flying).lower()}",
+                    f"trainer.checkpoint_every={steps + 1}",
                     "trainer.progress=false", "trainer.tensorboard=false", "sft.enabled=false", "eval.tasks=0",
                     f"rollout.groups={max(1, slots // 4)}", "rollout.group_size=4", f"rollout.slots={slots}",
                     f"rollout.max_turns={turns}", f"rollout.max_new_tokens={max_new}", "rollout.mode=async",
@@ -184,16 +193,20 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
                 finally:
                     trainer.close()
                 got = [r for r in read_metrics(Path(out)) if r.get("step", 0) > 1]
-                times[n] += [r["time_step_s"] for r in got]
+                times[n, flying] += [r["time_step_s"] for r in got]
                 learn += [r.get("time_learn_s", 0.0) for r in got] if n == 0 else []
-                waits[n] += [r.get("time_wait_collect_s", 0.0) for r in got]
-    sync, overlap = statistics.median(times[0]), statistics.median(times[1])
+                waits[n, flying] += [r.get("time_wait_collect_s", 0.0) for r in got]
+                behind[n, flying] += [r.get("staleness_token_mean", r.get("staleness_mean", 0.0)) for r in got]
+    sync, overlap = statistics.median(times[0, False]), statistics.median(times[1, False])
     fig = dict(overlap_steps=steps, sync_step_s=sync, sync_learn_s=statistics.median(learn), overlap_step_s=overlap,
-               overlap_speedup=sync / overlap, overlap_wait_collect_s=statistics.median(waits[1]))
-    for n in staleness[1:]:
-        fig.update({f"staleness{n}_step_s": statistics.median(times[n]),
-                    f"staleness{n}_speedup": sync / statistics.median(times[n]),
-                    f"staleness{n}_wait_collect_s": statistics.median(waits[n])})
+               overlap_speedup=sync / overlap, overlap_wait_collect_s=statistics.median(waits[1, False]))
+    for n, flying in runs[1:]:
+        name = f"inflight{n}" if flying else ("overlap" if n == 1 else f"staleness{n}")
+        if name != "overlap":  # staleness 1's step figures are the overlap_* above (their names of before)
+            fig.update({f"{name}_step_s": statistics.median(times[n, flying]),
+                        f"{name}_speedup": sync / statistics.median(times[n, flying]),
+                        f"{name}_wait_collect_s": statistics.median(waits[n, flying])})
+        fig[f"{name}_token_staleness"] = statistics.mean(behind[n, flying])
     return fig
 
 
@@ -243,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
         fig.update(vllm_figures(model_dir, tok, args.env, starts, slots, turns, max_new, args.port, repeats))
     if "overlap" in parts:
         fig.update(overlap_figures(str(model_dir), env_name, kwargs, pool, min(slots, 16), turns, max_new,
-                                   2 if args.quick else 4, repeats, STALENESS[:2] if args.quick else STALENESS))
+                                   2 if args.quick else 4, repeats, STALENESS[:2] if args.quick else STALENESS,
+                                   INFLIGHT[:1] if args.quick else INFLIGHT))
     line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in fig.items()})
     print(line)
     if args.json:

@@ -9,6 +9,7 @@ long prompt costs what its KV cache costs, never a dense L x L score matrix; a p
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,14 @@ class EmbeddedGenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._staged_once = False  # ``stage`` checks its first copy for parameters the engine did not fill
         self.context = model_context(model.config, tokenizer)
+        # in-flight weight updates (``offer``): the version this copy holds, and weights waiting to be loaded
+        # before the next forward pass of whatever generation runs (the learner's thread offers, the
+        # producer's thread, which runs the generation, loads)
+        self.version = 0
+        self.inflight = False  # record each token's version in ``Completion.versions``
+        self.inflight_loads = 0  # offers loaded so far (the trainer logs the difference per step)
+        self._offered: tuple[int, Any] | None = None
+        self._offer_lock = threading.Lock()
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: str = "float32", device: str = "cpu") -> "EmbeddedGenerator":
@@ -170,6 +179,29 @@ class EmbeddedGenerator:
                 raise RuntimeError(f"the learner's weights did not fill the generator's {', '.join(missed[:3])}")
             self._staged_once = True
         return staged
+
+    def offer(self, version: int, weights: "StagedWeights") -> None:
+        """In-flight weight updates: ``weights`` (version ``version``, a staged copy) are loaded before the next
+        forward pass, of the generation running now or of the next one; a newer offer replaces an unloaded one.
+        Rows keep their KV cache: their later tokens are drawn by the new weights over it, and say so."""
+        with self._offer_lock:
+            if self._offered is None or version > self._offered[0]:
+                self._offered = (version, weights)
+
+    def set_version(self, version: int) -> None:
+        """The weights now held are version ``version`` (loaded by the caller); an older offer is void."""
+        with self._offer_lock:
+            self.version = version
+            if self._offered is not None and self._offered[0] <= version:
+                self._offered = None
+
+    def _take_offer(self) -> None:
+        with self._offer_lock:
+            got, self._offered = self._offered, None
+        if got is not None and got[0] > self.version:
+            self.load_weights(got[1])
+            self.version = got[0]
+            self.inflight_loads += 1
 
     def release(self) -> bool:
         return False  # holds nothing an update could use
@@ -284,6 +316,8 @@ class EmbeddedGenerator:
                                  for s in seeds])
         elif sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self._take_offer()
+        drawn_by = self.version  # the version whose forward pass gave ``logits``
         cache, mask, pos, logits = self._prefill(prompts, sampling.max_new_tokens)
         n = len(prompts)
         next_pos = pos[:, -1] + 1
@@ -291,6 +325,7 @@ class EmbeddedGenerator:
         gen_ids: list[list[int]] = [[] for _ in range(n)]
         gen_lp: list[list[float]] = [[] for _ in range(n)]
         gen_allowed: list[list[list[int]]] = [[] for _ in range(n)]
+        gen_versions: list[list[int]] = [[] for _ in range(n)]
         finish = ["length"] * n
         for step in range(sampling.max_new_tokens):
             allowed = [tries[r].allowed() if tries[r] is not None else None for r in rows]
@@ -303,6 +338,8 @@ class EmbeddedGenerator:
                 t = int(tok[j])
                 gen_ids[r].append(t)
                 gen_lp[r].append(float(lp[j]))
+                if self.inflight:
+                    gen_versions[r].append(drawn_by)
                 whole = False
                 if tries[r] is not None:
                     gen_allowed[r].append(allowed[j])
@@ -326,10 +363,13 @@ class EmbeddedGenerator:
                 tok, mask, next_pos = tok[sel], mask[sel], next_pos[sel]
                 rows = [rows[j] for j in keep]
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)
+            if self.inflight:
+                self._take_offer()
+                drawn_by = self.version
             out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                              past_key_values=cache, use_cache=True,
                              cache_position=torch.tensor([mask.shape[1] - 1], device=self.device))
             cache, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1
         return [Completion(gen_ids[i], gen_lp[i], self.tokenizer.decode(gen_ids[i], skip_special_tokens=True),
-                           finish[i], gen_allowed[i]) for i in range(n)]
+                           finish[i], gen_allowed[i], gen_versions[i]) for i in range(n)]

@@ -168,7 +168,8 @@ def to_episode(env_name: str, s: Start, task: dict[str, Any], calls: list[Captur
         actions = [call_action(n, a) for n, a in c.reply.calls]
         ep.turns.append(Turn(c.prompt_ids, c.ids, c.logprobs, c.text, actions, not c.reply.malformed, "", 0.0, False,
                              c.finish_reason, info={"tool_calls": len(c.reply.calls) + len(c.reply.malformed),
-                                                    "tool_errors": len(c.reply.malformed), "request": k}))
+                                                    "tool_errors": len(c.reply.malformed), "request": k},
+                             gen_versions=c.completion.versions[:len(c.ids)]))
     if ep.turns:
         ep.turns[-1].reward, ep.turns[-1].done = reward, True
         if error:

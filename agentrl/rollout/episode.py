@@ -268,7 +268,8 @@ class EpisodeSteps:
                                 self.cfg.require_think, sl.admissible, numbered)
         turn = Turn(prompt, out.ids, out.logprobs, out.text, [], parsed.valid, sl.obs, 0.0, False,
                     out.finish_reason, info={"parse_error": parsed.error, "over_budget": parsed.over_budget,
-                                             "inadmissible": parsed.inadmissible}, gen_allowed=out.allowed)
+                                             "inadmissible": parsed.inadmissible}, gen_allowed=out.allowed,
+                    gen_versions=out.versions)
         if tools:  # every call runs, a malformed one as an error observation (counted in tool_errors)
             turn.info.update(tool_calls=calls, tool_errors=0, tool_results=[])
         if sl.plain_prompt is not None and not sl.ep.turns:

@@ -6,13 +6,21 @@ weights of version v(t) = max(0, t - N) (version k: the weights after k updates)
 the learner releases the collect of step s + N; the producer runs the released collects in step order,
 each once its version is in the generator or staged (a copy the learner made after that update), and
 queues them; the learner takes step s's and waits only when it is not there yet. At most N collected
-steps wait in the queue and at most N staged copies exist (version k serves the one collect k + N).
+steps wait in the queue; version k serves the one collect k + N, so N staged copies exist while the producer
+keeps up, N + 1 for the moment when an update ends before the collect that needs the oldest has started.
 
 Each collect gets the step's own rollout sampler (``RolloutSampler.for_step``): the run's generator, env
 slots and tokenizer, but the step it collects for, a random stream drawn from (run seed, that step), its
 own rollout stats, and the version of the weights the generator holds, which every turn records. So what
 it collects depends on the seed, the step and the version only, never on timing. Nothing here imports the
 trainer or the recipes.
+
+In-flight weight updates (``inflight``: the in-process generator, ``trainer.inflight_updates``): a released
+collect starts at once, and each staged version is offered to the generator as soon as it exists, which loads
+it before its next forward pass, in the middle of a collect; every token records the version that drew it.
+The bound holds as before: step t's collect is released at the start of step t - N, when version t - N is
+already offered, so no token is older than N versions and nothing is dropped or cut. What is collected then
+depends on when updates land, so such runs do not repeat token for token.
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from typing import Any
 
 from agentrl import dist
 from agentrl.rollout.sampler import RolloutSampler
-from agentrl.types import Episode
+from agentrl.types import Episode, Turn
 
 # a recipe's ``collect``: the rollout side of the run (here a step's ``RolloutSampler``) -> (episodes, metrics)
 CollectFn = Callable[[Any], tuple[list[Episode], dict[str, float]]]
@@ -47,6 +55,15 @@ def collect(sampler: RolloutSampler, collect_fn: CollectFn, step: int, version: 
     return Collected(step, episodes, stats, dict(mine.stats))
 
 
+def inflight_metrics(turns: list[Turn], step: int, loads: int) -> dict[str, float]:
+    """Step ``step``'s in-flight figures: the weight loads during its collects (``loads``), the share of turns
+    drawn by more than one version, and the staleness of each generated token (not only of each turn's oldest)."""
+    tokens = [step - v for t in turns for v in (t.gen_versions or [t.policy_version] * len(t.gen_ids))]
+    mixed = sum(len(set(t.gen_versions)) > 1 for t in turns)
+    return dict(inflight_loads=float(loads), inflight_mixed_turns=mixed / max(1, len(turns)),
+                staleness_token_mean=sum(tokens) / max(1, len(tokens)))
+
+
 class Producer:
     """The collects of the steps ahead, in one thread, on the schedule above (``ahead`` = N). ``load`` puts a
     staged copy into the generator (None: the learner syncs the generator itself, between collects, and says
@@ -54,8 +71,11 @@ class Producer:
     (``dist.side_group``), apart from the learner's."""
 
     def __init__(self, sampler: RolloutSampler, collect_fn: CollectFn, ahead: int,
-                 load: Callable[[Any], None] | None = None, group: Any = None) -> None:
+                 load: Callable[[Any], None] | None = None, group: Any = None, inflight: Any = None) -> None:
         self.sampler, self.collect_fn, self.ahead, self._load, self.group = sampler, collect_fn, ahead, load, group
+        # in-flight updates: the generator that takes offered versions mid-collect (``offer``, ``set_version``,
+        # ``version``: agentrl.generation.embedded.EmbeddedGenerator)
+        self.inflight = inflight
         self.queue: dict[int, Collected] = {}  # collected steps not yet trained on, by step
         self.next = 0  # the next step to collect
         self.released = 0  # collects of steps below this may start
@@ -79,6 +99,8 @@ class Producer:
             self.queue = {c.step: c for c in queued if c.step >= step}
             self.next = max([step, *(s + 1 for s in self.queue)])
             self.released, self.loaded, self.staged = self.next, loaded, {}
+            if self.inflight is not None:
+                self.inflight.set_version(loaded)
 
     def release(self, upto: int) -> None:
         """Collects up to step ``upto`` may start (the producer thread starts with the first release)."""
@@ -98,6 +120,10 @@ class Producer:
         """Version ``version``'s copy, for the collect that needs it."""
         with self._cond:
             self.staged[version] = weights
+            if self.inflight is not None:  # to the generator now, mid-collect; the newest kept for evaluations
+                self.inflight.offer(version, weights)
+                for old in [k for k in self.staged if k < version]:
+                    del self.staged[old]
             self._cond.notify_all()
 
     def take(self, step: int) -> tuple[Collected, float]:
@@ -124,6 +150,8 @@ class Producer:
         """The learner put version ``version`` into the generator (while the producer is drained)."""
         with self._cond:
             self.loaded = version
+            if self.inflight is not None:
+                self.inflight.set_version(version)
 
     def load_staged(self, version: int) -> bool:
         """The generator to version ``version`` from its staged copy (kept for its collect), while the
@@ -153,6 +181,8 @@ class Producer:
     def _ready(self) -> bool:
         if self.next >= self.released:
             return False
+        if self.inflight is not None:  # the weights come to the generator as they are staged
+            return True
         v = self.version(self.next)
         # an older version than the generator's that is not staged is gone (a run resumed with a larger N):
         # the collect takes the generator's, and its turns record that
@@ -172,9 +202,11 @@ class Producer:
                         if self._stop:
                             return
                         step, v = self.next, self.version(self.next)
-                        weights = self.staged.pop(v, None)
-                        for old in [k for k in self.staged if k < v]:  # never needed again
-                            del self.staged[old]
+                        weights = None
+                        if self.inflight is None:
+                            weights = self.staged.pop(v, None)
+                            for old in [k for k in self.staged if k < v]:  # never needed again
+                                del self.staged[old]
                         self._busy = True
                     if weights is not None and v != self.loaded:
                         assert self._load is not None
@@ -182,6 +214,8 @@ class Producer:
                         self.loaded = v
                     got = collect(self.sampler, self.collect_fn, step, self.loaded)
                     with self._cond:
+                        if self.inflight is not None:
+                            self.loaded = self.inflight.version
                         self.queue[step] = got
                         self.next, self._busy = step + 1, False
                         self._cond.notify_all()

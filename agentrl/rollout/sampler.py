@@ -95,9 +95,9 @@ class RolloutSampler:
             error = e
         eps, stats = dist.all_gather_ordered(len(starts), mine, local, engine.stats, error=error)
         version = self.policy_version
-        for e in eps:  # the weights they were drawn with: the overlap's producer samples a step behind
-            for turn in e.turns:
-                turn.policy_version = version
+        for e in eps:  # the weights they were drawn with: the overlap's producer samples a step behind; with
+            for turn in e.turns:  # in-flight updates each token says, and the turn is as old as its oldest
+                turn.policy_version = min(turn.gen_versions) if turn.gen_versions else version
         # the ranks wait for each other at the gather: a time is the slowest rank's
         for k in engine.stats:
             vals = [st[k] for st in stats]
