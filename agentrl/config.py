@@ -265,8 +265,9 @@ class TrainerCfg:
     # update (weights restored from before it) and counts it in the metrics
     nan_policy: Literal["stop", "skip"] = "stop"
     # N > 0: the next N steps' rollouts are collected while the learner trains, step t's with the weights
-    # after t - N updates (the loss corrects the gap; base-step recipes, any number of ranks; N > 1 with the
-    # embedded generator only, N or N + 1 host copies of the weights; docs: the asynchronous loop). 0: on-policy
+    # after t - N updates (the loss corrects the gap; any recipe that rolls out, any number of ranks; N > 1
+    # with the embedded generator or vLLM's shared-memory sync, N or N + 1 host copies of the weights; docs:
+    # the asynchronous loop). 0: on-policy
     max_staleness: int = 0
     # with max_staleness > 0 and the embedded generator: each update's weights load into the generator at its next
     # forward pass, mid-collect, and every token records the version that drew it (docs: the asynchronous loop)

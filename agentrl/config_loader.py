@@ -541,10 +541,10 @@ def _check_contradictions(cfg: RecipeCfg) -> None:
     if t.vllm_gpus and t.generator == "vllm" and not t.generator_url and len(t.vllm_gpus) < t.vllm_servers:
         raise ConfigError(f"trainer.vllm_gpus lists {len(t.vllm_gpus)} device sets for trainer.vllm_servers="
                           f"{t.vllm_servers}: give one per server (e.g. trainer.vllm_gpus=[6,7]) or start fewer")
-    if t.max_staleness > 1 and t.generator != "embedded":
-        raise ConfigError(f"trainer.max_staleness={t.max_staleness} with trainer.generator={t.generator}: a server "
-                          "holds one weights version and its push reads the learner's current weights, so it "
-                          "cannot be handed older staged ones; use trainer.max_staleness=1 or the embedded generator")
+    if t.max_staleness > 1 and t.generator == "remote":
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness} with trainer.generator=remote: `agentrl serve` "
+                          "loads the weights the learner exports, its current ones, so it cannot be handed older "
+                          "staged ones; use trainer.max_staleness=1, the embedded generator or vLLM servers")
     if t.inflight_updates and t.max_staleness == 0:
         raise ConfigError("trainer.inflight_updates=true loads new weights while a collect runs, and "
                           "trainer.max_staleness=0 collects only between updates; set trainer.max_staleness >= 1")

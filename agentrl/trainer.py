@@ -120,9 +120,12 @@ class Trainer:
         self.sampler = RolloutSampler(cfg, self.generator, self.tokenizer, self.envs, self.rng, lambda: self.step,
                                       world=self.world, rank=self.rank)
         if cfg.trainer.max_staleness > 0:
-            # the in-process generator's copy takes staged weights in the producer's thread; servers are
-            # synced by the learner between collects (max_staleness 1 only: config_loader)
-            load = self.generator.load_weights if hasattr(self.generator, "stage") else None
+            # each update's weights are staged (a host copy) and loaded in the producer's thread before the
+            # collect that needs them: the in-process generator always, vLLM servers at N > 1; at N = 1 a
+            # server is pushed the learner's own weights, checked, once the collect in flight is done
+            staged = getattr(self.generator, "stages", False) and (
+                cfg.trainer.generator == "embedded" or cfg.trainer.max_staleness > 1)
+            load = self.generator.load_weights if staged else None
             inflight = None
             if cfg.trainer.inflight_updates:  # the embedded generator (config_loader): loads offers mid-collect
                 inflight = self.generator
@@ -150,7 +153,13 @@ class Trainer:
 
     def _make_generator(self) -> "Generator":
         if self.cfg.trainer.generator == "vllm":
-            from agentrl.generation.vllm_fleet import VLLMFleet
+            from agentrl.generation.vllm_fleet import VLLMFleet, staged_push_refusal, sync_mode
+
+            n, c = self.cfg.trainer.max_staleness, self.cfg
+            why = staged_push_refusal(sync_mode(c.trainer.vllm_sync, self.device, c.vllm.colocate), c.model.lora_r)
+            if n > 1 and why:  # before any server starts
+                raise ConfigError(f"trainer.max_staleness={n} with trainer.generator=vllm pushes older weights from "
+                                  f"host copies, and {why}; use trainer.max_staleness=1")
 
             fleet = VLLMFleet(self.cfg.trainer, self.model_dir, self.device, self.out_dir,
                               lora=self.cfg.model.lora_r, vcfg=self.cfg.vllm)

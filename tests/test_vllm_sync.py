@@ -231,3 +231,49 @@ def test_the_update_releases_a_colocated_generator_and_wakes_it(monkeypatch, rel
                            sync_weights=lambda: calls.append("sync"))
     tr.Trainer.update(fake, [], None)
     assert calls == expected
+
+
+@pytest.mark.timeout(60)
+def test_an_older_version_is_pushed_from_its_host_copy(tmp_path, monkeypatch):
+    """trainer.max_staleness > 1 with vLLM servers: ``stage`` copies the learner's weights as the push sends
+    them; ``load_weights`` later pushes that copy, not the learner's newer weights. NCCL/IPC transfers and
+    LoRA adapters stream what the learner holds now, so they are refused in one line."""
+    import torch
+
+    from agentrl.generation.vllm_fleet import VLLMFleet, staged_push_refusal
+
+    proc, url = _server(tmp_path, "s")
+    try:
+        fleet = VLLMFleet(TrainerCfg(generator="vllm", generator_url=url, vllm_sync="shm", check_sync=False),
+                          tmp_path, "cpu", tmp_path)
+
+        class Engine:
+            model = torch.nn.Linear(4, 4)
+
+            def iter_weights(self):
+                yield from self.model.named_parameters()
+
+        eng = Engine()
+        assert fleet.stages
+        staged = fleet.stage(eng)
+        version1 = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+        with torch.no_grad():
+            for p in eng.model.parameters():
+                p.add_(1.0)  # the learner moves on to version 2
+        sent = []
+        write = vllm_sync.SharedMemorySync.write
+
+        def recording(self, weights):
+            weights = list(weights)
+            sent.extend((n, t.clone()) for n, t in weights)
+            return write(self, iter(weights))
+
+        monkeypatch.setattr(vllm_sync.SharedMemorySync, "write", recording)
+        fleet.load_weights(staged)
+        assert [n for n, _ in sent] == list(version1) and all(torch.equal(t, version1[n]) for n, t in sent)
+        assert (tmp_path / "s.log").read_text().count('"tensors": 2') == 1
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert staged_push_refusal("nccl", 0) == "the nccl weight transfer streams the learner's current tensors"
+    assert staged_push_refusal("shm", 16).startswith("a LoRA policy") and staged_push_refusal("shm", 0) == ""

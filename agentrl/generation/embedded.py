@@ -138,6 +138,8 @@ class StagedWeights:
 
 
 class EmbeddedGenerator:
+    stages = True  # an older version is handed over as a host copy (``stage``, then ``load_weights``)
+
     def __init__(self, model: Any, tokenizer: Any, stop_ids: list[int], device: str = "cpu"):
         self.model, self.tokenizer, self.stop_ids, self.device = model.eval(), tokenizer, set(stop_ids), device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -21,6 +21,29 @@ from agentrl.generation.servers import ServerPool
 from agentrl.types import Completion, SamplingParams
 
 
+def staged_push_refusal(mode: str, lora: bool | int) -> str:
+    """Why the servers cannot be pushed an older weights version from a host copy (``trainer.max_staleness`` > 1),
+    in a line; "" when they can: the shared-memory push sends any named tensors, while vLLM's NCCL and IPC
+    transfer engines stream the learner's own tensors and a LoRA policy pushes its current adapter."""
+    if lora:
+        return "a LoRA policy is pushed to the servers as its current adapter"
+    if mode != "shm":
+        return f"the {mode} weight transfer streams the learner's current tensors"
+    return ""
+
+
+class StagedTensors:
+    """The learner's weights as a push sends them (names and dtypes of ``engine.iter_weights()``), copied to host
+    memory on rank 0 (the other ranks only took part in the gathers)."""
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]]):
+        self.tensors = tensors
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
 def sync_mode(spec: str, device: str, colocate: bool = False) -> str:
     """auto: CUDA IPC for servers colocated on the learner's GPUs, NCCL for servers on GPUs of their own,
     shared memory on CPU."""
@@ -89,6 +112,22 @@ class VLLMFleet:
         return self.pool.generate(prompts, sampling, seeds, choices)
 
     # ----- weights ----------------------------------------------------------------------------
+    @property
+    def stages(self) -> bool:
+        """Whether an older version can be pushed from a host copy (``stage`` then ``load_weights``)."""
+        return not staged_push_refusal(self.mode, self.lora)
+
+    def stage(self, engine: Any) -> StagedTensors:
+        """Collective (ZeRO-3 gathers): the engine's weights as the push sends them, held in host memory by
+        rank 0, for the collect that needs them later (``trainer.max_staleness`` > 1)."""
+        held = [(n, t.detach().to("cpu", copy=True)) for n, t in engine.iter_weights() if t is not None]
+        return StagedTensors(held if dist.is_main() else [])
+
+    def load_weights(self, staged: StagedTensors) -> None:
+        """Collective: the servers to a staged version (the producer's thread, before the collect that needs
+        it). Not checked against the learner (it holds newer weights by then); each ``receive`` is."""
+        self.push(None, staged)
+
     def receive(self, engine: Any, staging: Path) -> dict[str, float]:
         """The weights pushed in place to every live server, then (``trainer.check_sync``) each server's
         log-probs checked against the learner's."""
@@ -117,12 +156,13 @@ class VLLMFleet:
                                       engine.pad_id))[0, :n - 1].tolist()
         return self.check(ids, ref, self.sync_atol)
 
-    def push(self, engine: Any) -> None:
+    def push(self, engine: Any, staged: StagedTensors | None = None) -> None:
         """Collective: rank 0 decides which servers take this pass (those answering /health) and whether
         it can run at all (/dev/shm large enough), every rank takes that decision; then every rank walks
         the engine's weights once (ZeRO-3 gathers them one at a time) while rank 0 hands them to every live
-        server at once; then rank 0's view of the servers that failed reaches every rank."""
-        if self.lora:
+        server at once; then rank 0's view of the servers that failed reaches every rank. ``staged``: send
+        that host copy instead (shared memory only), no gathers."""
+        if staged is None and self.lora:
             return self._push_adapter(engine)
         from agentrl.generation import vllm_sync
 
@@ -131,7 +171,8 @@ class VLLMFleet:
             dead = vllm_sync.probe_live({n: self.pool.clients[n] for n in self.pool.live}, 10.0)
             error = ""
             if self.mode == "shm":
-                error = vllm_sync.shm_space_error(vllm_sync.weights_nbytes(_named_parameters(engine)))
+                error = vllm_sync.shm_space_error(staged.nbytes if staged is not None else
+                                                  vllm_sync.weights_nbytes(_named_parameters(engine)))
             decision = (dead, error)
         with dist.collectives_on(self.group):
             dead, error = dist.broadcast_object(decision)
@@ -150,7 +191,8 @@ class VLLMFleet:
         failed: dict[str, str] = {}
         broken = ""
         if self.mode == "shm":
-            weights: Iterable[tuple[str, torch.Tensor | None]] = engine.iter_weights()
+            weights: Iterable[tuple[str, torch.Tensor | None]] = \
+                iter(staged.tensors) if staged is not None else engine.iter_weights()
             if dist.is_main():
                 failed = self.sync.push(live, weights, timeout)
             else:
