@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="async: which comparisons to run, comma-separated: loop (lockstep vs async), vllm "
                    "(the loop through vLLM vs vLLM alone), overlap (staleness 0 vs 1, 2, 4, and 1, 2 with in-flight "
                    "weight updates); default all")
+    p.add_argument("--overlap-generator", default="embedded", choices=["embedded", "vllm"],
+                   help="async: the overlap's generator: the in-process copy, or a vLLM server in its own process "
+                   "started per run on --port (staleness 0, 1, 2, 4; in-flight updates are embedded only)")
 
 
 def _signature(episodes: list[Any]) -> list[Any]:
@@ -157,7 +160,8 @@ def vllm_figures(model_dir: Path, tok: Any, env: str, starts: list[Any], slots: 
 
 def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slots: int, turns: int, max_new: int,
                     steps: int, repeats: int, staleness: tuple[int, ...] = STALENESS,
-                    inflight: tuple[int, ...] = INFLIGHT) -> dict[str, Any]:
+                    inflight: tuple[int, ...] = INFLIGHT, generator: str = "embedded",
+                    port: int = 18690) -> dict[str, Any]:
     """A training step's wall time with ``trainer.max_staleness`` 0 (collect, then learn) and N in
     ``staleness`` (the next N steps' collects while this one learns), and N in ``inflight`` with in-flight weight
     updates (each update's weights loaded mid-collect): GRPO on the same config otherwise,
@@ -170,6 +174,10 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
     from agentrl.metrics import read_metrics
     from agentrl.trainer import Trainer
 
+    if generator != "embedded":  # in-flight loading is the embedded generator's
+        inflight = ()
+    server = [f"trainer.generator={generator}", "trainer.vllm_servers=1", f"trainer.vllm_port={port}"] \
+        if generator == "vllm" else []
     runs = [(0, False), *((n, False) for n in staleness), *((n, True) for n in inflight)]
     times: dict[tuple[int, bool], list[float]] = {r: [] for r in runs}
     learn: list[float] = []  # the on-policy steps' update time: what the overlap can hide at most
@@ -186,7 +194,7 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
                     f"rollout.groups={max(1, slots // 4)}", "rollout.group_size=4", f"rollout.slots={slots}",
                     f"rollout.max_turns={turns}", f"rollout.max_new_tokens={max_new}", "rollout.mode=async",
                     f"rollout.pool={pool}", "rollout.constrain_actions=true", "algo.filters=[dropped]",
-                    "algo.entropy_coef=0.01", f"env_kwargs={json.dumps(kwargs)}"])
+                    "algo.entropy_coef=0.01", f"env_kwargs={json.dumps(kwargs)}", *server])
                 trainer = Trainer.from_config(cfg)
                 try:
                     trainer.train()
@@ -198,8 +206,9 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
                 waits[n, flying] += [r.get("time_wait_collect_s", 0.0) for r in got]
                 behind[n, flying] += [r.get("staleness_token_mean", r.get("staleness_mean", 0.0)) for r in got]
     sync, overlap = statistics.median(times[0, False]), statistics.median(times[1, False])
-    fig = dict(overlap_steps=steps, sync_step_s=sync, sync_learn_s=statistics.median(learn), overlap_step_s=overlap,
-               overlap_speedup=sync / overlap, overlap_wait_collect_s=statistics.median(waits[1, False]))
+    fig = dict(overlap_generator=generator, overlap_steps=steps, sync_step_s=sync,
+               sync_learn_s=statistics.median(learn), overlap_step_s=overlap, overlap_speedup=sync / overlap,
+               overlap_wait_collect_s=statistics.median(waits[1, False]))
     for n, flying in runs[1:]:
         name = f"inflight{n}" if flying else ("overlap" if n == 1 else f"staleness{n}")
         if name != "overlap":  # staleness 1's step figures are the overlap_* above (their names of before)
@@ -254,10 +263,12 @@ def run(args: argparse.Namespace) -> int:
         fig["vllm"] = "skipped: --quick (a vLLM server takes minutes to start)"
     elif "vllm" in parts:
         fig.update(vllm_figures(model_dir, tok, args.env, starts, slots, turns, max_new, args.port, repeats))
-    if "overlap" in parts:
+    if "overlap" in parts and args.overlap_generator == "vllm" and vllm_python() is None:
+        fig["overlap"] = "skipped: --overlap-generator vllm and vLLM is not installed"
+    elif "overlap" in parts:
         fig.update(overlap_figures(str(model_dir), env_name, kwargs, pool, min(slots, 16), turns, max_new,
                                    2 if args.quick else 4, repeats, STALENESS[:2] if args.quick else STALENESS,
-                                   INFLIGHT[:1] if args.quick else INFLIGHT))
+                                   INFLIGHT[:1] if args.quick else INFLIGHT, args.overlap_generator, args.port))
     line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in fig.items()})
     print(line)
     if args.json:
