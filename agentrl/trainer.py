@@ -123,7 +123,7 @@ class Trainer:
             # each update's weights are staged (a host copy) and loaded in the producer's thread before the
             # collect that needs them: the in-process generator always, vLLM servers at N > 1; at N = 1 a
             # server is pushed the learner's own weights, checked, once the collect in flight is done
-            staged = getattr(self.generator, "stages", False) and (
+            staged = self.generator.stages and (
                 cfg.trainer.generator == "embedded" or cfg.trainer.max_staleness > 1)
             load = self.generator.load_weights if staged else None
             inflight = None

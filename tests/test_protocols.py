@@ -21,6 +21,9 @@ def test_generators_implement_the_generator_protocol():
 
     for cls in (EmbeddedGenerator, RemoteGenerator, VLLMFleet):
         _same_signatures(Generator, cls)
+        assert hasattr(cls, "stages")
+        if cls is not RemoteGenerator:  # those that can stage have the two calls staging takes
+            assert callable(cls.stage) and callable(cls.load_weights)
 
 
 def test_env_slots_implement_the_slots_protocol():

@@ -13,7 +13,11 @@ if TYPE_CHECKING:
 @runtime_checkable
 class Generator(Protocol):
     """``EmbeddedGenerator`` (in this process), ``RemoteGenerator`` (``agentrl serve``) and ``VLLMFleet``
-    (vLLM servers) implement it; the trainer calls nothing else on a generator."""
+    (vLLM servers) implement it; the trainer calls nothing else on a generator, except on one that ``stages``:
+    there ``stage(engine)`` (collective) copies the engine's weights to host memory and ``load_weights(copy)``
+    later puts that older version in (``trainer.max_staleness`` > 1, ``agentrl.rollout.overlap``)."""
+
+    stages: bool  # whether an older weights version can be handed over later as a host copy
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
                  choices: list[list[list[int]] | None] | None = None) -> list[Completion]:

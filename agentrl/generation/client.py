@@ -52,6 +52,8 @@ class GenerationServerError(RuntimeError):
 
 
 class RemoteGenerator:
+    stages = False  # `agentrl serve` loads the weights the learner exports, its current ones
+
     def __init__(self, base_url: str, model: str | None = None, timeout: float = 600.0, backend: str = "agentrl",
                  max_prompts_per_request: int = 64, parallel_requests: int = 4, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
