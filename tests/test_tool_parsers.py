@@ -232,3 +232,27 @@ def test_the_registry_lists_the_families():
     with pytest.raises(KeyError, match="hermes.*llama3_json.*mistral.*pythonic"):
         tool_parser("nope")
     assert json.loads(tool_parser("llama3_json").results_text(["4"])) == {"output": "4"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calc_tools_trains_on_the_tiny_model_with_a_non_hermes_parser(tiny_model_dir, tmp_path):
+    """env_kwargs.tool_parser reaches SFT (targets in the family's format), rollouts and evaluation: after a
+    short warm start the tiny model writes pythonic calls that the rollout reads as calls."""
+    from agentrl import Trainer
+    from agentrl.config_loader import load_config
+
+    cfg = load_config("grpo", env="calc-tools", overrides=[
+        f"model.name={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=1", "trainer.tensorboard=false",
+        "trainer.progress=false", "rollout.groups=2", "rollout.group_size=2", "rollout.slots=4",
+        "rollout.max_turns=3", "eval.tasks=4", "eval.every=1", "sft.demos=48", "sft.enabled=true",
+        "sft.epochs=8", "sft.lr=3e-3", "sft.batch_size=16", "sft.max_epochs=0", "sft.target_success=0",
+        "env_kwargs.tool_parser=pythonic"])
+    t = Trainer.from_config(cfg)
+    try:
+        t.train()
+    finally:
+        t.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and rows[0]["expert_success"] == 1.0
+    assert sum(r.get("tool_calls", 0) + r.get("eval/tool_calls", 0) for r in rows) > 0
