@@ -16,7 +16,8 @@ PINNED = Path(__file__).with_name("pinned_configs.json")
 # (recipe, env, model) of the runs the README and Makefile show with measured figures
 DEMO_RUNS = [("grpo", "sokoban", None), ("crps", "alfworld", None), ("crps", "alfworld", "smollm2"),
              ("crps", "webshop", None), ("grpo", "alfworld", "smollm2"), ("gigpo", "sokoban", None),
-             ("starpo_s", "frozenlake", "smollm2"), ("grpo", "gem:game:GuessTheNumber-v0-easy", None)]
+             ("starpo_s", "frozenlake", "smollm2"), ("grpo", "gem:game:GuessTheNumber-v0-easy", None),
+             ("grpo", "calc-tools", "smollm2"), ("grpo", "calc-tools", None)]
 
 
 def flat(d, prefix=""):

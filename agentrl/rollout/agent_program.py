@@ -122,13 +122,16 @@ def reply_parser(parser_name: str) -> Any:
     """``parse(text) -> ParsedReply``: the calls the registry's parser reads, the text before the first
     call as the message's content."""
     parser = tool_parser(parser_name)
-    tag = getattr(parser, "open_tag", None)
+    tag = getattr(parser, "open_tag", None)  # a parser of the user's without content()
 
     def parse(text: str) -> ParsedReply:
         found = parser.parse(text, MAX_CALLS)
         if not found.calls:
             return ParsedReply(text)
-        content = text[:text.find(tag)].strip() if tag and tag in text else ""
+        if callable(getattr(parser, "content", None)):
+            content = parser.content(text)
+        else:
+            content = text[:text.find(tag)].strip() if tag and tag in text else ""
         return ParsedReply(content, [(c.name, c.arguments) for c in found.calls if isinstance(c, ToolCall)],
                            [c.error for c in found.calls if isinstance(c, BadCall)])
 

@@ -62,8 +62,16 @@ class ToolParser:
     def results_text(self, results: list[str]) -> str:
         raise NotImplementedError
 
+    def content(self, text: str) -> str:
+        """The text before the first call (an OpenAI reply's ``content``), for a turn that made calls."""
+        tag = getattr(self, "open_tag", None)
+        return text[:text.find(tag)].strip() if tag and tag in text else ""
+
 
 TOOL_PARSERS = Registry("tool parser")
+
+
+_DECODER = json.JSONDecoder()
 
 
 def call_from_json(body: str) -> ToolCall | BadCall:
@@ -78,9 +86,19 @@ def call_from_json(body: str) -> ToolCall | BadCall:
         return BadCall(f"tool call nested deeper than {MAX_DEPTH} levels", snippet)
     except ValueError as e:
         return BadCall(f"the tool call is not valid JSON ({getattr(e, 'msg', e)})", snippet)
+    return call_from_object(d, snippet)
+
+
+def call_from_object(d: Any, snippet: str, args_keys: tuple[str, ...] = ("arguments",),
+                     other_keys: tuple[str, ...] = ()) -> ToolCall | BadCall:
+    """A decoded call ``{"name": str, <one of args_keys>: object}`` (``other_keys`` are allowed and ignored:
+    Mistral's ``id``) -> a call; anything else -> a BadCall saying what is wrong."""
     if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not d["name"]:
-        return BadCall('a tool call is a JSON object {"name": ..., "arguments": {...}}', snippet)
-    args = d.get("arguments", {})
+        return BadCall(f'a tool call is a JSON object {{"name": ..., "{args_keys[0]}": {{...}}}}', snippet)
+    given = [k for k in args_keys if k in d]
+    if len(given) > 1:
+        return BadCall(f"a tool call has one of {list(args_keys)}, not several", snippet)
+    args = d[given[0]] if given else {}
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
@@ -90,10 +108,29 @@ def call_from_json(body: str) -> ToolCall | BadCall:
         return BadCall(f"the arguments of {d['name']} must be a JSON object, got {type(args).__name__}", snippet)
     if depth(args) > MAX_DEPTH:
         return BadCall(f"the arguments of {d['name']} are nested deeper than {MAX_DEPTH} levels", snippet)
-    extra = set(d) - {"name", "arguments"}
+    extra = set(d) - {"name", *args_keys, *other_keys}
     if extra:
-        return BadCall(f"unexpected key(s) {sorted(extra)} in a tool call (only name and arguments)", snippet)
+        return BadCall(f"unexpected key(s) {sorted(extra)} in a tool call (only name and {args_keys[0]})", snippet)
     return ToolCall(d["name"], args)
+
+
+def decode_prefix(text: str, pos: int, limit: int = MAX_CALL_CHARS) -> tuple[Any, int] | BadCall:
+    """The JSON value starting at ``text[pos]`` (after blanks) and the index just past it; text after it is
+    left alone. At most ``limit`` characters are read: a value not closed by then is refused unread."""
+    chunk = text[pos:pos + limit + 1]
+    start = len(chunk) - len(chunk.lstrip())
+    snippet = chunk[start:start + 200]
+    try:
+        value, end = _DECODER.raw_decode(chunk, start)
+    except RecursionError:
+        return BadCall(f"tool call nested deeper than {MAX_DEPTH} levels", snippet)
+    except ValueError as e:
+        if len(chunk) > limit:  # not closed within the limit (or broken before it): either way refused
+            return BadCall(f"tool call over {limit} characters or not valid JSON", snippet)
+        return BadCall(f"the tool call is not valid JSON ({getattr(e, 'msg', e)})", snippet)
+    if end > limit:
+        return BadCall(f"tool call over {limit} characters", snippet)
+    return value, pos + end
 
 
 @TOOL_PARSERS.register("hermes")
@@ -148,6 +185,8 @@ _instances: dict[str, ToolParser] = {}
 
 def tool_parser(name: str) -> ToolParser:
     """The parser registered as ``name`` (or at the import path ``name``), one instance per name."""
+    import agentrl.rollout.tool_formats  # noqa: F401  (registers the other families' parsers)
+
     if name not in _instances:
         obj = TOOL_PARSERS.get(name)
         parser = obj() if isinstance(obj, type) else obj
