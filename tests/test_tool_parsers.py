@@ -10,7 +10,8 @@ import pytest
 from agentrl.envs import make
 from agentrl.envs.calculator import evaluate
 from agentrl.envs.tools import ToolPromptSpec, answer_action, decode_action
-from agentrl.rollout.tool_parsers import BadCall, ToolCall, tool_parser
+from agentrl.rollout.tool_formats import tool_parser
+from agentrl.rollout.tool_parsers import BadCall, ToolCall
 from agentrl.rollout.tool_prompts import followup_ids, parse_tool_turn, tool_prompt_ids
 from agentrl.types import Completion
 

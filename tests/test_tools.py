@@ -11,7 +11,8 @@ from agentrl.envs import make
 from agentrl.envs.calculator import CalcError, evaluate
 from agentrl.envs.check import check_env
 from agentrl.envs.tools import answer_action, call_action, decode_action, error_action
-from agentrl.rollout.tool_parsers import BadCall, ParsedCalls, ToolCall, ToolParser, tool_parser
+from agentrl.rollout.tool_formats import tool_parser
+from agentrl.rollout.tool_parsers import BadCall, ParsedCalls, ToolCall, ToolParser
 from agentrl.rollout.tool_prompts import (action_text, followup_ids, parse_tool_turn, template_support,
                                           tool_prompt_ids)
 from agentrl.types import Completion

@@ -33,7 +33,8 @@ from agentrl.generation.capture import MODEL_NAME, CaptureServer, CaptureService
 from agentrl.registry import load_object
 from agentrl.rollout.context import context_length
 from agentrl.rollout.episode import EpisodeSteps, Start
-from agentrl.rollout.tool_parsers import BadCall, ToolCall, tool_parser
+from agentrl.rollout.tool_formats import tool_parser
+from agentrl.rollout.tool_parsers import BadCall, ToolCall
 from agentrl.rollout.tool_prompts import render_chat, template_support
 from agentrl.types import Episode, Turn
 

@@ -9,7 +9,8 @@
 
 The guarantees are hermes': parsing never raises on model text, markers are found by forward searches or
 linear scans, at most ``max_calls + 1`` calls are looked at, no call reads more than ``MAX_CALL_CHARS``
-characters, and arguments nested deeper than ``MAX_DEPTH`` are refused.
+characters, and arguments nested deeper than ``MAX_DEPTH`` are refused. ``tool_parser(name)``, the lookup
+every caller uses, is here so that the built-in families are registered before any name is looked up.
 """
 from __future__ import annotations
 
@@ -287,3 +288,19 @@ def _py(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_py(v) for v in value) + "]"
     return repr(value)
+
+
+# the lookup lives here, below every built-in family's registration, so a name always finds them
+_instances: dict[str, ToolParser] = {}
+
+
+def tool_parser(name: str) -> ToolParser:
+    """The parser registered as ``name`` (or at the import path ``name``), one instance per name."""
+    if name not in _instances:
+        obj = TOOL_PARSERS.get(name)
+        parser = obj() if isinstance(obj, type) else obj
+        for method in ("parse", "render", "system_text", "results_text"):
+            if not callable(getattr(parser, method, None)):
+                raise TypeError(f"tool parser '{name}' has no {method}() (see agentrl.rollout.tool_parsers.ToolParser)")
+        _instances[name] = parser
+    return _instances[name]

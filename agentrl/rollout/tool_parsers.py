@@ -178,20 +178,3 @@ class HermesParser(ToolParser):
 
     def results_text(self, results: list[str]) -> str:
         return "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
-
-
-_instances: dict[str, ToolParser] = {}
-
-
-def tool_parser(name: str) -> ToolParser:
-    """The parser registered as ``name`` (or at the import path ``name``), one instance per name."""
-    import agentrl.rollout.tool_formats  # noqa: F401  (registers the other families' parsers)
-
-    if name not in _instances:
-        obj = TOOL_PARSERS.get(name)
-        parser = obj() if isinstance(obj, type) else obj
-        for method in ("parse", "render", "system_text", "results_text"):
-            if not callable(getattr(parser, method, None)):
-                raise TypeError(f"tool parser '{name}' has no {method}() (see agentrl.rollout.tool_parsers.ToolParser)")
-        _instances[name] = parser
-    return _instances[name]

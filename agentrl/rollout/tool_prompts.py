@@ -23,7 +23,8 @@ from typing import Any
 
 from agentrl.envs.tools import ToolAction, answer_action, call_action, decode_action, error_action
 from agentrl.rollout.parsing import ParsedTurn, tag_span
-from agentrl.rollout.tool_parsers import BadCall, ToolCall, tool_parser
+from agentrl.rollout.tool_formats import tool_parser
+from agentrl.rollout.tool_parsers import BadCall, ToolCall
 
 SENTINEL = "\u2063agentrl-tools\u2063"
 MAX_ANSWER_CHARS = 1000
