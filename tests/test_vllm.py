@@ -256,3 +256,35 @@ def test_vllm_decodes_among_the_answers_with_the_learners_log_probs(tiny_generat
                                                              vllm_xargs={"agentrl_choices": "[[]]"}))
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_agent_program_trains_through_a_vllm_server(tiny_model_dir, tmp_path, monkeypatch):
+    """`--env agent:pkg.mod:fn` with vLLM servers as the generator: the program's OpenAI client reaches the
+    capture endpoint, which samples on the server; its turns carry the server's own log-probs (the learner's
+    mismatch against them is tiny) and the weights are pushed and checked after each step."""
+    import json
+    from pathlib import Path
+
+    from agentrl import Trainer
+    from agentrl.config_loader import load_config
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root))  # examples.calc_agent
+    cfg = load_config("grpo", env="agent:examples.calc_agent:run_agent", overrides=[
+        f"model.name={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.generator=vllm",
+        "trainer.vllm_servers=1", "trainer.vllm_port=18671", "sft.enabled=false", "trainer.steps=2",
+        "eval.tasks=0", "rollout.groups=2", "rollout.group_size=2", "rollout.slots=4", "rollout.max_new_tokens=32",
+        "rollout.max_turns=3", "trainer.tensorboard=false", "trainer.progress=false", "algo.entropy_coef=0.01",
+        "algo.filters=[dropped]", f"env_kwargs.tasks={root / 'examples' / 'calc_tasks.jsonl'}",
+        "env_kwargs.timeout_s=120"])
+    trainer = Trainer.from_config(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    for s in (1, 2):
+        assert rows[s]["samples"] >= 4 and rows[s]["agent_failures"] == 0.0
+        assert rows[s]["mismatch_kl"] < 1e-3 and rows[s]["sync_logprob_diff"] < 0.1
