@@ -34,7 +34,7 @@ from agentrl.registry import load_object
 from agentrl.rollout.context import context_length
 from agentrl.rollout.episode import EpisodeSteps, Start
 from agentrl.rollout.tool_formats import tool_parser
-from agentrl.rollout.tool_parsers import BadCall, ToolCall
+from agentrl.rollout.tool_parsers import BadCall, ToolCall, text_before
 from agentrl.rollout.tool_prompts import render_chat, template_support
 from agentrl.types import Episode, Turn
 
@@ -123,17 +123,15 @@ def reply_parser(parser_name: str) -> Any:
     """``parse(text) -> ParsedReply``: the calls the registry's parser reads, the text before the first
     call as the message's content."""
     parser = tool_parser(parser_name)
-    tag = getattr(parser, "open_tag", None)  # a parser of the user's without content()
+    # a parser of the user's without content(): ToolParser's default reading, by its open_tag
+    content_of = parser.content if callable(getattr(parser, "content", None)) else \
+        (lambda text: text_before(text, getattr(parser, "open_tag", None)))
 
     def parse(text: str) -> ParsedReply:
         found = parser.parse(text, MAX_CALLS)
         if not found.calls:
             return ParsedReply(text)
-        if callable(getattr(parser, "content", None)):
-            content = parser.content(text)
-        else:
-            content = text[:text.find(tag)].strip() if tag and tag in text else ""
-        return ParsedReply(content, [(c.name, c.arguments) for c in found.calls if isinstance(c, ToolCall)],
+        return ParsedReply(content_of(text), [(c.name, c.arguments) for c in found.calls if isinstance(c, ToolCall)],
                            [c.error for c in found.calls if isinstance(c, BadCall)])
 
     return parse

@@ -64,8 +64,12 @@ class ToolParser:
 
     def content(self, text: str) -> str:
         """The text before the first call (an OpenAI reply's ``content``), for a turn that made calls."""
-        tag = getattr(self, "open_tag", None)
-        return text[:text.find(tag)].strip() if tag and tag in text else ""
+        return text_before(text, getattr(self, "open_tag", None))
+
+
+def text_before(text: str, tag: str | None) -> str:
+    """``text`` up to the first ``tag``, stripped; "" when there is no such tag."""
+    return text[:text.find(tag)].strip() if tag and tag in text else ""
 
 
 TOOL_PARSERS = Registry("tool parser")
