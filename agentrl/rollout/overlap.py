@@ -122,8 +122,7 @@ class Producer:
             self.staged[version] = weights
             if self.inflight is not None:  # to the generator now, mid-collect; the newest kept for evaluations
                 self.inflight.offer(version, weights)
-                for old in [k for k in self.staged if k < version]:
-                    del self.staged[old]
+                self._drop_staged_before(version)
             self._cond.notify_all()
 
     def take(self, step: int) -> tuple[Collected, float]:
@@ -173,6 +172,10 @@ class Producer:
         if self._thread is not None and not busy:
             self._thread.join(timeout=10.0)
 
+    def _drop_staged_before(self, version: int) -> None:
+        for old in [k for k in self.staged if k < version]:
+            del self.staged[old]
+
     def _raise(self) -> None:
         if self._error is not None:  # kept: the thread has ended, every later wait must fail too
             raise self._error
@@ -205,8 +208,7 @@ class Producer:
                         weights = None
                         if self.inflight is None:
                             weights = self.staged.pop(v, None)
-                            for old in [k for k in self.staged if k < v]:  # never needed again
-                                del self.staged[old]
+                            self._drop_staged_before(v)  # never needed again
                         self._busy = True
                     if weights is not None and v != self.loaded:
                         assert self._load is not None
