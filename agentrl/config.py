@@ -269,8 +269,9 @@ class TrainerCfg:
     # with the embedded generator or vLLM's shared-memory sync, N or N + 1 host copies of the weights; docs:
     # the asynchronous loop). 0: on-policy
     max_staleness: int = 0
-    # with max_staleness > 0 and the embedded generator: each update's weights load into the generator at its next
-    # forward pass, mid-collect, and every token records the version that drew it (docs: the asynchronous loop)
+    # with max_staleness > 0: each update's weights load into the generator mid-collect (the embedded one at its
+    # next forward pass; vLLM servers at once, shm sync: running requests aborted and continued) and every token
+    # records the version that drew it (docs: the asynchronous loop)
     inflight_updates: bool = False
     ray_address: str = ""  # rollout.pool=ray: attach to this Ray cluster (or RAY_ADDRESS); empty: a local one
     engine: Literal["torch", "deepspeed"] = "torch"  # deepspeed: ZeRO-3, one rank or many under a launcher

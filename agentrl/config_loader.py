@@ -548,10 +548,10 @@ def _check_contradictions(cfg: RecipeCfg) -> None:
     if t.inflight_updates and t.max_staleness == 0:
         raise ConfigError("trainer.inflight_updates=true loads new weights while a collect runs, and "
                           "trainer.max_staleness=0 collects only between updates; set trainer.max_staleness >= 1")
-    if t.inflight_updates and t.generator != "embedded":
-        raise ConfigError(f"trainer.inflight_updates=true with trainer.generator={t.generator}: weights load mid-"
-                          "collect into the embedded generator only (servers take them between collects); use "
-                          "trainer.generator=embedded or trainer.inflight_updates=false")
+    if t.inflight_updates and t.generator == "remote":
+        raise ConfigError("trainer.inflight_updates=true with trainer.generator=remote: `agentrl serve` loads the "
+                          "weights the learner exports between collects; use the embedded generator or vLLM servers, "
+                          "or trainer.inflight_updates=false")
     why = _overlap_refusal(cfg.method) if t.max_staleness > 0 else ""
     if why:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness} collects later steps while this one learns, and "

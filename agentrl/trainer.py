@@ -123,11 +123,11 @@ class Trainer:
             # each update's weights are staged (a host copy) and loaded in the producer's thread before the
             # collect that needs them: the in-process generator always, vLLM servers at N > 1; at N = 1 a
             # server is pushed the learner's own weights, checked, once the collect in flight is done
-            staged = self.generator.stages and (
-                cfg.trainer.generator == "embedded" or cfg.trainer.max_staleness > 1)
+            staged = self.generator.stages and (cfg.trainer.generator == "embedded" or cfg.trainer.max_staleness > 1
+                                                or cfg.trainer.inflight_updates)
             load = self.generator.load_weights if staged else None
             inflight = None
-            if cfg.trainer.inflight_updates:  # the embedded generator (config_loader): loads offers mid-collect
+            if cfg.trainer.inflight_updates:  # the embedded generator or vLLM servers: offers loaded mid-collect
                 inflight = self.generator
                 inflight.inflight = True  # type: ignore[attr-defined]
             self._producer = Producer(self.sampler, self.recipe.collect, cfg.trainer.max_staleness, load, side,
@@ -160,6 +160,10 @@ class Trainer:
             if n > 1 and why:  # before any server starts
                 raise ConfigError(f"trainer.max_staleness={n} with trainer.generator=vllm pushes older weights from "
                                   f"host copies, and {why}; use trainer.max_staleness=1")
+            if c.trainer.inflight_updates and why:
+                raise ConfigError(f"trainer.inflight_updates=true with trainer.generator=vllm pushes each update from "
+                                  f"a host copy while collects run, and {why}; use trainer.vllm_sync=shm or "
+                                  "trainer.inflight_updates=false")
 
             fleet = VLLMFleet(self.cfg.trainer, self.model_dir, self.device, self.out_dir,
                               lora=self.cfg.model.lora_r, vcfg=self.cfg.vllm)

@@ -153,7 +153,7 @@ def test_a_mixed_version_turn_is_corrected_token_by_token(tiny_model_dir):
         assert torch.allclose(p, q, atol=1e-6), n
 
 
-def test_inflight_needs_overlap_and_the_embedded_generator():
+def test_inflight_needs_overlap_and_a_generator_that_takes_weights_mid_collect():
     assert load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=1",
                                                          "trainer.inflight_updates=true"]).trainer.inflight_updates
     with pytest.raises(ConfigError, match=r"trainer.inflight_updates=true .* set trainer.max_staleness >= 1"):
@@ -162,6 +162,10 @@ def test_inflight_needs_overlap_and_the_embedded_generator():
         load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=1", "trainer.inflight_updates=true",
                                                       "trainer.generator=remote",
                                                       "trainer.generator_url=http://x:1"])
+    # vLLM servers take them (the shared-memory push); the transfers that stream the learner's current
+    # tensors cannot, refused by the trainer before any server starts (``staged_push_refusal``)
+    assert load_config("grpo", env="sokoban", overrides=["trainer.max_staleness=1", "trainer.inflight_updates=true",
+                                                         "trainer.generator=vllm"]).trainer.inflight_updates
 
 
 @pytest.mark.timeout(900)
@@ -194,3 +198,121 @@ def test_a_run_with_inflight_updates_records_token_versions_within_the_bound(tin
     queued = t._producer.queue
     assert sorted(queued) == [4, 5] and all(tt.gen_versions for c in queued.values() for e in c.episodes
                                            for tt in e.turns if tt.gen_ids)
+
+
+# ----- vLLM servers: a gate, aborts and continuations (agentrl.generation.inflight) ----------------------------
+
+class _FakeServer:
+    """Draws one token per 2 ms with whatever weights version it holds; an abort ends every running request
+    with its tokens so far (what vLLM's /pause?mode=abort and /abort_requests do)."""
+
+    def __init__(self):
+        import threading
+
+        self.version, self.aborts, self.lock = 0, 0, threading.Lock()
+        self.drawn: dict[int, int] = {}  # token id -> the version that drew it (ids are unique)
+        self.next_id = 1000
+
+    def call(self, prompts, sampling, seeds, choices):
+        import time
+
+        from agentrl.types import Completion
+
+        out = []
+        for _ in prompts:
+            ids, aborts = [], self.aborts
+            while len(ids) < sampling.max_new_tokens:
+                time.sleep(0.002)
+                with self.lock:
+                    if self.aborts != aborts:
+                        break
+                    tok, self.next_id = self.next_id, self.next_id + 1
+                    self.drawn[tok] = self.version
+                ids.append(tok)
+            finish = "abort" if len(ids) < sampling.max_new_tokens else "length"
+            out.append(Completion(ids, [-1.0] * len(ids), "x" * len(ids), finish))
+        return out
+
+    def update(self, gate, version):
+        """The fleet's ``offer`` in miniature: gate closed, abort until idle, load, reopen."""
+        gate.close()
+        while True:
+            with self.lock:
+                self.aborts += 1
+            if gate.idle(0.05):
+                break
+        with self.lock:
+            self.version = version
+        gate.open(version)
+
+
+def test_updates_mid_generation_label_every_server_token_with_the_version_that_drew_it():
+    """Rows generating while three updates land: each aborted row is continued at the new version up to its
+    budget, and every token's recorded version is the one the server held when it drew it."""
+    import threading
+    import time
+
+    from agentrl.generation.inflight import VersionGate, generate_across_updates
+    from agentrl.types import SamplingParams
+
+    server, gate = _FakeServer(), VersionGate()
+    results = {}
+
+    def rows(k):
+        results[k] = generate_across_updates(server.call, gate, [[1, 2]] * 2, SamplingParams(max_new_tokens=60))
+
+    threads = [threading.Thread(target=rows, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for v in (1, 2, 3):
+        time.sleep(0.03)
+        server.update(gate, v)
+    for t in threads:
+        t.join(30)
+    comps = [c for k in range(3) for c in results[k]]
+    assert all(len(c.ids) == 60 and c.finish_reason == "length" for c in comps)
+    assert all(c.versions == [server.drawn[t] for t in c.ids] for c in comps)
+    assert any(len(set(c.versions)) > 1 for c in comps)  # updates did land mid-row
+    assert all(c.versions == sorted(c.versions) for c in comps)
+
+
+def test_a_continuation_gets_the_prefix_the_rest_of_the_budget_and_of_the_answer_choices():
+    from agentrl.generation.inflight import VersionGate, generate_across_updates
+    from agentrl.types import Completion, SamplingParams
+
+    calls = []
+
+    def call(prompts, sampling, seeds, choices):
+        calls.append((prompts, sampling.max_new_tokens, seeds, choices))
+        if len(calls) == 1:  # aborted after two tokens of the answer [7, 8, 9]
+            return [Completion([7, 8], [-0.5, -0.5], "ab", "abort", [[7, 5], [8, 6]])]
+        return [Completion([9], [-0.1], "c", "stop", [[9]])]
+
+    gate = VersionGate(4)
+    original = call
+
+    def call_and_update(prompts, sampling, seeds, choices):
+        out = original(prompts, sampling, seeds, choices)
+        if len(calls) == 1:
+            gate.version = 5  # the update that aborted it
+        return out
+
+    [c] = generate_across_updates(call_and_update, gate, [[1, 2, 3]], SamplingParams(max_new_tokens=10),
+                                  seeds=[11], choices=[[[7, 8, 9], [5, 6]]])
+    assert calls[1] == ([[1, 2, 3, 7, 8]], 8, [11], [[[9]]])
+    assert (c.ids, c.versions, c.text, c.finish_reason) == ([7, 8, 9], [4, 4, 5], "abc", "stop")
+    assert c.allowed == [[7, 5], [8, 6], [9]] and c.logprobs == [-0.5, -0.5, -0.1]
+
+
+def test_inflight_with_a_transfer_that_cannot_stage_is_refused_before_any_server_starts(tiny_model_dir, tmp_path):
+    """A LoRA policy is pushed to vLLM as its current adapter, so it cannot be loaded from a host copy mid-collect:
+    one line naming the keys, before a server is started (none could be: vLLM is not asked for)."""
+    from agentrl import Trainer
+
+    cfg = load_config("grpo", env="sokoban", overrides=[
+        f"model.name={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "sft.enabled=false", "model.lora_r=8",
+        "trainer.generator=vllm", "trainer.max_staleness=1", "trainer.inflight_updates=true",
+        "trainer.tensorboard=false", "trainer.progress=false"])
+    with pytest.raises(ConfigError, match=r"trainer.inflight_updates=true with trainer.generator=vllm .* LoRA policy"):
+        Trainer.from_config(cfg)
+    assert not list(tmp_path.glob("vllm-*.log"))

@@ -24,6 +24,10 @@ def test_generators_implement_the_generator_protocol():
         assert hasattr(cls, "stages")
         if cls is not RemoteGenerator:  # those that can stage have the two calls staging takes
             assert callable(cls.stage) and callable(cls.load_weights)
+    from agentrl.generation.base import TakesWeightsMidCollect
+
+    for cls in (EmbeddedGenerator, VLLMFleet):  # in-flight updates (trainer.inflight_updates)
+        _same_signatures(TakesWeightsMidCollect, cls)
 
 
 def test_env_slots_implement_the_slots_protocol():

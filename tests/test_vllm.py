@@ -113,34 +113,39 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("n", [1, 2])
-def test_staleness_with_a_vllm_server(sokoban_sft_model_dir, tmp_path, n):
+@pytest.mark.parametrize("n,inflight", [(1, False), (2, False), (1, True)])
+def test_staleness_with_a_vllm_server(sokoban_sft_model_dir, tmp_path, n, inflight):
     """trainer.max_staleness=N with a real vLLM server: per-trajectory rollouts of the next steps go to the
     server while the learner trains; at N = 1 the weights are pushed in place once that collect is done (and
     checked), at N = 2 each version is pushed from its host copy just before the collect that needs it; each
-    step t trains on samples min(t - 1, N) updates old, corrected."""
+    step t trains on samples min(t - 1, N) updates old, corrected. With in-flight updates each version is
+    pushed as soon as it exists, into the collect that runs; no token is older than N versions."""
     import json
 
     from agentrl import Trainer
     from agentrl.config_loader import load_config
 
     over = [f"model.name={sokoban_sft_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=3",
-            "trainer.generator=vllm", "trainer.vllm_servers=1", f"trainer.vllm_port={18661 + n}",
+            "trainer.generator=vllm", "trainer.vllm_servers=1", f"trainer.vllm_port={18661 + n + 2 * inflight}",
             "sft.enabled=false", "trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=4",
             "rollout.group_size=2", "rollout.slots=8", "rollout.fill_groups=0", "rollout.max_turns=3",
             "rollout.max_new_tokens=16", "rollout.mode=async", f"trainer.max_staleness={n}",
             "algo.reward=env_return", "rollout.format_penalty=-0.1", "algo.entropy_coef=0.001",
-            "algo.filters=[dropped]", "eval.tasks=0"]
+            "algo.filters=[dropped]", "eval.tasks=0", f"trainer.inflight_updates={str(inflight).lower()}"]
     trainer = Trainer.from_config(load_config("grpo", env="sokoban", overrides=over))
     try:
         trainer.train()
     finally:
         trainer.close()
     rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
-    assert [rows[s]["staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, float(n)]
+    if inflight:  # a collect may start on, or move to, newer weights than t - N: never older
+        assert all(rows[s]["staleness_max"] <= min(s - 1, n) for s in (1, 2, 3))
+        assert all("inflight_loads" in rows[s] and rows[s]["staleness_token_mean"] <= n for s in (1, 2, 3))
+    else:
+        assert [rows[s]["staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, float(n)]
     for s in (1, 2, 3):
         assert rows[s]["optim_steps"] >= 1
-        assert n > 1 or rows[s]["sync_logprob_diff"] < 0.1  # the learner's own weights pushed: checked
+        assert n > 1 or inflight or rows[s]["sync_logprob_diff"] < 0.1  # the learner's own weights pushed: checked
     assert all("behav_is_mean" in rows[s] for s in (2, 3))
     # algo.mismatch=auto is tis with vLLM: every step, the first (on-policy) one too, is corrected for the
     # server's kernels (and for staleness), and the gap it corrects is small (bf16 server, fp32 learner)
@@ -288,3 +293,57 @@ def test_an_agent_program_trains_through_a_vllm_server(tiny_model_dir, tmp_path,
     for s in (1, 2):
         assert rows[s]["samples"] >= 4 and rows[s]["agent_failures"] == 0.0
         assert rows[s]["mismatch_kl"] < 1e-3 and rows[s]["sync_logprob_diff"] < 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_update_lands_mid_generation_and_each_token_is_labelled_with_the_weights_that_drew_it(
+        tiny_model_dir, tmp_path):
+    """In-flight updates into a real vLLM server: rows are generating when other weights are offered; the fleet
+    aborts them, loads the weights in place and continues each row at the new version. Every token's log-prob
+    agrees with the weights its label names (old for the tokens before the update, new after), not the others'."""
+    import threading
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.config import TrainerCfg
+    from agentrl.generation.vllm_fleet import StagedTensors, VLLMFleet
+    from agentrl.launch import free_port
+    from agentrl.learner.logprobs import completion_logprobs
+    from agentrl.types import SamplingParams
+
+    server = VLLMServer(tiny_model_dir, port=free_port(), log_file=str(tmp_path / "vllm.log"), sync="shm")
+    server.start()
+    old = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.5 * p.std().clamp(min=1e-3))
+    fleet = VLLMFleet(TrainerCfg(generator_url=server.url, vllm_sync="shm"), tiny_model_dir, "cpu", tmp_path)
+    fleet.inflight = True
+    try:
+        prompts = [[1, 30 + k, 40 + k, 50] for k in range(6)]
+        got = {}
+        t = threading.Thread(target=lambda: got.update(
+            out=fleet.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=300), seeds=list(range(6)))))
+        t.start()
+        time.sleep(0.6)
+        fleet.offer(1, StagedTensors([(n, p.detach().clone()) for n, p in new.named_parameters()]))
+        t.join(120)
+        outs = got["out"]
+        assert fleet.version == 1 and fleet.inflight_loads == 1
+        assert any(0 in o.versions and 1 in o.versions for o in outs), [set(o.versions) for o in outs]
+        right, wrong = [], []
+        for prompt, o in zip(prompts, outs):
+            assert len(o.versions) == len(o.ids) == len(o.logprobs) and o.versions == sorted(o.versions)
+            by = {0: completion_logprobs(old, prompt, o.ids), 1: completion_logprobs(new, prompt, o.ids)}
+            for j, v in enumerate(o.versions):
+                right.append(abs(by[v][j] - o.logprobs[j]))
+                wrong.append(abs(by[1 - v][j] - o.logprobs[j]))
+        assert sum(right) / len(right) < 0.05 and sum(wrong) / len(wrong) > 4 * sum(right) / len(right), (
+            sum(right) / len(right), sum(wrong) / len(wrong))
+    finally:
+        fleet.close()
+        server.stop()

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "weight updates); default all")
     p.add_argument("--overlap-generator", default="embedded", choices=["embedded", "vllm"],
                    help="async: the overlap's generator: the in-process copy, or a vLLM server in its own process "
-                   "started per run on --port (staleness 0, 1, 2, 4; in-flight updates are embedded only)")
+                   "started per run on --port")
 
 
 def _signature(episodes: list[Any]) -> list[Any]:
@@ -174,8 +174,6 @@ def overlap_figures(model: str, env: str, kwargs: dict[str, Any], pool: str, slo
     from agentrl.metrics import read_metrics
     from agentrl.trainer import Trainer
 
-    if generator != "embedded":  # in-flight loading is the embedded generator's
-        inflight = ()
     server = [f"trainer.generator={generator}", "trainer.vllm_servers=1", f"trainer.vllm_port={port}"] \
         if generator == "vllm" else []
     runs = [(0, False), *((n, False) for n in staleness), *((n, True) for n in inflight)]

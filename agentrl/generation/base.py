@@ -39,6 +39,21 @@ class Generator(Protocol):
     def close(self) -> None: ...
 
 
+class TakesWeightsMidCollect(Protocol):
+    """A generator that takes new weights while a collect runs (``trainer.inflight_updates``; the embedded
+    generator and ``VLLMFleet``): ``offer`` a staged copy of version ``version`` (the learner's thread; the
+    fleet's is collective), ``set_version`` when the caller loaded one itself; every token it draws records
+    its version in ``Completion.versions``."""
+
+    version: int  # the weights version a generation starting now is drawn by
+    inflight: bool  # record per-token versions and take offers mid-collect
+    inflight_loads: int  # versions loaded while a collect may run, so far
+
+    def offer(self, version: int, weights: Any) -> None: ...
+
+    def set_version(self, version: int) -> None: ...
+
+
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
     """Chat-template token ids (transformers returns a list or a BatchEncoding depending on version)."""
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)

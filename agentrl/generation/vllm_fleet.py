@@ -17,6 +17,7 @@ import torch
 
 from agentrl import dist
 from agentrl.generation.client import GenerationServerError, RemoteGenerator
+from agentrl.generation.inflight import VersionGate, generate_across_updates
 from agentrl.generation.servers import ServerPool
 from agentrl.types import Completion, SamplingParams
 
@@ -65,7 +66,12 @@ class VLLMFleet:
 
         self.vcfg = vcfg if vcfg is not None else VLLMCfg()
         self.mode = sync_mode(tcfg.vllm_sync, device, self.vcfg.colocate)
-        self.lora, self.out_dir, self.version = lora, out_dir, 0
+        self.lora, self.out_dir, self.adapter_version = lora, out_dir, 0
+        # in-flight weight updates (``trainer.inflight_updates``): requests go through a gate that an update
+        # closes while it aborts them and loads the weights (agentrl.generation.inflight)
+        self.inflight = False
+        self.inflight_loads = 0  # versions loaded while a collect may run (the trainer logs the difference)
+        self.gate = VersionGate()
         self.servers: list[Any] = []
         urls = tcfg.generator_url if isinstance(tcfg.generator_url, list) else \
             [u for u in [tcfg.generator_url] if u]
@@ -109,7 +115,48 @@ class VLLMFleet:
     # ----- Generator --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
                  choices: list[list[list[int]] | None] | None = None) -> list[Completion]:
+        if self.inflight:  # rows an update aborts are continued at the new version, each token labelled
+            return generate_across_updates(self.pool.generate, self.gate, prompts, sampling, seeds, choices)
         return self.pool.generate(prompts, sampling, seeds, choices)
+
+    # ----- in-flight weight updates (agentrl.rollout.overlap.Producer) -----------------------------
+    @property
+    def version(self) -> int:
+        """The weights version the servers hold (what a request entering the gate now is drawn by)."""
+        return self.gate.version
+
+    def set_version(self, version: int) -> None:
+        self.gate.open(version)
+
+    def offer(self, version: int, weights: StagedTensors) -> None:
+        """Version ``version`` into the servers now, while collects run (collective: every rank calls it in the
+        learner's thread after ``stage``): every rank's gate closes; rank 0 pauses the servers, aborting what
+        runs (each aborted request comes back with its tokens so far), and aborts again until no rank has a
+        request in flight; then pushes the host copy in place and resumes the servers; the gates reopen at
+        ``version``. The aborted rows continue on the new weights (``generate_across_updates``)."""
+        from agentrl.generation import vllm_sync
+
+        self.gate.close()
+        try:
+            with dist.collectives_on(self.group):
+                first = True
+                while True:
+                    if dist.is_main():
+                        failed = vllm_sync.pause_and_abort({n: self.pool.clients[n] for n in self.pool.live},
+                                                           first, self.vcfg.sync_timeout_s)
+                        self.pool.mark({n: f"could not be paused for a weight update ({w})" for n, w in failed.items()})
+                    first = False
+                    if all(dist.all_gather_object(self.gate.idle(2.0))):
+                        break
+            self.push(None, weights)  # collective on the same group; rank 0 sends, the servers stay paused
+            if dist.is_main():
+                failed = vllm_sync.resume({n: self.pool.clients[n] for n in self.pool.live}, self.vcfg.sync_timeout_s)
+                self.pool.mark({n: f"could not resume after a weight update ({w})" for n, w in failed.items()})
+            with dist.collectives_on(self.group):
+                self._agree_on_servers(f"weights version {version}")
+            self.inflight_loads += 1
+        finally:
+            self.gate.open(max(version, self.gate.version))
 
     # ----- weights ----------------------------------------------------------------------------
     @property
@@ -243,8 +290,8 @@ class VLLMFleet:
     def _push_adapter(self, engine: Any) -> None:
         """LoRA: the adapter alone (megabytes) through vLLM's runtime adapter route, under a new name per
         version; requests then name it. The base weights on the servers never change."""
-        self.version += 1
-        folder = self.out_dir / "adapters" / f"v{self.version:06d}"
+        self.adapter_version += 1
+        folder = self.out_dir / "adapters" / f"v{self.adapter_version:06d}"
         if dist.is_main():
             engine.export_adapter(folder)
             for name in self.pool.live:
@@ -253,7 +300,7 @@ class VLLMFleet:
                     self.pool.clients[name].reset_prefix_cache()
                 except GenerationServerError as e:
                     self.pool.mark({name: f"missed a weight sync ({e})"})
-            old = self.out_dir / "adapters" / f"v{self.version - 1:06d}"
+            old = self.out_dir / "adapters" / f"v{self.adapter_version - 1:06d}"
             if old.exists():
                 import shutil
 

@@ -105,6 +105,19 @@ def probe_live(clients: dict[str, Any], timeout_s: float = 10.0) -> dict[str, st
     return _each(clients, lambda c: c.request("GET", "/health"), timeout_s)
 
 
+def pause_and_abort(clients: dict[str, Any], first: bool, timeout_s: float) -> dict[str, str]:
+    """In-flight updates: the first call pauses each server and aborts what it runs (vLLM's ``/pause?mode=abort``:
+    nothing new is scheduled until ``/resume``), later ones abort what arrived since (``/abort_requests``).
+    Each aborted request answers with its tokens so far. {name: why} of those that failed."""
+    if first:
+        return _each(clients, lambda c: c.request("POST", "/pause?mode=abort"), timeout_s)
+    return _each(clients, lambda c: c.request("POST", "/abort_requests", {}), timeout_s)
+
+
+def resume(clients: dict[str, Any], timeout_s: float) -> dict[str, str]:
+    return _each(clients, lambda c: c.request("POST", "/resume"), timeout_s)
+
+
 def weights_nbytes(named_params: Iterable[tuple[str, Any]]) -> int:
     """Bytes of the full (unsharded) tensors: what one shm sync writes."""
     total = 0

@@ -15,9 +15,11 @@ own rollout stats, and the version of the weights the generator holds, which eve
 it collects depends on the seed, the step and the version only, never on timing. Nothing here imports the
 trainer or the recipes.
 
-In-flight weight updates (``inflight``: the in-process generator, ``trainer.inflight_updates``): a released
-collect starts at once, and each staged version is offered to the generator as soon as it exists, which loads
-it before its next forward pass, in the middle of a collect; every token records the version that drew it.
+In-flight weight updates (``inflight``: the generator, ``trainer.inflight_updates``): a released collect starts
+at once, and each staged version is offered to the generator as soon as it exists, which loads it in the
+middle of a collect (the in-process generator before its next forward pass; vLLM servers at once, their
+running requests aborted and continued, ``agentrl.generation.inflight``); every token records the version
+that drew it.
 The bound holds as before: step t's collect is released at the start of step t - N, when version t - N is
 already offered, so no token is older than N versions and nothing is dropped or cut. What is collected then
 depends on when updates land, so such runs do not repeat token for token.
@@ -120,10 +122,11 @@ class Producer:
         """Version ``version``'s copy, for the collect that needs it."""
         with self._cond:
             self.staged[version] = weights
-            if self.inflight is not None:  # to the generator now, mid-collect; the newest kept for evaluations
-                self.inflight.offer(version, weights)
+            if self.inflight is not None:  # the newest kept for evaluations
                 self._drop_staged_before(version)
             self._cond.notify_all()
+        if self.inflight is not None:  # to the generator now, mid-collect (servers: collective, so outside the lock)
+            self.inflight.offer(version, weights)
 
     def take(self, step: int) -> tuple[Collected, float]:
         """Step ``step``'s collect and the seconds the learner waited for it (its error raised here)."""
