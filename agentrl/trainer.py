@@ -44,7 +44,7 @@ from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics
 from agentrl.preflight import check_launch, resolve_device
 from agentrl.progress import Progress
 from agentrl.rollout.episode import RolloutConfig, Start
-from agentrl.rollout.overlap import Producer, inflight_metrics
+from agentrl.rollout.collect_ahead import CollectAhead
 from agentrl.rollout.sampler import RolloutSampler
 from agentrl.run_folder import RunFolder, check_free_space, check_run_folder
 from agentrl.types import Completion, Episode, SamplingParams
@@ -106,10 +106,7 @@ class Trainer:
         # trainer.max_staleness > 0: the next steps' collects run in a producer thread while this step learns
         # (under several ranks its gathers go to a group of their own, apart from the engine's collectives)
         side = dist.side_group() if cfg.trainer.max_staleness > 0 else None
-        self._producer: Producer | None = None  # made below, once the sampler exists
-        self._sync_due = False  # an update during an overlapped step: its weights go out after the step
-        self._inflight_loads = 0  # the generator's in-flight loads logged so far
-        self._in_step = False
+        self._ahead: CollectAhead | None = None  # made below, once the sampler exists
         # updates between the weights this step's episodes were drawn with and the learner's: 0 on-policy; the
         # overlap sets it per step (min(step, N)), and ``update`` then corrects for it
         self.behind = 0
@@ -120,18 +117,7 @@ class Trainer:
         self.sampler = RolloutSampler(cfg, self.generator, self.tokenizer, self.envs, self.rng, lambda: self.step,
                                       world=self.world, rank=self.rank)
         if cfg.trainer.max_staleness > 0:
-            # each update's weights are staged (a host copy) and loaded in the producer's thread before the
-            # collect that needs them: the in-process generator always, vLLM servers at N > 1; at N = 1 a
-            # server is pushed the learner's own weights, checked, once the collect in flight is done
-            staged = self.generator.stages and (cfg.trainer.generator == "embedded" or cfg.trainer.max_staleness > 1
-                                                or cfg.trainer.inflight_updates)
-            load = self.generator.load_weights if staged else None
-            inflight = None
-            if cfg.trainer.inflight_updates:  # the embedded generator or vLLM servers: offers loaded mid-collect
-                inflight = self.generator
-                inflight.inflight = True  # type: ignore[attr-defined]
-            self._producer = Producer(self.sampler, self.recipe.collect, cfg.trainer.max_staleness, load, side,
-                                      inflight)
+            self._ahead = CollectAhead(cfg.trainer, self.generator, self.sampler, self.recipe.collect, side)
         self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict()) \
             if self.is_main else None
         self._tasks = None
@@ -243,7 +229,7 @@ class Trainer:
         """``agentrl.learner.loop.rl_update`` on the samples, then the new weights to the generator. While the
         step's episodes are ``behind`` the learner's weights (the overlap) the update is decoupled."""
         # colocated servers give their GPU memory to the update (not while the overlap's producer samples)
-        released = self._producer is None and self.generator.release()
+        released = self._ahead is None and self.generator.release()
         # each engine collates only the rows it runs (under DeepSpeed: this rank's share)
         batch = TokenBatch.from_samples(samples, self.engine.pad_id)
         stats = rl_update(self.engine, batch, loss_fn, self.cfg, self.rng, self.step + 1, self.folder.link,
@@ -258,47 +244,24 @@ class Trainer:
     def _overlapped_step(self) -> dict[str, float]:
         """One step with trainer.max_staleness = N > 0: step s releases the collect of step s + N (drawn
         with the weights after s updates), takes its own (collected ahead with the weights after s - N, or
-        waited for), learns, and hands the new weights on (``_hand_on``). Also on the last step: its
+        waited for), learns, and hands the new weights on (``CollectAhead``). Also on the last step: its
         checkpoint carries the collects ahead, so a run trained on later goes on exactly."""
-        p, s = self._producer, self.step
-        assert p is not None
-        p.release(s + p.ahead)
-        got, waited = p.take(s)
-        depth = len(p.queue)  # collected steps already waiting behind this one
+        a, s = self._ahead, self.step
+        assert a is not None
+        got, metrics = a.take(s)
         turns = [t for e in got.episodes for t in e.turns if t.gen_ids]
         gaps = [s - t.policy_version for t in turns]
         self.sampler.stats, self.behind = got.rollout_stats, max(gaps, default=0)
-        self._in_step = True
+        a.in_step = True
         try:
-            metrics = self.recipe.learn(self, got.episodes, got.stats)
+            metrics = {**self.recipe.learn(self, got.episodes, got.stats), **metrics}
         finally:
-            self._in_step = False
-        metrics.update(self._hand_on(s + 1))
-        metrics.update(staleness_mean=sum(gaps) / max(1, len(gaps)), staleness_max=float(max(gaps, default=0)),
-                       overlap_queue_depth=float(depth), time_wait_collect_s=waited,
-                       time_wait_weights_s=p.wait_weights_s)
-        p.wait_weights_s = 0.0
-        if p.inflight is not None:
-            metrics.update(inflight_metrics(turns, s, p.inflight.inflight_loads - self._inflight_loads))
-            self._inflight_loads = p.inflight.inflight_loads
+            a.in_step = False
+        metrics.update(a.hand_on(s + 1, self.engine, self.out_dir, s, turns))
+        if a.synced:
+            self._sync_stats = a.synced
+        metrics.update(staleness_mean=sum(gaps) / max(1, len(gaps)), staleness_max=float(max(gaps, default=0)))
         return metrics
-
-    def _hand_on(self, version: int) -> dict[str, float]:
-        """After step ``version - 1``'s learning, its weights (version ``version``) for the collect that needs
-        them: staged as a host copy (the in-process generator; collective under DeepSpeed, so here, in the
-        learner's thread), or pushed to the servers once the collect in flight is done."""
-        p, due, self._sync_due = self._producer, self._sync_due, False
-        assert p is not None
-        t = time.perf_counter()
-        if p.stages:  # collect version + N needs it, and is not released yet: always staged (a step
-            # that skipped its update stages the same weights again)
-            p.stage(version, self.generator.stage(self.engine))  # type: ignore[attr-defined]
-            return dict(time_stage_s=time.perf_counter() - t)
-        p.drain()
-        if due:
-            self._sync_stats = self.generator.receive(self.engine, self.out_dir)
-        p.set_loaded(version)
-        return {}
 
     def values(self, samples: list[Sample]) -> list[float]:
         """Critic value at the last prompt token of each sample (PPO)."""
@@ -317,26 +280,18 @@ class Trainer:
         """After an update the generator must sample from the new policy (see ``Generator.receive``:
         nothing to do for the learner's own module, an in-memory copy per rank under DeepSpeed, an
         exported folder for our server, an in-place push and check for vLLM servers). Under the overlap an
-        update's weights go out after its step (``_hand_on``); outside a step the producer is let finish
+        update's weights go out after its step (``CollectAhead.hand_on``); outside a step the producer is let finish
         its released collects first."""
-        p = self._producer
-        if p is not None and self._in_step:
-            self._sync_due = True
-            return
-        if p is not None:
-            p.drain()
-        self._sync_stats = self.generator.receive(self.engine, self.out_dir)
-        if p is not None:
-            p.set_loaded(self.step)
+        a = self._ahead
+        if a is None:
+            self._sync_stats = self.generator.receive(self.engine, self.out_dir)
+        elif not a.defer():
+            self._sync_stats = a.sync(self.engine, self.out_dir, self.step)
 
     def _generator_current(self) -> None:
         """Before an evaluation under the overlap: the producer idle and the generator on the learner's
         weights (their staged copy where there is one)."""
-        p = self._producer
-        if p is None:
-            return
-        p.drain()
-        if p.loaded != self.step and not p.load_staged(self.step):
+        if self._ahead is not None and not self._ahead.make_current(self.step):
             self.sync_weights()
 
     def diagnostics(self, episodes: list[Episode], recipe: "Recipe") -> dict[str, float]:
@@ -389,8 +344,8 @@ class Trainer:
         env steps, random stream, the recipe's state and the overlap's collected steps from rank 0. The
         producer first finishes its released collects (up to this step + N - 1: the queue full), so no
         staged old weights need storing: each collect still to come is drawn with this step's or later."""
-        if self._producer is not None:
-            self._producer.drain()
+        if self._ahead is not None:
+            self._ahead.drain()
         state = dict(step=self.step, env_steps=self.env_steps, rng=self.rng.getstate(),
                      recipe=ckpt.to_plain(self.recipe.state_dict(), "recipe state"), **self._in_flight()) \
             if self.is_main else {}
@@ -399,10 +354,10 @@ class Trainer:
     def _in_flight(self) -> dict[str, Any]:
         """The overlap's collected steps not yet trained on (their episodes with their versions), as plain
         containers: a resumed run trains on the very episodes the uninterrupted one would."""
-        p = self._producer
-        if p is None or not p.queue:
+        a = self._ahead
+        if a is None or not a.queue:
             return {}
-        return dict(collected=ckpt.to_plain([p.queue[k] for k in sorted(p.queue)], "collected steps"))
+        return dict(collected=ckpt.to_plain([a.queue[k] for k in sorted(a.queue)], "collected steps"))
 
     def load_checkpoint(self) -> bool:
         """Resume from the run folder's newest intact checkpoint (``RunFolder.resume``); False: a new run."""
@@ -413,8 +368,8 @@ class Trainer:
         self.rng.setstate(got.rng)
         self.recipe.load_state_dict(got.recipe)
         self.sync_weights()
-        if self._producer is not None:
-            self._producer.restore(self.step, got.collected, loaded=self.step)
+        if self._ahead is not None:
+            self._ahead.restore(self.step, got.collected)
         return True
 
     # ----- the run -----------------------------------------------------------------------------
@@ -454,7 +409,7 @@ class Trainer:
                 o = self.cfg.optim
                 if o.schedule != "constant":
                     set_lr(self.engine, o.lr * lr_factor(self.step, self.cfg.trainer.steps, o.schedule))
-                metrics = self._overlapped_step() if self._producer is not None else self.recipe.step(self)
+                metrics = self._overlapped_step() if self._ahead is not None else self.recipe.step(self)
                 metrics.update(self._sync_stats)
                 self.step += 1
                 self.env_steps += int(metrics.get("env_steps", 0))
@@ -525,8 +480,8 @@ class Trainer:
                       f"{self.cfg.eval.split} tasks" + (f" ({cats})" if cats else ""))
 
     def close(self) -> None:
-        if self._producer is not None:
-            self._producer.close()
+        if self._ahead is not None:
+            self._ahead.close()
         self.recipe.close()
         self.generator.close()
         self.envs.close()

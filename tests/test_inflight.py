@@ -195,7 +195,7 @@ def test_a_run_with_inflight_updates_records_token_versions_within_the_bound(tin
     assert sum(r["inflight_loads"] for r in got[1:]) >= 1
     for r in got[1:]:
         assert 0 <= r["staleness_token_mean"] <= r["staleness_max"] <= 2 and 0 <= r["inflight_mixed_turns"] <= 1
-    queued = t._producer.queue
+    queued = t._ahead.queue
     assert sorted(queued) == [4, 5] and all(tt.gen_versions for c in queued.values() for e in c.episodes
                                            for tt in e.turns if tt.gen_ids)
 

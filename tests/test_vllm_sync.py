@@ -208,12 +208,12 @@ def test_colocated_servers_sleep_and_wake_around_the_weights(tmp_path):
         proc.wait()
 
 
-@pytest.mark.parametrize("released,producer,expected", [
+@pytest.mark.parametrize("released,ahead,expected", [
     (True, None, ["release", "update", "sync"]),  # a skipped update still wakes the servers it put to sleep
     (False, None, ["release", "update"]),  # nothing released (not colocated): a skipped update syncs nothing
     (True, object(), ["update"]),  # the overlap's producer samples during the update: nothing is released
 ])
-def test_the_update_releases_a_colocated_generator_and_wakes_it(monkeypatch, released, producer, expected):
+def test_the_update_releases_a_colocated_generator_and_wakes_it(monkeypatch, released, ahead, expected):
     from types import SimpleNamespace
 
     from agentrl import trainer as tr
@@ -226,7 +226,7 @@ def test_the_update_releases_a_colocated_generator_and_wakes_it(monkeypatch, rel
             return released
 
     monkeypatch.setattr(tr, "rl_update", lambda *a, **k: calls.append("update") or {"skipped_update": 1.0})
-    fake = SimpleNamespace(_producer=producer, generator=Gen(), engine=SimpleNamespace(pad_id=0), cfg=None,
+    fake = SimpleNamespace(_ahead=ahead, generator=Gen(), engine=SimpleNamespace(pad_id=0), cfg=None,
                            rng=None, step=0, folder=SimpleNamespace(link=None), behind=0,
                            sync_weights=lambda: calls.append("sync"))
     tr.Trainer.update(fake, [], None)
