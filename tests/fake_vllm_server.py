@@ -4,6 +4,11 @@ routes the fleet's shared-memory sync calls (/health, /v1/models, /get_world_siz
 it is handed and logs each load; with --hang-on N its N-th load never answers (a wedged server), after
 writing LOG.hanging so the test can kill it there.
 
+For in-flight updates it also generates (/v1/completions, not logged: one token every 3 ms, token id =
+1000 x the number of loads so far + a counter, so each id says which weights drew it), pauses
+(/pause?mode=abort: aborts what runs, holds new requests), aborts (/abort_requests) and resumes (/resume),
+as vLLM does: an aborted request answers with its tokens so far and finish_reason "abort".
+
     python tests/fake_vllm_server.py --host 0.0.0.0 --port-file F --log L [--hang-on N] [--world-size W]
 """
 import argparse
@@ -22,6 +27,26 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=1)
     a = ap.parse_args()
     loads = [0]
+    import threading
+
+    state = dict(aborts=0, paused=False)
+    cond = threading.Condition()
+
+    def generate(prompt: list[int], max_tokens: int) -> dict:
+        with cond:
+            aborts = state["aborts"]
+            while state["paused"] and state["aborts"] == aborts:
+                cond.wait()
+        ids: list[int] = []
+        while len(ids) < max_tokens:
+            time.sleep(0.003)
+            with cond:
+                if state["aborts"] != aborts:
+                    break
+                ids.append(1000 * loads[0] + len(ids) % 1000)
+        finish = "length" if len(ids) >= max_tokens else "abort"
+        return dict(token_ids=ids, logprobs=dict(token_logprobs=[-1.0] * len(ids)), text="x" * len(ids),
+                    finish_reason=finish)
 
     class H(BaseHTTPRequestHandler):
         def log_message(self, *args):  # quiet
@@ -46,9 +71,20 @@ def main() -> None:
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            if self.path == "/v1/completions":
+                outs = [generate(p, int(body["max_tokens"])) for p in body["prompt"]]
+                return self._send({"choices": [dict(index=i, **o) for i, o in enumerate(outs)]})
+            if self.path.startswith(("/pause", "/abort_requests", "/resume")):
+                with cond:
+                    if not self.path.startswith("/resume"):
+                        state["aborts"] += 1
+                    state["paused"] = self.path.startswith("/pause") or (
+                        state["paused"] and not self.path.startswith("/resume"))
+                    cond.notify_all()
             with open(a.log + ".calls", "a") as f:  # every POST in order (sleep, wake-up, loads)
                 f.write(self.path + "\n")
-            if self.path == "/reset_prefix_cache" or self.path.startswith(("/sleep", "/wake_up")):
+            if self.path == "/reset_prefix_cache" or self.path.startswith(("/sleep", "/wake_up", "/pause",
+                                                                           "/abort_requests", "/resume")):
                 return self._send({})
             if self.path != "/collective_rpc":
                 return self.send_error(404)

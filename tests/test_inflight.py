@@ -316,3 +316,40 @@ def test_inflight_with_a_transfer_that_cannot_stage_is_refused_before_any_server
     with pytest.raises(ConfigError, match=r"trainer.inflight_updates=true with trainer.generator=vllm .* LoRA policy"):
         Trainer.from_config(cfg)
     assert not list(tmp_path.glob("vllm-*.log"))
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_take_inflight_updates_into_a_server_with_exact_token_versions(tmp_path):
+    """Both ranks generate against one stand-in vLLM server while two versions are offered (collective): every
+    rank's rows are aborted and continued, and every token's label is the version that drew it (the stand-in
+    encodes it in the token id)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from agentrl.launch import rank_command
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "tests"))
+    from test_vllm_sync import _server
+
+    proc, url = _server(tmp_path, "s")
+    try:
+        cmd = rank_command(2, [str(tmp_path), url], script=str(root / "tests" / "inflight_ranks_worker.py"))
+        run = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root)), cwd=root,
+                             capture_output=True, text=True, timeout=200)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert len((tmp_path / "s.log").read_text().splitlines()) == 2  # two loads, from rank 0 alone
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["version"] == 2 and got["loads"] == 2
+        for row in got["rows"]:
+            assert len(row["ids"]) == 150 and row["finish"] == "length"
+            assert row["versions"] == [i // 1000 for i in row["ids"]]
+        assert len({v for row in got["rows"] for v in row["versions"]}) >= 2, r  # updates landed mid-rows
