@@ -353,3 +353,22 @@ def test_two_ranks_take_inflight_updates_into_a_server_with_exact_token_versions
             assert len(row["ids"]) == 150 and row["finish"] == "length"
             assert row["versions"] == [i // 1000 for i in row["ids"]]
         assert len({v for row in got["rows"] for v in row["versions"]}) >= 2, r  # updates landed mid-rows
+
+
+def test_a_stop_string_split_by_an_update_still_ends_the_row():
+    """The row stopped at "</ans" by the update: its continuation also stops on "wer>", the rest of the split
+    stop string, so the row ends where it would have without the update."""
+    from agentrl.generation.inflight import VersionGate, generate_across_updates
+    from agentrl.types import Completion, SamplingParams
+
+    stops_seen = []
+
+    def call(prompts, sampling, seeds, choices):
+        stops_seen.append(list(sampling.stop))
+        if len(stops_seen) == 1:
+            return [Completion([5, 6], [-1.0, -1.0], "<answer>Up</ans", "abort")]
+        return [Completion([7], [-1.0], "wer>", "stop")]
+
+    [c] = generate_across_updates(call, VersionGate(), [[1]], SamplingParams(max_new_tokens=8, stop=["</answer>"]))
+    assert stops_seen == [["</answer>"], ["</answer>", "wer>"]]
+    assert c.text == "<answer>Up</answer>" and c.finish_reason == "stop"

@@ -11,8 +11,10 @@ row where it stopped: its prompt plus the tokens so far (token ids, never re-tok
 token budget and of its answer choices, as a new request drawn by the new weights, which re-read the whole
 prefix (the embedded generator keeps the old KV cache instead; AReaL and SkyRL also resubmit).
 
-One limit, documented: a stop string split by the update (``"</ans"`` before it, ``"wer>"`` after) is not
-seen by the continuation, which then runs to the next stop or its token budget.
+A stop string split by the update (``"</ans"`` before it, ``"wer>"`` after) would not be seen by the
+continuation, which matches stop strings in its own text only: the rest of it (``"wer>"``) is added to the
+continuation's stops. That rest could also end the continuation where the split string is not completed (a
+``"wer>"`` later in the text); the row then ends there.
 """
 from __future__ import annotations
 
@@ -89,17 +91,20 @@ def generate_across_updates(call: Call, gate: VersionGate, prompts: list[list[in
     rows = [_Row() for _ in prompts]
     todo = list(range(len(prompts)))
     while todo:
-        # one request per remaining budget: the first round is the whole call, continuations are rare
-        budgets: dict[int, list[int]] = {}
+        # one request per remaining budget and split stop: the first round is the whole call, continuations
+        # are rare
+        groups: dict[tuple[int, tuple[str, ...]], list[int]] = {}
         for i in todo:
-            budgets.setdefault(sampling.max_new_tokens - len(rows[i].ids), []).append(i)
+            key = (sampling.max_new_tokens - len(rows[i].ids), _split_stops(sampling.stop, rows[i].text))
+            groups.setdefault(key, []).append(i)
 
-        def one(budget: int, idx: list[int]) -> None:
+        def one(key: tuple[int, tuple[str, ...]], idx: list[int]) -> None:
+            budget, rests = key
             left = [_continue_choices(choices[i], rows[i].ids) for i in idx] if choices is not None else None
             version = gate.enter()
             try:
                 outs = call([prompts[i] + rows[i].ids for i in idx],
-                            dataclasses.replace(sampling, max_new_tokens=budget),
+                            dataclasses.replace(sampling, max_new_tokens=budget, stop=[*sampling.stop, *rests]),
                             [seeds[i] for i in idx] if seeds is not None else None, left)
             finally:
                 gate.leave()
@@ -117,14 +122,20 @@ def generate_across_updates(call: Call, gate: VersionGate, prompts: list[list[in
                 elif choices is not None and _continue_choices(choices[i], r.ids) == []:
                     r.finish = "stop"  # the tokens so far are a whole answer and begin no longer one
 
-        if len(budgets) == 1:
-            one(*next(iter(budgets.items())))
+        if len(groups) == 1:
+            one(*next(iter(groups.items())))
         else:
-            with ThreadPoolExecutor(max_workers=len(budgets)) as pool:
-                for f in [pool.submit(one, b, idx) for b, idx in budgets.items()]:
+            with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+                for f in [pool.submit(one, k, idx) for k, idx in groups.items()]:
                     f.result()
         todo = [i for i in todo if not rows[i].finish]
     return [Completion(r.ids, r.logprobs, r.text, r.finish, r.allowed, r.versions) for r in rows]
+
+
+def _split_stops(stops: list[str], text: str) -> tuple[str, ...]:
+    """The rest of each stop string whose beginning ends ``text`` (``"</ans"`` -> ``"wer>"``): the continuation
+    stops on it too, as the row would have without the update."""
+    return tuple(sorted({s[k:] for s in stops for k in range(1, len(s)) if text.endswith(s[:k])}))
 
 
 def _continue_choices(choices: list[list[int]] | None, done: list[int]) -> list[list[int]] | None:
