@@ -22,7 +22,8 @@ class ModelCfg:
     lora_r: int = 0  # > 0 turns LoRA on
     lora_alpha: int = 16  # LoRA's scaling alpha (with model.lora_r > 0)
     # "bf16": the torch engine trains under bf16 autocast (fp32 weights and rollouts; ~2x faster updates
-    # on CPUs with AVX512-BF16). "": plain dtype
+    # on CPUs with AVX512-BF16 or AMX; on CPUs without bf16 instructions, where it is several times slower,
+    # the run trains in fp32 and says so). "": plain dtype
     autocast: Literal["", "bf16"] = ""
     # torch.compile the learner's decoder (dynamic shapes): a small model's step on a GPU is bound by the
     # operators it dispatches, which compiling fuses (docs/studies/gpu.md); the first step pays the compile

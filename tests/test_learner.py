@@ -550,3 +550,21 @@ def test_episode_sample_carries_each_turns_allowed_ids():
     b = collate([s], pad_id=0)
     assert b.allowed[0, 1].tolist() == [5, 7] and b.allowed[0, 2].tolist() == [6, -1]
     assert b.allowed[0, 4].tolist() == [8, 4] and (b.allowed[0, 0] == -1).all()
+
+
+def test_bf16_autocast_is_used_only_where_bf16_is_native(capsys):
+    """model.autocast=bf16 on a CPU without bf16 instructions (emulated: several times slower than fp32) trains
+    in fp32 and says so in one line; CUDA and CPUs with AVX512-BF16, AMX or aarch64's BF16 keep it."""
+    from agentrl.config_loader import load_config
+    from agentrl.learner import engine as eng
+    from agentrl.learner.models import native_bf16
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n"
+    assert not native_bf16("cpu", avx2)
+    assert native_bf16("cpu", avx2.replace("avx2", "avx2 avx512f avx512_bf16"))
+    assert native_bf16("cpu", "Features\t: fp asimd bf16 i8mm\n") and native_bf16("cuda:0", avx2)
+    cfg = load_config("grpo", env="sokoban", overrides=["model.autocast=bf16"])
+    want = "bf16" if native_bf16("cpu") else ""
+    assert eng.EngineConfig.of(cfg, "cpu", False).autocast == want
+    assert ("model.autocast=bf16 is not used" in capsys.readouterr().err) == (want == "")
+    assert eng.EngineConfig.of(cfg, "cuda:0", False).autocast == "bf16"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -83,8 +84,23 @@ class EngineConfig:
                                      warmup_steps=o.warmup_steps),
                    lora=LoraSettings(r=m.lora_r, alpha=m.lora_alpha) if m.lora_r else None, value_head=value_head,
                    critic=a.critic, critic_path=a.critic_path, critic_lr=o.critic_lr, token_budget=o.token_budget,
-                   dtype=m.dtype, seed=cfg.trainer.seed, device=device, autocast=m.autocast, compile=m.compile,
+                   dtype=m.dtype, seed=cfg.trainer.seed, device=device, autocast=_autocast(m.autocast, device),
+                   compile=m.compile,
                    gradient_checkpointing=m.gradient_checkpointing, export_dtype=m.export_dtype)
+
+
+def _autocast(spec: str, device: str) -> str:
+    """``model.autocast`` as it runs on ``device``: bf16 only where bf16 is native (``native_bf16``); on other
+    CPUs it would be several times slower than fp32, so the run trains in fp32 and says so once."""
+    from agentrl import dist
+    from agentrl.learner.models import native_bf16
+
+    if spec != "bf16" or native_bf16(device):
+        return spec
+    if dist.is_main():
+        print("note: model.autocast=bf16 is not used: this CPU has no bf16 instructions (avx512_bf16, amx_bf16), "
+              "where bf16 autocast runs several times slower than fp32; training in fp32", file=sys.stderr, flush=True)
+    return ""
 
 
 def rng_state() -> dict[str, Any]:
