@@ -39,7 +39,10 @@ def test_zero3_two_process_cpu_matches_single_process_torch(tiny_model_dir, tmp_
     exported = load_model(tmp_path / "exported").state_dict()
     ref = eng.model.state_dict()
     worst = max((exported[k] - ref[k]).abs().max().item() for k in ref if k in exported)
-    assert worst < 1e-4, worst
+    # Adam normalises each update: a float-order difference in a tiny gradient moves its weight by a fraction
+    # of lr (1e-3), more on some CPUs than others (1.2e-4 measured on an AVX2-only one); a real mismatch
+    # (a missed gather, another rank's rows) is lr or more on many weights
+    assert worst < 5e-4, worst
     # a checkpoint's HF folder under DeepSpeed is bfloat16 by default (model.export_dtype=auto): the same
     # weights, rounded, and a config that says so
     import torch
