@@ -257,9 +257,7 @@ class Trainer:
             metrics = {**self.recipe.learn(self, got.episodes, got.stats), **metrics}
         finally:
             a.in_step = False
-        metrics.update(a.hand_on(s + 1, self.engine, self.out_dir, s, turns))
-        if a.synced:
-            self._sync_stats = a.synced
+        metrics.update(a.hand_on(s, self.engine, self.out_dir, turns))
         metrics.update(staleness_mean=sum(gaps) / max(1, len(gaps)), staleness_max=float(max(gaps, default=0)))
         return metrics
 

@@ -36,7 +36,6 @@ class CollectAhead:
         self.due = False  # an update during a step: its weights go out after the step
         self.in_step = False
         self._loads_logged = 0  # the generator's in-flight loads logged so far
-        self.synced: dict[str, float] = {}  # the last deferred server sync's figures (time, check)
 
     @property
     def queue(self) -> dict[int, Collected]:
@@ -49,13 +48,12 @@ class CollectAhead:
         got, waited = p.take(step)
         return got, dict(overlap_queue_depth=float(len(p.queue)), time_wait_collect_s=waited)
 
-    def hand_on(self, version: int, engine: Any, out_dir: Path, step: int, turns: list[Any]) -> dict[str, float]:
-        """After step ``step``'s learning, its weights (version ``version``) for the collect that needs them,
-        and the step's overlap figures. Returns them; a deferred server sync's own figures are in ``synced``."""
-        p, due, self.due = self.producer, self.due, False
+    def hand_on(self, step: int, engine: Any, out_dir: Path, turns: list[Any]) -> dict[str, float]:
+        """After step ``step``'s learning, its weights (version ``step + 1``) for the collect that needs them;
+        returns the step's overlap figures (and a deferred server sync's own: time, check)."""
+        p, due, self.due, version = self.producer, self.due, False, step + 1
         t = time.perf_counter()
         out: dict[str, float] = {}
-        self.synced = {}
         if p.stages:  # collect version + N needs it, and is not released yet: always staged (a step that
             # skipped its update stages the same weights again); collective under DeepSpeed, so here
             p.stage(version, self.generator.stage(engine))
@@ -63,7 +61,7 @@ class CollectAhead:
         else:
             p.drain()
             if due:
-                self.synced = self.generator.receive(engine, out_dir)
+                out.update(self.generator.receive(engine, out_dir))
             p.set_loaded(version)
         out["time_wait_weights_s"], p.wait_weights_s = p.wait_weights_s, 0.0
         if p.inflight is not None:
