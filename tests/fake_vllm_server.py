@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--log", required=True)
     ap.add_argument("--hang-on", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--dtype", default="float32")  # what it says its weights are held in (agentrl_weights_dtype)
     a = ap.parse_args()
     loads = [0]
     import threading
@@ -71,6 +72,8 @@ def main() -> None:
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            if self.path == "/collective_rpc" and body.get("method") == "agentrl_weights_dtype":
+                return self._send({"results": [{"dtype": a.dtype}]})  # asked once per client, not logged
             if self.path == "/v1/completions":
                 outs = [generate(p, int(body["max_tokens"])) for p in body["prompt"]]
                 return self._send({"choices": [dict(index=i, **o) for i, o in enumerate(outs)]})

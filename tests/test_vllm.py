@@ -303,7 +303,6 @@ def test_an_update_lands_mid_generation_and_each_token_is_labelled_with_the_weig
     aborts them, loads the weights in place and continues each row at the new version. Every token's log-prob
     agrees with the weights its label names (old for the tokens before the update, new after), not the others'."""
     import threading
-    import time
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -329,11 +328,20 @@ def test_an_update_lands_mid_generation_and_each_token_is_labelled_with_the_weig
         t = threading.Thread(target=lambda: got.update(
             out=fleet.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=300), seeds=list(range(6)))))
         t.start()
-        time.sleep(0.6)
+        # the update lands once every row runs and has drawn tokens (the server's own counters), not after a
+        # guessed sleep: on a fast CPU the rows can end within a fixed one
+        _wait_for_metrics(server.url, lambda m: m["vllm:num_requests_running"] == 6 and
+                          m["vllm:generation_tokens_total"] >= 6 * 8)
+        loads_before = _log_lines(tmp_path / "vllm.log")
         fleet.offer(1, StagedTensors([(n, p.detach().clone()) for n, p in new.named_parameters()]))
         t.join(120)
         outs = got["out"]
         assert fleet.version == 1 and fleet.inflight_loads == 1
+        # the push was written in the server's dtype (bf16 on CPU): its reload copies without a cast
+        assert fleet.pool.clients[server.url].weights_dtype == torch.bfloat16
+        pushed = "".join(_log_lines(tmp_path / "vllm.log")[len(loads_before):])
+        assert "agentrl_load_shm" in pushed or "collective_rpc" in pushed, pushed[-2000:]
+        assert "Attempted to load weight" not in pushed, pushed[-2000:]
         assert any(0 in o.versions and 1 in o.versions for o in outs), [set(o.versions) for o in outs]
         right, wrong = [], []
         for prompt, o in zip(prompts, outs):
@@ -344,6 +352,49 @@ def test_an_update_lands_mid_generation_and_each_token_is_labelled_with_the_weig
                 wrong.append(abs(by[1 - v][j] - o.logprobs[j]))
         assert sum(right) / len(right) < 0.05 and sum(wrong) / len(wrong) > 4 * sum(right) / len(right), (
             sum(right) / len(right), sum(wrong) / len(wrong))
+        # served log-probs after the push against the learner's at the server's dtype: the pushed weights rounded
+        # to bf16 (what the server holds), computed in fp32; what is left is the server's bf16 arithmetic
+        rounded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+        with torch.no_grad():
+            for (_, q), (_, p) in zip(rounded.named_parameters(), new.named_parameters()):
+                q.copy_(p.to(torch.bfloat16).float())
+        seq = prompts[0] + outs[0].ids[:64]
+        served = fleet.pool.clients[server.url].score(seq)
+        at_dtype = completion_logprobs(rounded, seq[:1], seq[1:])
+        gap = sum(abs(a - b) for a, b in zip(served, at_dtype)) / len(served)
+        print(f"served vs learner at the server dtype: mean |diff| {gap:.4f} nats over {len(served)} tokens")
+        assert len(served) == len(seq) - 1 and gap < 0.03, gap
     finally:
         fleet.close()
         server.stop()
+
+
+def _metrics(url):
+    """vLLM's Prometheus counters as {name: value}, labels dropped and summed."""
+    import urllib.request
+
+    out = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                key = name.split("{", 1)[0]
+                out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _wait_for_metrics(url, ready, timeout_s=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = _metrics(url)
+        if ready(m):
+            return m
+        assert time.monotonic() < deadline, {k: v for k, v in m.items() if "request" in k or "tokens" in k}
+        time.sleep(0.02)
+
+
+def _log_lines(path):
+    with open(path, errors="replace") as f:
+        return f.readlines()

@@ -263,10 +263,10 @@ def test_an_older_version_is_pushed_from_its_host_copy(tmp_path, monkeypatch):
         sent = []
         write = vllm_sync.SharedMemorySync.write
 
-        def recording(self, weights):
+        def recording(self, weights, dtype=None):
             weights = list(weights)
             sent.extend((n, t.clone()) for n, t in weights)
-            return write(self, iter(weights))
+            return write(self, iter(weights), dtype)
 
         monkeypatch.setattr(vllm_sync.SharedMemorySync, "write", recording)
         fleet.load_weights(staged)

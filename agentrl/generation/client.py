@@ -30,6 +30,10 @@ from agentrl.types import Completion, SamplingParams
 
 CHOICES_XARG = "agentrl_choices"  # the vllm_xargs key our vLLM logits processor reads (a JSON string)
 BUSY_WAIT_S = 120.0  # how long a request waits out a busy server (429/503 with Retry-After) before failing
+# A refused connection never delivered the request, so any call (a pause, a weight load) may be tried again:
+# these pauses (3 s in all) ride out a listener's brief refusals, while a server that is gone still fails
+# within seconds.
+REFUSED_RETRY_S = (0.2, 0.4, 0.8, 1.6)
 
 
 def _retry_after(e: urllib.error.HTTPError) -> float | None:
@@ -41,9 +45,10 @@ def _retry_after(e: urllib.error.HTTPError) -> float | None:
 
 
 class GenerationServerError(RuntimeError):
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, refused_connection: bool = False):
         super().__init__(message)
         self.status = status  # the HTTP status when the server answered; None when it could not be reached
+        self.refused_connection = refused_connection  # refused on every try (request() already waited it out)
 
     @property
     def refused(self) -> bool:
@@ -62,6 +67,7 @@ class RemoteGenerator:
         self.max_prompts, self.parallel = max_prompts_per_request, parallel_requests
         self.model = model or self.models()[0]
         self.lora_name: str | None = None
+        self.weights_dtype: Any = None  # a vLLM server's weights dtype once asked (vllm_sync.served_dtype)
 
     # ----- HTTP -------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -72,6 +78,7 @@ class RemoteGenerator:
             headers["Authorization"] = f"Bearer {self.api_key}"
         req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         waited = 0.0
+        refusals = list(REFUSED_RETRY_S)
         while True:
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
@@ -87,7 +94,13 @@ class RemoteGenerator:
                 raise GenerationServerError(f"{method} {path}: HTTP {e.code}: "
                                             f"{e.read().decode(errors='replace')[:500]}", e.code) from None
             except urllib.error.URLError as e:
-                raise GenerationServerError(f"{method} {path}: cannot reach {self.base_url} ({e.reason})") from None
+                gone = isinstance(e.reason, ConnectionRefusedError)
+                if gone and refusals:
+                    time.sleep(refusals.pop(0))
+                    continue
+                tries = f", {len(REFUSED_RETRY_S) + 1} tries" if gone else ""
+                raise GenerationServerError(f"{method} {path}: cannot reach {self.base_url} ({e.reason}{tries})",
+                                            refused_connection=gone) from None
         if not raw.strip():
             return {}
         try:

@@ -50,7 +50,7 @@ class ServerPool:
             try:
                 return self.clients[name].generate(prompts, sampling, seeds=seeds, **extra)
             except GenerationServerError as e:
-                if e.refused:
+                if e.refused or e.refused_connection:  # rejected, or no listener through request()'s own retries
                     raise
                 time.sleep(delay)  # transient: a restart, a full queue, a dropped connection
                 delay *= 2

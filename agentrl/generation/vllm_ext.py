@@ -18,6 +18,11 @@ ALLOWED_DIR_ENV = "AGENTRL_SHM_DIR"  # the server reads weights only from this d
 
 
 class SharedMemoryWeights:
+    def agentrl_weights_dtype(self) -> dict:
+        """The dtype the served weights are held in (``--dtype``): the trainer writes its tensors in it, so the
+        file is no larger than needed and the reload copies without a cast."""
+        return {"dtype": str(self.model_config.dtype).replace("torch.", "")}  # type: ignore[attr-defined]
+
     def agentrl_load_shm(self, manifest: str) -> dict:
         m = json.loads(manifest)
         allowed = os.path.realpath(os.environ.get(ALLOWED_DIR_ENV, "/dev/shm"))

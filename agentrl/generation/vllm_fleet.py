@@ -218,8 +218,9 @@ class VLLMFleet:
             dead = vllm_sync.probe_live({n: self.pool.clients[n] for n in self.pool.live}, 10.0)
             error = ""
             if self.mode == "shm":
-                error = vllm_sync.shm_space_error(staged.nbytes if staged is not None else
-                                                  vllm_sync.weights_nbytes(_named_parameters(engine)))
+                live = {n: self.pool.clients[n] for n in self.pool.live if n not in dead}
+                error = vllm_sync.shm_space_error(staged.nbytes if staged is not None else vllm_sync.weights_nbytes(
+                    _named_parameters(engine), vllm_sync.common_dtype(live)))
             decision = (dead, error)
         with dist.collectives_on(self.group):
             dead, error = dist.broadcast_object(decision)

@@ -47,15 +47,20 @@ class SharedMemorySync:
     def __init__(self, shm_dir: str = SHM_DIR):
         self.dir = Path(shm_dir)
 
-    def write(self, weights: Iterable[tuple[str, torch.Tensor | None]]) -> tuple[Path, str]:
-        """The tensors into a fresh file as they come; returns it and the manifest the extension reads."""
+    def write(self, weights: Iterable[tuple[str, torch.Tensor | None]],
+              dtype: torch.dtype | None = None) -> tuple[Path, str]:
+        """The tensors into a fresh file as they come (floating ones in ``dtype`` when given); returns it and
+        the manifest the extension reads."""
         path = self.dir / f"agentrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tensors, off = [], 0
         with open(path, "wb") as f:
             for name, t in weights:
                 if t is None:  # another rank's share of a collective gather
                     continue
-                raw = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
+                t = t.detach().to("cpu")
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)  # round to nearest even: the same values vLLM's own copy into its weights gives
+                raw = t.contiguous().view(-1).view(torch.uint8).numpy()
                 f.write(raw.tobytes())
                 tensors.append(dict(name=name, dtype=str(t.dtype).replace("torch.", ""), shape=list(t.shape),
                                     offset=off, nbytes=int(raw.nbytes)))
@@ -67,12 +72,32 @@ class SharedMemorySync:
         """Load ``weights`` into every client's server, all at once, each within ``timeout_s``; returns
         {server name: error} for those that failed (they hold a mix of old and new weights and must not be
         sampled from until synced again)."""
-        path, manifest = self.write(weights)
+        path, manifest = self.write(weights, common_dtype(clients))
         try:
             return _each(clients, lambda c: (c.collective_rpc("agentrl_load_shm", [manifest]),
                                              c.reset_prefix_cache()), timeout_s)
         finally:
             path.unlink(missing_ok=True)
+
+
+def served_dtype(client: Any) -> torch.dtype | None:
+    """The dtype a server holds its weights in (our worker extension answers it; asked once per client);
+    None where it does not say (another server, an older extension): the push then keeps the learner's dtype
+    and vLLM's loader casts, logging a warning per tensor."""
+    if getattr(client, "weights_dtype", None) is None:
+        try:
+            name = client.collective_rpc("agentrl_weights_dtype", [])["results"][0]["dtype"]
+            client.weights_dtype = getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) \
+                else False
+        except Exception:  # noqa: BLE001 - any failure means "unknown", never a dead server
+            client.weights_dtype = False
+    return client.weights_dtype or None
+
+
+def common_dtype(clients: dict[str, Any]) -> torch.dtype | None:
+    """The servers' one weights dtype, or None when they do not all say the same."""
+    found = {served_dtype(c) for c in clients.values()}
+    return found.pop() if len(found) == 1 else None
 
 
 def _each(clients: dict[str, Any], call: Any, timeout_s: float) -> dict[str, str]:
@@ -118,15 +143,16 @@ def resume(clients: dict[str, Any], timeout_s: float) -> dict[str, str]:
     return _each(clients, lambda c: c.request("POST", "/resume"), timeout_s)
 
 
-def weights_nbytes(named_params: Iterable[tuple[str, Any]]) -> int:
-    """Bytes of the full (unsharded) tensors: what one shm sync writes."""
+def weights_nbytes(named_params: Iterable[tuple[str, Any]], dtype: torch.dtype | None = None) -> int:
+    """Bytes of the full (unsharded) tensors: what one shm sync writes (floating ones in ``dtype`` when given)."""
     total = 0
     for _, p in named_params:
         shape = tuple(getattr(p, "ds_shape", p.shape))
         n = 1
         for d in shape:
             n *= int(d)
-        total += n * p.element_size()
+        size = dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size()
+        total += n * size
     return total
 
 
