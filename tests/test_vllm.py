@@ -298,7 +298,7 @@ def test_an_agent_program_trains_through_a_vllm_server(tiny_model_dir, tmp_path,
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_an_update_lands_mid_generation_and_each_token_is_labelled_with_the_weights_that_drew_it(
-        tiny_model_dir, tmp_path):
+        tiny_model_dir, tmp_path, monkeypatch):
     """In-flight updates into a real vLLM server: rows are generating when other weights are offered; the fleet
     aborts them, loads the weights in place and continues each row at the new version. Every token's log-prob
     agrees with the weights its label names (old for the tokens before the update, new after), not the others'."""
@@ -308,6 +308,7 @@ def test_an_update_lands_mid_generation_and_each_token_is_labelled_with_the_weig
     from transformers import AutoModelForCausalLM
 
     from agentrl.config import TrainerCfg
+    from agentrl.generation.client import RemoteGenerator
     from agentrl.generation.vllm_fleet import StagedTensors, VLLMFleet
     from agentrl.launch import free_port
     from agentrl.learner.logprobs import completion_logprobs
@@ -322,6 +323,10 @@ def test_an_update_lands_mid_generation_and_each_token_is_labelled_with_the_weig
             p.add_(torch.randn_like(p) * 0.5 * p.std().clamp(min=1e-3))
     fleet = VLLMFleet(TrainerCfg(generator_url=server.url, vllm_sync="shm"), tiny_model_dir, "cpu", tmp_path)
     fleet.inflight = True
+    # every row runs to its 300 tokens (vLLM's ignore_eos): a row the untrained model ends early cannot finish
+    # before the update lands, however slowly the pause travels
+    body = RemoteGenerator._body
+    monkeypatch.setattr(RemoteGenerator, "_body", lambda self, p, s: {**body(self, p, s), "ignore_eos": True})
     try:
         prompts = [[1, 30 + k, 40 + k, 50] for k in range(6)]
         got = {}
@@ -363,7 +368,7 @@ def test_an_update_lands_mid_generation_and_each_token_is_labelled_with_the_weig
         at_dtype = completion_logprobs(rounded, seq[:1], seq[1:])
         gap = sum(abs(a - b) for a, b in zip(served, at_dtype)) / len(served)
         print(f"served vs learner at the server dtype: mean |diff| {gap:.4f} nats over {len(served)} tokens")
-        assert len(served) == len(seq) - 1 and gap < 0.03, gap
+        assert len(served) == len(seq) - 1 and gap < 0.01, gap
     finally:
         fleet.close()
         server.stop()
