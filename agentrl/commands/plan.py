@@ -81,7 +81,9 @@ def longest_row(cfg: Any, config: dict[str, Any]) -> tuple[int | None, str]:
 
 
 def _precision(t: gm.Terms) -> str:
-    return "bf16 mixed precision" if t.mixed else "bf16" if t.weight_bytes == 2 else "fp32"
+    if t.mixed:
+        return "bf16 mixed precision"
+    return ("bf16" if t.weight_bytes == 2 else "fp32") + (" (bf16 autocast)" if t.act_bytes < t.weight_bytes else "")
 
 
 def _count(n: int) -> str:
