@@ -167,6 +167,16 @@ class AlgoCfg:
     # nearly every group's rewards differ, so "reward" keeps every group and dynamic sampling stops at once
     filter_on: Literal["reward", "outcome"] = "reward"
 
+    @property
+    def kl_in_loss(self) -> bool:
+        """The loss has a KL term (an estimator in algo.kl and a positive algo.kl_coef)."""
+        return self.kl != "none" and self.kl_coef > 0
+
+    @property
+    def needs_reference(self) -> bool:
+        """The run loads a frozen KL reference policy: the loss's KL term or the KL reward penalty reads it."""
+        return self.kl_in_loss or self.kl_reward_coef > 0
+
 
 @dataclass
 class OptimCfg:

@@ -166,6 +166,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def groups_refusal(groups: int, ranks: int) -> str | None:
+    """The one line refusing ``rollout.groups`` below the learner's rank count (each rank rolls out whole
+    groups, ``shard_groups``), or None; the preflight and the launch plan both ask it."""
+    if ranks > 1 and groups < ranks:
+        return (f"rollout.groups={groups} is fewer than the {ranks} ranks: each rank rolls out whole groups, so "
+                f"set rollout.groups >= {ranks} (or launch fewer ranks)")
+    return None
+
+
 def shard_groups(group_ids: Sequence[str], n_ranks: int) -> list[list[int]]:
     """Indices of ``group_ids`` per rank: whole groups only (a group is never split), groups dealt in
     order of first appearance to the rank with the fewest rows so far (ties to the lowest rank), so the

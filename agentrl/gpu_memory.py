@@ -58,39 +58,68 @@ def param_count(s: ModelShape) -> int:
     return s.layers * layer + s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden
 
 
-def model_states_bytes(psi: int, ranks: int, stage: int, offload: bool = False) -> int:
-    """Per rank, mixed precision (bf16 parameters 2 and gradients 2, fp32 master weights and Adam's m and v
-    4 + 4 + 4 = 16 bytes a parameter): ZeRO-3 shards all 16Ψ over the ranks, ZeRO-2 the 14Ψ of gradients
-    and optimizer states, ZeRO-1 the 12Ψ of optimizer states; stage 0 (and the torch engine: fp32 weights,
-    gradients and Adam, 16Ψ too) shards none. Offload moves the sharded states to host memory."""
-    n = max(1, ranks)
+def critic_param_count(s: ModelShape) -> int:
+    """A separate critic: the transformer without its LM head (an untied head's Vh less) and a value head
+    (h + 1)."""
+    return param_count(s) - (0 if s.tied else s.vocab * s.hidden) + s.hidden + 1
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What one learner rank holds, as the run sets it up (``agentrl.commands.plan.learner_terms`` reads them
+    from the config with the run's own functions)."""
+    ranks: int = 1
+    stage: int = 3  # ZeRO stage; 0: every rank holds everything (the torch engine)
+    offload: bool = False  # the optimizer's states (and gradients) in host memory
+    offload_params: bool = False  # the parameters too (ZeRO-3)
+    weight_bytes: int = 2  # a parameter as the engine holds it: 2 in bf16, 4 in fp32
+    act_bytes: int = 2  # an activation: the weights' dtype, or bf16 under the torch engine's autocast
+    mixed: bool = True  # DeepSpeed's bf16: fp32 master weights and Adam moments beside the bf16 weights
+    reference: bool = False  # a frozen KL reference policy
+    reference_sharded: bool = True  # the reference is a ZeRO-3 engine (DeepSpeed), else a whole copy
+    critic: bool = False  # a separate critic network, trained beside the policy
+    generator_bytes: int = 0  # a whole generator copy on the rank (the embedded generator under DeepSpeed)
+    checkpointing: bool = False  # per-layer activation checkpointing
+
+
+def model_states_bytes(psi: int, ranks: int, stage: int, offload: bool = False, weight_bytes: int = 2,
+                       mixed: bool = True, offload_params: bool = False) -> int:
+    """Per rank: weights w and gradients w a parameter, Adam's m and v (4 + 4 under mixed precision, which
+    adds the fp32 master weights 4; else 2w): 16 bytes under DeepSpeed's bf16 and in fp32, 8 in pure bf16.
+    ZeRO-3 shards all of it over the ranks, ZeRO-2 the gradients and optimizer states, ZeRO-1 the optimizer
+    states; stage 0 (the torch engine) shards none. Offload moves the optimizer's share (and its gradients)
+    to host memory; under ZeRO-3 ``offload_params`` the parameters too."""
+    n, w = max(1, ranks), weight_bytes
+    opt = 12 if mixed else 2 * w
     if stage >= 3:
-        return 0 if offload else 16 * psi // n
+        return (0 if offload_params else w * psi // n) + (0 if offload else (w + opt) * psi // n)
     if stage == 2:
-        return 2 * psi + (0 if offload else 14 * psi // n)
+        return w * psi + (0 if offload else (w + opt) * psi // n)
     if stage == 1:
-        return 4 * psi + (0 if offload else 12 * psi // n)
-    return 16 * psi
+        return 2 * w * psi + (0 if offload else opt * psi // n)
+    return (2 * w + opt) * psi
 
 
-def working_set_bytes(s: ModelShape, stage: int) -> int:
-    """ZeRO-3 gathers each module's bf16 parameters before it runs: the largest module (the embedding or
-    untied head, Vh) plus the prefetch bucket. Other stages keep every parameter anyway (0)."""
-    return 2 * (s.vocab * s.hidden + ZERO3_PREFETCH) if stage >= 3 else 0
+def working_set_bytes(s: ModelShape, stage: int, weight_bytes: int = 2) -> int:
+    """ZeRO-3 gathers each module's parameters before it runs: the largest module (the embedding or untied
+    head, Vh) plus the prefetch bucket. Other stages keep every parameter anyway (0)."""
+    return weight_bytes * (s.vocab * s.hidden + ZERO3_PREFETCH) if stage >= 3 else 0
 
 
-def activation_bytes_per_token(s: ModelShape, checkpointing: bool) -> int:
+def activation_bytes_per_token(s: ModelShape, checkpointing: bool, weight_bytes: int = 2) -> int:
     """Kept for the backward pass, per token, under bf16: a = 16h + 4d_kv + 8I a layer (the RMSNorms' fp32
     inputs and bf16 outputs, q, k, v, the attention output, the MLP's gate, up, SiLU and product); x L
-    without checkpointing, or each layer's input (2h x L) plus one layer recomputed (a) with it."""
+    without checkpointing, or each layer's input (2h x L) plus one layer recomputed (a) with it. In fp32
+    (weight_bytes 4) twice that."""
     a = 16 * s.hidden + 4 * s.d_kv + 8 * s.intermediate
-    return 2 * s.hidden * s.layers + a if checkpointing else a * s.layers
+    per = 2 * s.hidden * s.layers + a if checkpointing else a * s.layers
+    return per * weight_bytes // 2
 
 
-def logits_bytes_per_token(s: ModelShape) -> int:
+def logits_bytes_per_token(s: ModelShape, weight_bytes: int = 2) -> int:
     """Per generated token (the only positions projected to the vocabulary): the bf16 logits, their fp32
-    copy and the log-softmax, 10V bytes."""
-    return 10 * s.vocab
+    copy and the log-softmax, 10V bytes; in fp32 the logits are already the copy, 8V."""
+    return (8 + (weight_bytes if weight_bytes < 4 else 0)) * s.vocab
 
 
 def kv_bytes_per_token(s: ModelShape, tensor_parallel: int = 1) -> int:
@@ -103,28 +132,39 @@ class LearnerEstimate:
     states: int
     working_set: int
     reference: int
-    activations: int  # at the token budget, without checkpointing
+    critic: int  # a separate critic's model states
+    generator: int  # a whole generator copy
+    activations: int  # at the micro-batch's tokens, without checkpointing (the critic's too)
     activations_ckpt: int  # the same with per-layer activation checkpointing
     logits: int
     checkpointing: bool  # which of the two the run uses
 
     @property
     def total(self) -> int:
-        return self.states + self.working_set + self.reference + self.logits + (
+        return self.states + self.working_set + self.reference + self.critic + self.generator + self.logits + (
             self.activations_ckpt if self.checkpointing else self.activations)
 
 
-def learner(s: ModelShape, ranks: int, stage: int, token_budget: int, generated_tokens: int,
-            offload: bool = False, reference: bool = False, checkpointing: bool = False) -> LearnerEstimate:
-    """One learner rank: 16Ψ/N (by stage) + working set + a reference policy (an fp32 copy, 4Ψ, for
-    recipes with a KL term) + T x activations + R x 10V, T = optim.token_budget, R generated tokens."""
-    psi = param_count(s)
-    return LearnerEstimate(states=model_states_bytes(psi, ranks, stage, offload),
-                           working_set=working_set_bytes(s, stage),
-                           reference=4 * psi if reference else 0,
-                           activations=token_budget * activation_bytes_per_token(s, False),
-                           activations_ckpt=token_budget * activation_bytes_per_token(s, True),
-                           logits=generated_tokens * logits_bytes_per_token(s), checkpointing=checkpointing)
+def learner(s: ModelShape, terms: Terms, tokens: int, generated_tokens: int) -> LearnerEstimate:
+    """One learner rank: model states (by stage) + working set + a reference policy (its weights: w·Ψ/N
+    sharded by ZeRO-3, w·Ψ whole under the torch engine) + a separate critic's states + a whole generator
+    copy + T x activations (twice with a critic: its forward is kept for the backward too) + R x logits,
+    T the tokens of the largest micro-batch, R generated tokens."""
+    t, psi, w = terms, param_count(s), terms.weight_bytes
+    n = max(1, t.ranks)
+    ref = 0
+    if t.reference:
+        ref = (0 if t.offload_params else w * psi // n) if t.reference_sharded and t.stage >= 3 else w * psi
+    crit = model_states_bytes(critic_param_count(s), n, t.stage, t.offload, w, t.mixed, t.offload_params) \
+        if t.critic else 0
+    nets = 2 if t.critic else 1
+    return LearnerEstimate(states=model_states_bytes(psi, n, t.stage, t.offload, w, t.mixed, t.offload_params),
+                           working_set=working_set_bytes(s, t.stage, w), reference=ref, critic=crit,
+                           generator=t.generator_bytes * psi,
+                           activations=nets * tokens * activation_bytes_per_token(s, False, t.act_bytes),
+                           activations_ckpt=nets * tokens * activation_bytes_per_token(s, True, t.act_bytes),
+                           logits=generated_tokens * logits_bytes_per_token(s, t.act_bytes),
+                           checkpointing=t.checkpointing)
 
 
 @dataclass
@@ -142,10 +182,11 @@ def server(s: ModelShape, card_bytes: int, fraction: float, tensor_parallel: int
     return ServerEstimate(weights, share, max(0, share - weights) // kv_bytes_per_token(s, tensor_parallel))
 
 
-def largest_token_budget(s: ModelShape, budget_bytes: int, ranks: int, stage: int, generated_share: float = 0.2,
-                         offload: bool = False, reference: bool = False, checkpointing: bool = False) -> int:
-    """The largest optim.token_budget T whose learner estimate fits ``budget_bytes`` (R = share x T):
-    solves states + working set + reference + T·(activations + share·10V) = budget."""
-    fixed = learner(s, ranks, stage, 0, 0, offload, reference, checkpointing).total
-    per = activation_bytes_per_token(s, checkpointing) + generated_share * logits_bytes_per_token(s)
+def largest_token_budget(s: ModelShape, budget_bytes: int, terms: Terms, generated_share: float = 0.2) -> int:
+    """The largest micro-batch T whose learner estimate fits ``budget_bytes`` (R = share x T): solves
+    fixed + T·(activations + share·logits) = budget."""
+    fixed = learner(s, terms, 0, 0).total
+    nets = 2 if terms.critic else 1
+    per = nets * activation_bytes_per_token(s, terms.checkpointing, terms.act_bytes) + \
+        generated_share * logits_bytes_per_token(s, terms.act_bytes)
     return max(0, int((budget_bytes - fixed) / per))

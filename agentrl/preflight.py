@@ -199,6 +199,5 @@ def check_launch(cfg: Any, device: str) -> None:
     if c.trainer.engine != "deepspeed":
         raise ConfigError(f"{n} ranks were launched but trainer.engine={c.trainer.engine} trains in one process; "
                           "add trainer.engine=deepspeed (ZeRO-3 over the ranks) or launch one process")
-    if c.rollout.groups < n:
-        raise ConfigError(f"rollout.groups={c.rollout.groups} is fewer than the {n} ranks: each rank rolls out "
-                          f"whole groups, so set rollout.groups >= {n} (or launch fewer ranks)")
+    if why := dist.groups_refusal(c.rollout.groups, n):
+        raise ConfigError(why)

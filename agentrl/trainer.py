@@ -65,6 +65,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def embedded_copy(cfg: RecipeCfg) -> bool:
+    """The embedded generator samples from a whole copy of the policy in model.dtype, refreshed in memory
+    after each update, not from the learner's own module: under DeepSpeed (each rank holds only shards) and
+    under the overlap (the producer samples while the learner trains)."""
+    t = cfg.trainer
+    return t.generator == "embedded" and (t.engine == "deepspeed" or t.max_staleness > 0)
+
+
 class Trainer:
     """One run: ``Trainer.from_config(cfg)``, then ``train()`` (and ``evaluate()``), then ``close()``."""
 
@@ -171,7 +179,7 @@ class Trainer:
         from agentrl.learner.models import stop_token_ids
 
         model = getattr(self.engine, "model", None)
-        if model is None or self.cfg.trainer.max_staleness > 0:
+        if model is None or embedded_copy(self.cfg):
             # DeepSpeed, or the overlap (the producer samples while the learner trains): a copy of the policy,
             # refreshed in memory after each update
             return EmbeddedGenerator.from_folder(self.model_dir, self.cfg.model.dtype, self.device)
@@ -212,8 +220,7 @@ class Trainer:
 
     @property
     def needs_reference(self) -> bool:
-        a = self.cfg.algo
-        return (a.kl != "none" and a.kl_coef > 0) or a.kl_reward_coef > 0
+        return self.cfg.algo.needs_reference
 
     def reference_folder(self) -> Path | None:
         """What KL terms measure against: the warm start (the SFT-only policy) when there is one, else the

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Check a GPU node before training on it, in about 6-8 minutes on one GPU and without network:
+# Check a GPU node before training on it, in at most 16 minutes on one GPU (20 on two) and without network:
 #   1. the torch engine and the embedded generator on CUDA in bf16: 3 GRPO steps of a sized-up tiny model
 #      (tiny:..., built here from the repo: no download, no model package) on Sokoban;
 #   2. DeepSpeed ZeRO-3 on one rank over NCCL (2 steps of the same run);
 #   3. the learner eager and with model.compile (agentrl bench learner, bf16);
-# then one table: generated tokens/s, learner rows/s, peak GPU memory, whether each part ran.
+#   4. a 7B-wide slice (Qwen2.5-7B's layer shape, 4 layers) on one ZeRO-3 rank: peak GPU memory of a step at
+#      2k, 4k and 8k tokens, without and with activation checkpointing, beside the launch plan's estimate
+#      (scripts/learner_memory.py);
+#   5. with two GPUs or more: a GRPO run sampling from one vLLM server on GPU 1, weights synced over NCCL;
+# then the tables: generated tokens/s, learner rows/s, peak GPU memory, whether each part ran; the slice's
+# measured peaks against the plan.
 #
 #   bash scripts/gpu_check.sh                    # the check; logs and table.md in gpu-check-DATE/
 #   bash scripts/gpu_check.sh --wheels DIR       # what is not importable (DeepSpeed...) from wheels in DIR
@@ -33,7 +38,7 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS="${2:?--wheels needs a folder}"; shift ;;
     --out) OUT="${2:?--out needs a folder}"; shift ;;
     --python) PY="${2:?--python needs an interpreter}"; shift ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -47,8 +52,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 cd "$ROOT" || exit 2
 
-# Per-part time limits (s): their sum keeps the whole check under 8 minutes.
-T_PREP=60 T_GRPO=130 T_DS=110 T_EAGER=40 T_COMPILE=110
+# Per-part time limits (s): their sum keeps the whole check under 16 minutes on one GPU (20 with the vLLM part).
+T_PREP=60 T_GRPO=130 T_DS=110 T_EAGER=40 T_COMPILE=110 T_SLICE_PREP=150 T_SLICE=180 T_VLLM=240
 
 # What each part runs. Small enough for the time limits; the GRPO run keeps zero-variance groups
 # (algo.filters=[dropped]) and has an entropy bonus (RAGEN's 0.001), so the learner trains every step even
@@ -67,6 +72,17 @@ BENCH=("$PY" -m agentrl.cli bench learner --model "$MODEL" --device cuda --autoc
   --lengths 200-600)
 EAGER_CMD=("${BENCH[@]}" --learner-steps 6 --json "$OUT/eager.json")
 COMPILE_CMD=("${BENCH[@]}" --learner-steps 6 --compile --json "$OUT/compile.json")
+# The 7B-wide slice: Qwen2.5-7B's hidden, MLP and attention widths with 4 of its 28 layers (~0.9B parameters
+# with the tiny vocabulary), so one rank's activations per token and layer are a 7B's, and they fit one GPU.
+SLICE="tiny:hidden_size=3584,intermediate_size=18944,num_hidden_layers=4,num_attention_heads=28,num_key_value_heads=4"
+SLICE_TOKENS=2048,4096,8192
+SLICE_CMD=("$PY" scripts/learner_memory.py --model "$SLICE" --tokens "$SLICE_TOKENS")
+SLICE_OFF_CMD=("${SLICE_CMD[@]}" --json "$OUT/slice-off.json")
+SLICE_ON_CMD=("${SLICE_CMD[@]}" --checkpointing --json "$OUT/slice-on.json")
+# Two GPUs or more: the learner on GPU 0, one vLLM server on GPU 1, the weights synced over NCCL each step
+VLLM_CMD=("$PY" -m agentrl.cli train grpo "${RUN_ARGS[@]}" trainer.steps=2 eval.every=2 trainer.generator=vllm
+  trainer.vllm_servers=1 "trainer.vllm_gpus=[1]" trainer.vllm_sync=nccl vllm.max_model_len=2048
+  vllm.gpu_memory_utilization=0.5 --out "$OUT/vllm")
 
 show() { local s; s="$(printf '%q ' "$@")"; echo "  ${s% }"; }
 FAILED=()
@@ -125,7 +141,8 @@ cli_args() {  # the agentrl.cli arguments of a command line
   local a=("$@"); while [ "${a[0]}" != -m ] || [ "${a[1]}" != agentrl.cli ]; do a=("${a[@]:1}"); done
   printf '%s\n' "${a[@]:2}"
 }
-preflight_out="$("$PY" - "$(cli_args "${GRPO_CMD[@]}")" "$(cli_args "${DS_CMD[@]}")" "$MODEL" 2>&1 <<'EOF'
+preflight_out="$("$PY" - "$(cli_args "${GRPO_CMD[@]}")" "$(cli_args "${DS_CMD[@]}")" "$MODEL" \
+  "$(cli_args "${VLLM_CMD[@]}")" 2>&1 <<'EOF'
 import contextlib, importlib.util, io, sys
 from pathlib import Path
 
@@ -177,6 +194,7 @@ check("the tiny model", tiny_model)
 check("DeepSpeed JSON configs/deepspeed/zero3.json", ds_json)
 check("config of the grpo run", lambda: config(sys.argv[1].splitlines()))
 check("config of the deepspeed run", lambda: config(sys.argv[2].splitlines()))
+check("config of the vllm run (two GPUs)", lambda: config(sys.argv[4].splitlines()))
 check("agentrl bench learner takes --device, --compile, --json", bench_flags)
 EOF
 )"
@@ -185,6 +203,7 @@ while read -r line; do FAILED+=("${line#FAIL  }"); done < <(grep '^FAIL ' <<<"$p
 if ! grep -q '^ok    agentrl bench' <<<"$preflight_out" && ! grep -q '^FAIL  agentrl bench' <<<"$preflight_out"; then
   echo "FAIL  preflight: $(tail -n1 <<<"$preflight_out")"; FAILED+=("preflight")
 fi
+check "the launch plan's estimate for the 7B-wide slice at ${SLICE_TOKENS##*,} tokens" "${SLICE_CMD[@]}" --plan-only
 
 echo "== planned commands (in this order; peak GPU memory sampled with nvidia-smi during each)"
 show "$PY" -c "from agentrl.model_zoo import resolve_model; print(resolve_model('$MODEL'))"
@@ -192,6 +211,11 @@ show "${GRPO_CMD[@]}"
 show "${DS_CMD[@]}"
 show "${EAGER_CMD[@]}"
 show "${COMPILE_CMD[@]}"
+show "$PY" -c "from agentrl.model_zoo import resolve_model; print(resolve_model('$SLICE'))"
+show "${SLICE_OFF_CMD[@]}"
+show "${SLICE_ON_CMD[@]}"
+echo "  (two GPUs or more:)"
+show "${VLLM_CMD[@]}"
 
 if [ ${#FAILED[@]} -gt 0 ]; then
   echo "error: ${#FAILED[@]} check(s) failed: $(printf '%s; ' "${FAILED[@]}" | sed 's/; $//')" >&2
@@ -242,9 +266,27 @@ else
 fi
 part eager $T_EAGER "${EAGER_CMD[@]}"
 part compile $T_COMPILE "${COMPILE_CMD[@]}"
+if [ "$DS_STATE" = missing ]; then
+  echo "-- slice: not run (DeepSpeed is not importable; pass --wheels DIR)" | tee "$OUT/slice-off.log"
+  echo "skipped 0" >"$OUT/slice-off.status"
+else
+  part slice-prepare $T_SLICE_PREP "$PY" -c "from agentrl.model_zoo import resolve_model; print(resolve_model('$SLICE'))"
+  part slice-off $T_SLICE "${SLICE_OFF_CMD[@]}"
+  part slice-on $T_SLICE "${SLICE_ON_CMD[@]}"
+fi
+GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+if [ "${GPUS:-0}" -lt 2 ]; then
+  echo "-- vllm: not run (one GPU visible; the part needs a second for the server)" | tee "$OUT/vllm.log"
+  echo "skipped 0" >"$OUT/vllm.status"
+elif ! "$PY" -c "import vllm" >/dev/null 2>&1; then
+  echo "-- vllm: not run (vLLM is not importable in $PY)" | tee "$OUT/vllm.log"
+  echo "skipped 0" >"$OUT/vllm.status"
+else
+  part vllm $T_VLLM "${VLLM_CMD[@]}"
+fi
 
-"$PY" - "$OUT" <<'EOF'
-import json, re, sys
+SLICE="$SLICE" SLICE_TOKENS="$SLICE_TOKENS" "$PY" - "$OUT" <<'EOF'
+import json, os, re, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
@@ -292,18 +334,45 @@ log = (out / "deepspeed.log").read_text(errors="replace") if (out / "deepspeed.l
 nccl = "NCCL INFO" in log or re.search(r"backend nccl", log)  # NCCL_DEBUG=INFO: its communicator's init lines
 table.append(("DeepSpeed ZeRO-3, 1 rank", ran, tok, rps, peak("deepspeed"), f"{secs} s",
               f"{n} of 2 steps, {'NCCL communicator seen in the log' if nccl else 'no NCCL line in the log'}"))
+ran, secs = status("vllm")
+tok, rps, n = run_rates("vllm")
+rows = [json.loads(x) for x in (out / "vllm" / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+    if (out / "vllm" / "metrics.jsonl").exists() else []
+diff = max((r["sync_logprob_diff"] for r in rows if "sync_logprob_diff" in r), default=None)
+sync = max((r["time_sync_s"] for r in rows if "time_sync_s" in r), default=None)
+table.append(("vLLM server on GPU 1 + NCCL weight sync (2 GPUs)", ran, tok, rps, peak("vllm"), f"{secs} s",
+              f"{n} of 2 steps" + (f", sync_logprob_diff {diff:.3g}" if diff is not None else "") +
+              (f", sync {sync:.1f} s" if sync is not None else "")))
 for name, label in (("eager", "learner, eager (bench learner, 32 rows of 200-600 tokens)"),
                     ("compile", "learner, model.compile (the same batches)")):
     ran, secs = status(name)
     rps, note = bench_rate(name)
     table.append((label, ran, "", rps, peak(name), f"{secs} s", note))
 
+# the 7B-wide slice: each step's measured peak beside the plan's estimate for the same shape and tokens
+slice_rows = [("tokens", "checkpointing", "ran", "peak allocated", "peak reserved", "plan", "measured / plan")]
+for name in ("slice-off", "slice-on"):
+    ran, _ = status(name)
+    p = out / f"{name}.json"
+    for r in (json.loads(p.read_text()) if p.exists() else []):
+        got, plan = r.get("peak_allocated_gib"), r["plan"]["total"]
+        slice_rows.append((str(r["tokens"]), "on" if r["checkpointing"] else "off", ran,
+                           f"{got:.2f} GiB" if got is not None else "n/a",
+                           f"{r['peak_reserved_gib']:.2f} GiB" if "peak_reserved_gib" in r else "n/a",
+                           f"{plan:.2f} GiB", f"{got / plan:.2f}" if got is not None else ""))
+    if not p.exists():
+        slice_rows.append((os.environ.get("SLICE_TOKENS", ""), name.split("-")[1], ran, "n/a", "n/a", "", ""))
+slice_ran = next((s for s in (status(n)[0] for n in ("slice-off", "slice-on")) if s != "yes"), "yes")
+table.append(("7B-wide slice, 1 ZeRO-3 rank (table below)", slice_ran, "", "", "", "", ""))
 lines = ["| " + " | ".join(table[0]) + " |", "|" + " --- |" * len(table[0])]
 lines += ["| " + " | ".join(r) + " |" for r in table[1:]]
+lines += ["", "7B-wide slice (" + os.environ.get("SLICE", "") + "), one ZeRO-3 rank, zero3.json (bf16):", "",
+          "| " + " | ".join(slice_rows[0]) + " |", "|" + " --- |" * len(slice_rows[0])]
+lines += ["| " + " | ".join(r) + " |" for r in slice_rows[1:]]
 device = (out / "device.txt").read_text().strip() if (out / "device.txt").exists() else ""
 text = f"{device}\n\n" + "\n".join(lines) + "\n"
 (out / "table.md").write_text(text)
 print("\n" + text)
 print(f"peak GPU memory: nvidia-smi's memory.used for the whole device, sampled every 0.5 s; logs in {out}/")
-sys.exit(0 if all(r[1] == "yes" for r in table[1:]) else 1)
+sys.exit(0 if all(r[1] in ("yes", "not run") and (r[1] == "yes" or "vLLM" in r[0]) for r in table[1:]) else 1)
 EOF

@@ -26,7 +26,16 @@ def test_dry_run_passes_on_cpu_and_prints_the_planned_commands(tmp_path):
     assert "ok    config of the deepspeed run:" in out and "engine: deepspeed" in out
     planned = out.split("== planned commands", 1)[1].splitlines()
     train = [c for c in planned if "agentrl.cli train grpo" in c]
-    assert len(train) == 2 and all("trainer.device=cuda" in c and "model.autocast=bf16" in c for c in train)
+    assert len(train) == 3 and all("trainer.device=cuda" in c and "model.autocast=bf16" in c for c in train)
+    # on two GPUs: one vLLM server on GPU 1, weights synced over NCCL
+    assert all(k in train[2] for k in ("trainer.generator=vllm", "trainer.vllm_sync=nccl", "trainer.vllm_gpus="))
+    assert "ok    config of the vllm run (two GPUs):" in out
+    # the 7B-wide slice on one ZeRO-3 rank at 2k/4k/8k tokens, without and with checkpointing, and the plan's
+    # estimate for it (no GPU needed)
+    sliced = [c for c in planned if "scripts/learner_memory.py" in c]
+    assert len(sliced) == 2 and "--checkpointing" in sliced[1] and all("hidden_size=3584" in c for c in sliced)
+    assert "2048\\,4096\\,8192" in sliced[0]
+    assert "ok    the launch plan's estimate for the 7B-wide slice at 8192 tokens: 8192 tokens" in out
     assert "trainer.steps=3" in train[0] and "--model tiny:" in train[0] and "--env sokoban" in train[0]
     assert "smollm2" not in out  # no model package, nothing downloaded
     assert "ok    the tiny model: tiny:" in out

@@ -47,22 +47,51 @@ def test_activation_and_kv_numbers_are_the_guides():
     assert gm.logits_bytes_per_token(shape("7B")) == 10 * 152064
 
 
-def test_model_states_by_zero_stage():
+def test_model_states_by_zero_stage_and_precision():
     psi = 1000
-    assert gm.model_states_bytes(psi, 4, 3) == 4000 and gm.model_states_bytes(psi, 4, 3, offload=True) == 0
+    assert gm.model_states_bytes(psi, 4, 3) == 4000  # bf16 mixed precision: 16 bytes a parameter, sharded
+    assert gm.model_states_bytes(psi, 4, 3, weight_bytes=4, mixed=False) == 4000  # fp32: 4 + 4 + 8
+    assert gm.model_states_bytes(psi, 4, 3, weight_bytes=2, mixed=False) == 2000  # pure bf16: 2 + 2 + 4
+    # optimizer offload keeps the bf16 parameter shards on the GPU; parameter offload moves them too
+    assert gm.model_states_bytes(psi, 4, 3, offload=True) == 500
+    assert gm.model_states_bytes(psi, 4, 3, offload=True, offload_params=True) == 0
     assert gm.model_states_bytes(psi, 4, 2) == 2000 + 3500
     assert gm.model_states_bytes(psi, 4, 1) == 4000 + 3000
     assert gm.model_states_bytes(psi, 4, 0) == 16000
 
 
+def test_fp32_doubles_activations_and_the_working_set():
+    s = shape("7B")
+    assert gm.activation_bytes_per_token(s, False, 4) == 2 * gm.activation_bytes_per_token(s, False)
+    assert gm.working_set_bytes(s, 3, 4) == 2 * gm.working_set_bytes(s, 3)
+    assert gm.logits_bytes_per_token(s, 4) == 8 * s.vocab  # fp32 logits are their own fp32 copy
+
+
+def test_the_critic_reference_and_generator_terms():
+    s, psi = shape("7B"), gm.param_count(shape("7B"))
+    base = gm.learner(s, gm.Terms(ranks=6), 8192, 1638)
+    # a separate critic: the transformer without the untied LM head, its own 16 bytes a parameter over the
+    # ranks, and its activations kept beside the policy's
+    crit = gm.learner(s, gm.Terms(ranks=6, critic=True), 8192, 1638)
+    assert gm.critic_param_count(s) == psi - s.vocab * s.hidden + s.hidden + 1
+    assert crit.critic == 16 * gm.critic_param_count(s) // 6 and crit.activations == 2 * base.activations
+    # the reference: bf16 shards under ZeRO-3 (2 psi / N), a whole copy under the torch engine
+    assert gm.learner(s, gm.Terms(ranks=6, reference=True), 0, 0).reference == 2 * psi // 6
+    assert gm.learner(s, gm.Terms(ranks=6, reference=True, weight_bytes=4, mixed=False), 0, 0).reference \
+        == 4 * psi // 6
+    assert gm.learner(s, gm.Terms(stage=0, reference=True, reference_sharded=False), 0, 0).reference == 2 * psi
+    assert gm.learner(s, gm.Terms(ranks=6, generator_bytes=4), 0, 0).generator == 4 * psi
+
+
 def test_the_guides_7b_rows():
     s = shape("7B")
     # 7B, 4 ranks, ZeRO-3, the paper's micro-batch: 148 GiB (no checkpointing), 43.1 GiB with it
-    est = gm.learner(s, 4, 3, 20480, 4096)
+    est = gm.learner(s, gm.Terms(ranks=4), 20480, 4096)
     assert est.total / gm.GIB == pytest.approx(148, abs=0.5)
-    assert gm.learner(s, 4, 3, 20480, 4096, checkpointing=True).total / gm.GIB == pytest.approx(43.1, abs=0.1)
+    assert gm.learner(s, gm.Terms(ranks=4, checkpointing=True), 20480, 4096).total / gm.GIB == pytest.approx(43.1,
+                                                                                                          abs=0.1)
     # the budget that fits 70 GiB (R = T/5): 7,006 tokens, so the guide's 6,144
-    assert gm.largest_token_budget(s, 70 * gm.GIB, 4, 3) == pytest.approx(7006, abs=5)
+    assert gm.largest_token_budget(s, 70 * gm.GIB, gm.Terms(ranks=4)) == pytest.approx(7006, abs=5)
     # a server: 14.19 GiB of bf16 weights; an 80 GB card at vLLM's 0.92 leaves ~1M tokens of KV cache
     srv = gm.server(s, int(74.5 * gm.GIB), 0.92)
     assert srv.weights / gm.GIB == pytest.approx(14.19, abs=0.01)

@@ -9,7 +9,8 @@ from agentrl.config_loader import load_config
 
 QWEN7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
-DS = ["trainer.engine=deepspeed", "trainer.deepspeed_config=configs/deepspeed/zero3.json", "trainer.generator=vllm"]
+DS = ["trainer.engine=deepspeed", "trainer.deepspeed_config=configs/deepspeed/zero3.json", "trainer.generator=vllm",
+      "rollout.groups=16"]  # each of up to 12 learner ranks rolls out whole groups
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +135,85 @@ def test_without_gpus_here_the_plan_asks_for_the_nodes_shape(qwen7b, capsys):
     assert capsys.readouterr().out.strip().splitlines() == [
         "error: --nodes 1 --gpus-per-node 0: a plan needs at least one GPU (this machine has none visible: give "
         "the nodes' shape, e.g. --nodes 1 --gpus-per-node 8)"]
+
+
+def _learner_line(out):
+    return next(x for x in out if x.startswith("  learner rank:"))
+
+
+SIX = DS + ["trainer.vllm_servers=2", "trainer.vllm_gpus=[6,7]", "optim.token_budget=8192"]
+
+
+@pytest.mark.parametrize("recipe", ["ppo", "starpo_ppo", "starpo_s"])
+def test_a_separate_critic_is_charged_its_states_and_activations(qwen7b, recipe):
+    out, errors = build(load_config(recipe, model=qwen7b, overrides=SIX), 1, 8, 74.5)
+    line = _learner_line(out)
+    # 16 bytes a parameter of the transformer without its untied LM head, over 6 ranks; the critic's forward is
+    # kept for the backward beside the policy's: twice the activations
+    assert "+ critic 17.6 GiB +" in line and "90.1 GiB without checkpointing" in line
+    assert errors and errors[0].startswith("a learner rank needs 13")  # ~130 GiB: it does not fit at 8192
+
+
+def test_the_reference_is_its_bf16_shards_2_bytes_over_n(qwen7b):
+    out, errors = build(load_config("starpo", model=qwen7b, overrides=SIX), 1, 8, 74.5)
+    assert "reference 2.4 GiB" in _learner_line(out) and errors == []  # 2 x 7.62e9 / 6: it fits at 8192
+    # the default DeepSpeed config has no bf16: fp32 shards, 4 bytes over N
+    fp32 = [x for x in SIX if not x.startswith("trainer.deepspeed_config")]
+    out, _ = build(load_config("starpo", model=qwen7b, overrides=fp32), 1, 8, 74.5)
+    assert "ZeRO-3 in fp32" in out[0] and "reference 4.7 GiB" in _learner_line(out)
+
+
+def test_the_embedded_generators_copy_under_deepspeed(qwen7b):
+    over = ["trainer.engine=deepspeed", "trainer.deepspeed_config=configs/deepspeed/zero3.json", "rollout.groups=16",
+            "optim.token_budget=4096"]
+    out, _ = build(load_config("grpo", model=qwen7b, overrides=over), 1, 8, 74.5)
+    assert "+ generator copy 28.4 GiB +" in _learner_line(out)  # a whole copy per rank in model.dtype (fp32)
+    out, _ = build(load_config("grpo", model=qwen7b, overrides=over + ["model.dtype=bfloat16"]), 1, 8, 74.5)
+    assert "+ generator copy 14.2 GiB +" in _learner_line(out)
+    out, _ = build(load_config("grpo", model=qwen7b, overrides=SIX), 1, 8, 74.5)
+    assert "generator copy" not in _learner_line(out)  # vLLM servers: no copy on the learner
+
+
+def test_a_row_longer_than_the_budget_is_a_micro_batch_of_its_own(qwen7b, tmp_path):
+    six = DS + ["trainer.vllm_servers=2", "trainer.vllm_gpus=[6,7]", "optim.token_budget=6144"]
+    out, _ = build(load_config("grpo", model=qwen7b, overrides=six + ["vllm.max_model_len=8192"]), 1, 8, 74.5)
+    assert ("activations at 8192 tokens (optim.token_budget=6144; a row of up to 8192 tokens (vllm.max_model_len) "
+            "is a micro-batch of its own): 45.1 GiB") in _learner_line(out)
+    # no server limit: the model's own context bounds a row
+    (tmp_path / "config.json").write_text(json.dumps(dict(QWEN7B, max_position_embeddings=32768)))
+    out, errors = build(load_config("grpo", model=str(tmp_path), overrides=six), 1, 8, 74.5)
+    assert "a row of up to 32768 tokens (the model's context, vllm.max_model_len unset)" in _learner_line(out)
+    assert errors == ["a learner rank needs 209.6 GiB but has 70.0 GiB of its GPU (6 rank(s), ZeRO stage 3): use "
+                      "vllm.max_model_len=8640 or model.gradient_checkpointing=true"]
+    _, errors = build(load_config("grpo", model=str(tmp_path), overrides=six + ["vllm.max_model_len=16384"]), 1, 8,
+                      74.5)
+    assert errors == ["a learner rank needs 114.8 GiB but has 70.0 GiB of its GPU (6 rank(s), ZeRO stage 3): use "
+                      "vllm.max_model_len=8640 or model.gradient_checkpointing=true"]
+
+
+def test_fewer_groups_than_ranks_is_the_runs_own_refusal(qwen7b, monkeypatch):
+    from agentrl.config import ConfigError
+    from agentrl.preflight import check_launch
+
+    cfg = load_config("grpo", model=qwen7b, overrides=SIX + ["rollout.groups=4"])
+    _, errors = build(cfg, 1, 8, 74.5)
+    line = ("rollout.groups=4 is fewer than the 6 ranks: each rank rolls out whole groups, so set rollout.groups >= 6 "
+            "(or launch fewer ranks)")
+    assert errors == [line]
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ConfigError) as e:  # the run on 6 ranks: the same line
+        check_launch(load_config("grpo", model=qwen7b, overrides=DS[:2] + ["rollout.groups=4"]), "cpu")
+    assert str(e.value) == line
+
+
+@pytest.mark.parametrize("over,needs", [
+    ([], False), (["algo.kl=k1"], False), (["algo.kl=k1", "algo.kl_coef=0.01"], True),
+    (["algo.kl_reward_coef=0.01"], True)])
+def test_one_definition_of_a_kl_reference(qwen7b, over, needs):
+    from agentrl.trainer import Trainer
+
+    cfg = load_config("grpo", model=qwen7b, overrides=SIX + over)
+    assert cfg.algo.needs_reference is needs
+    assert Trainer.needs_reference.fget(type("T", (), {"cfg": cfg})()) is needs  # the trainer asks the config
+    out, _ = build(cfg, 1, 8, 74.5)
+    assert ("reference 0.0 GiB" in _learner_line(out)) is not needs  # so does the plan

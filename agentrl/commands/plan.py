@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from agentrl import gpu_memory as gm
+from agentrl.dist import groups_refusal
 from agentrl.generation.layout import Placement, place
 
 RESERVE_GIB = 4.5  # per GPU: CUDA context, NCCL buffers, allocator fragmentation (docs/guides/gpu.md)
@@ -37,16 +39,51 @@ def model_config(spec: str) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
 
 
-def zero_settings(cfg: Any) -> tuple[int, bool]:
-    """(ZeRO stage, optimizer states offloaded) of the learner: the DeepSpeed JSON's, ZeRO-3 without one,
-    stage 0 (every rank holds everything) for the torch engine."""
-    if cfg.trainer.engine != "deepspeed":
-        return 0, False
-    if not cfg.trainer.deepspeed_config:
-        return 3, False
-    z = json.loads(Path(cfg.trainer.deepspeed_config).read_text()).get("zero_optimization", {})
-    off = (z.get("offload_optimizer") or {}).get("device", "none") == "cpu"
-    return int(z.get("stage", 0)), off
+def learner_terms(cfg: Any, ranks: int) -> gm.Terms:
+    """What a learner rank of ``cfg`` holds, decided by the run's own functions: the DeepSpeed config as the
+    engine loads it (ZeRO stage, offload, and its precision: ``weights_dtype``), the KL reference
+    (``AlgoCfg.needs_reference``), a separate critic (an estimator with values and ``algo.critic=separate``,
+    as ``EngineConfig.of`` builds it) and the embedded generator's copy (``embedded_copy``). A DeepSpeed
+    config the run refuses raises its ``DeepSpeedConfigError``."""
+    from agentrl.algos.advantages import ESTIMATORS
+    from agentrl.checkpoint import DTYPE_BYTES
+    from agentrl.learner.deepspeed_engine import bf16_enabled, load_ds_config, weights_dtype
+    from agentrl.trainer import embedded_copy
+
+    m, t, a = cfg.model, cfg.trainer, cfg.algo
+    common = dict(ranks=ranks, reference=a.needs_reference, checkpointing=bool(m.gradient_checkpointing),
+                  critic=ESTIMATORS.get(a.estimator).needs_values and a.critic == "separate",
+                  generator_bytes=DTYPE_BYTES.get(m.dtype, 4) if embedded_copy(cfg) else 0)
+    if t.engine != "deepspeed":  # weights, gradients and Adam in model.dtype; activations bf16 under autocast
+        w = DTYPE_BYTES.get(m.dtype, 4)
+        return gm.Terms(stage=0, weight_bytes=w, act_bytes=2 if m.autocast == "bf16" else w, mixed=False,
+                        reference_sharded=False, **common)
+    ds = load_ds_config(t.deepspeed_config or None)
+    z = ds.get("zero_optimization") or {}
+    off = {k: (z.get(k) or {}).get("device", "none") in ("cpu", "nvme") for k in ("offload_optimizer", "offload_param")}
+    w = DTYPE_BYTES.get(weights_dtype(ds, m.dtype), 4)
+    return gm.Terms(stage=int(z.get("stage", 3)), offload=off["offload_optimizer"],
+                    offload_params=off["offload_param"], weight_bytes=w, act_bytes=w, mixed=bf16_enabled(ds), **common)
+
+
+def longest_row(cfg: Any, config: dict[str, Any]) -> tuple[int | None, str]:
+    """The longest row a step can train on, and the key that bounds it: the servers' ``vllm.max_model_len``,
+    else the model's own context (``model_context``); (None, "") when neither says."""
+    from types import SimpleNamespace
+
+    from agentrl.generation.embedded import model_context
+
+    vllm = cfg.trainer.generator == "vllm"
+    if vllm and cfg.vllm.max_model_len:
+        return cfg.vllm.max_model_len, "vllm.max_model_len"
+    n = model_context(SimpleNamespace(**config))
+    return (n, "the model's context" + (", vllm.max_model_len unset" if vllm else "")) if n else (None, "")
+
+
+def _precision(t: gm.Terms) -> str:
+    if t.mixed:
+        return "bf16 mixed precision"
+    return ("bf16" if t.weight_bytes == 2 else "fp32") + (" (bf16 autocast)" if t.act_bytes < t.weight_bytes else "")
 
 
 def _count(n: int) -> str:
@@ -70,19 +107,31 @@ def build(cfg: Any, nodes: int, gpus_per_node: int, gpu_gib: float) -> tuple[lis
         return [], [f"--nodes {nodes} --gpus-per-node {gpus_per_node}: a plan needs at least one GPU (this machine "
                      "has none visible: give the nodes' shape, e.g. --nodes 1 --gpus-per-node 8)"]
     try:
-        shape = gm.ModelShape.from_config(model_config(cfg.model.name))
+        config = model_config(cfg.model.name)
+        shape = gm.ModelShape.from_config(config)
     except (FileNotFoundError, KeyError, ValueError) as e:
         return [], [str(e)]
-    stage, offload = zero_settings(cfg)
     ranks = p.learner_ranks
+    try:
+        terms = learner_terms(cfg, ranks)
+    except ValueError as e:  # the DeepSpeed config's own line, as the run refuses it
+        return [], [str(e)]
+    if why := groups_refusal(cfg.rollout.groups, ranks):
+        errors.append(why)
+    stage, offload = terms.stage, terms.offload
     card = int(gpu_gib * gm.GIB)
     usable = card - int(RESERVE_GIB * gm.GIB)
     share = v.gpu_memory_utilization or VLLM_DEFAULT_SHARE
     learner_room = usable - (int(card * share) if v.colocate and p.servers else 0)
-    ckpt = bool(getattr(cfg.model, "gradient_checkpointing", False))
-    reference = cfg.algo.kl != "none" or cfg.algo.kl_coef > 0 or cfg.algo.kl_reward_coef > 0
+    ckpt = terms.checkpointing
     T = cfg.optim.token_budget
-    est = gm.learner(shape, ranks, stage, T, int(T * GENERATED_SHARE), offload, reference, ckpt)
+    row, bound = longest_row(cfg, config)
+    tokens = max(T, row or 0)  # a row longer than the budget is a micro-batch of its own
+
+    def estimate(terms: gm.Terms) -> gm.LearnerEstimate:
+        return gm.learner(shape, terms, tokens, int(tokens * GENERATED_SHARE))
+
+    est = estimate(terms)
     srv = gm.server(shape, card, share, v.tensor_parallel_size)
     try:
         mode = sync_mode(t.vllm_sync, "cuda", v.colocate) if p.servers else ""
@@ -90,10 +139,11 @@ def build(cfg: Any, nodes: int, gpus_per_node: int, gpu_gib: float) -> tuple[lis
         mode = ""
     multi = nodes > 1
     master = "MASTER_ADDR (node 0's address)" if multi else "127.0.0.1"
+    engine = (f"ZeRO-{stage}{' offload' if offload else ''}" if t.engine == "deepspeed" else "torch engine") + \
+        f" in {_precision(terms)}"
     out = [f"launch plan: {nodes} node(s) x {gpus_per_node} GPU(s) of {gpu_gib:g} GiB; model {cfg.model.name} "
            f"({_count(gm.param_count(shape))} parameters, from its config.json); learner: {ranks} rank(s), "
-           f"{'ZeRO-' + str(stage) + (' offload' if offload else '') if t.engine == 'deepspeed' else 'torch engine'}; "
-           f"{len(p.servers)} vLLM server(s) started by rank 0"]
+           f"{engine}; {len(p.servers)} vLLM server(s) started by rank 0"]
     servers_of = {g: k for k, gs in enumerate(p.servers) for g in gs}
     for node in range(nodes):
         out.append(f"node {node}:")
@@ -122,8 +172,12 @@ def build(cfg: Any, nodes: int, gpus_per_node: int, gpu_gib: float) -> tuple[lis
     elif mode == "shm":
         out.append("  weight transfer: shared memory on node 0 (no NCCL group)")
     out.append("memory per GPU (estimates, docs/guides/gpu.md):")
+    extra = "".join(f" + {name} {_gib(n)}" for name, n in (("critic", est.critic), ("generator copy", est.generator))
+                    if n)
+    at = f"{tokens} tokens (optim.token_budget={T}" + (
+        f"; a row of up to {row} tokens ({bound}) is a micro-batch of its own)" if row and row > T else ")")
     out.append(f"  learner rank: model states {_gib(est.states)} + working set {_gib(est.working_set)} + reference "
-               f"{_gib(est.reference)} + activations at optim.token_budget={T}: {_gib(est.activations)} without "
+               f"{_gib(est.reference)}{extra} + activations at {at}: {_gib(est.activations)} without "
                f"checkpointing, {_gib(est.activations_ckpt)} with (model.gradient_checkpointing={str(ckpt).lower()}) "
                f"+ logits {_gib(est.logits)} = {_gib(est.total)} of {_gib(learner_room)} usable")
     if p.servers:
@@ -131,13 +185,17 @@ def build(cfg: Any, nodes: int, gpus_per_node: int, gpu_gib: float) -> tuple[lis
                    f"(gpu_memory_utilization={share:g}) leaves {srv.kv_tokens:,} KV-cache tokens "
                    f"({gm.kv_bytes_per_token(shape, v.tensor_parallel_size):,} bytes a token)")
     if ranks and est.total > learner_room:
-        fit = gm.largest_token_budget(shape, learner_room, ranks, stage, GENERATED_SHARE, offload, reference, ckpt)
-        more = next((n for n in (2, 4, 8, 16, 32, 64, 128, 256) if n > ranks and gm.learner(
-            shape, n, stage, T, int(T * GENERATED_SHARE), offload, reference, ckpt).total <= learner_room), None)
-        fixes = [f"optim.token_budget={fit}" if fit >= 1024 else ""]
+        fit = gm.largest_token_budget(shape, learner_room, terms, GENERATED_SHARE)
+        more = next((n for n in (2, 4, 8, 16, 32, 64, 128, 256) if n > ranks and estimate(
+            replace(terms, ranks=n)).total <= learner_room), None)
+        # a row longer than the budget needs a shorter context too (the servers'; the embedded one's has no key)
+        shorter = [f"optim.token_budget={fit}" if T > fit else "", f"vllm.max_model_len={fit}"
+                   if row and row > fit and t.generator == "vllm" else ""]
+        fixes = [" with ".join(x for x in shorter if x) if fit >= 1024 and not (row and row > fit and not shorter[1])
+                 else ""]
         fixes += [f"{more} learner ranks" if more and stage >= 2 else ""]
-        fixes += ["model.gradient_checkpointing=true" if not ckpt and gm.learner(
-            shape, ranks, stage, T, int(T * GENERATED_SHARE), offload, reference, True).total <= learner_room else ""]
+        fixes += ["model.gradient_checkpointing=true" if not ckpt and estimate(
+            replace(terms, checkpointing=True)).total <= learner_room else ""]
         fixes = [f for f in fixes if f] or ["a larger GPU, or configs/deepspeed/zero3_offload.json"]
         errors.append(f"a learner rank needs {_gib(est.total)} but has {_gib(learner_room)} of its GPU "
                       f"({ranks} rank(s), ZeRO stage {stage}): use {' or '.join(fixes)}")

@@ -27,7 +27,8 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.zeros_(self.v.bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.v(h.float())[..., 0]
+        # in the head's own dtype: fp32 (the torch engine's, also under autocast), bf16 in DeepSpeed's bf16 shards
+        return self.v(h.to(self.v.weight.dtype)).float()[..., 0]
 
 
 class Critic(torch.nn.Module):

@@ -131,17 +131,30 @@ def to_universal(tag_dir: Path, out: Path) -> None:
                                             inject_missing_state=False))
 
 
+def bf16_enabled(ds: dict[str, Any]) -> bool:
+    """The DeepSpeed config trains in mixed precision: bf16 parameters and gradients, fp32 master weights and
+    Adam moments in the optimizer."""
+    return bool((ds.get("bf16") or {}).get("enabled"))
+
+
+def weights_dtype(ds: dict[str, Any], dtype: str) -> str:
+    """The dtype the engine's parameter shards are built in: bfloat16 when the DeepSpeed config enables bf16
+    (whatever model.dtype says: DeepSpeed casts a model handed to it whole, but leaves a model built under
+    ``zero.Init`` as it was made), else ``dtype`` (model.dtype)."""
+    return "bfloat16" if bf16_enabled(ds) else dtype
+
+
 @contextlib.contextmanager
 def sharded_loading(ds: dict[str, Any], dtype: str) -> Iterator[None]:
     """``from_pretrained`` inside the block builds each parameter partitioned (``zero.Init``, through
     transformers' DeepSpeed integration, which reads this config while an ``HfDeepSpeedConfig`` lives) and
     loads the checkpoint layer by layer into the shards: no rank ever holds the whole model. Parameters
-    are made in ``dtype`` (model.dtype), as a model loaded whole and handed to DeepSpeed keeps it. Unset
-    after: the reference and the generator's copies loaded later are whole models."""
+    are made in ``dtype`` (``weights_dtype``: the engine's). Unset after: the reference and the generator's
+    copies loaded later are whole models."""
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
     hf = json.loads(json.dumps(ds))
-    hf["bf16"] = {"enabled": dtype == "bfloat16"}  # zero.Init's dtype: the model's, not the engine's precision
+    hf["bf16"] = {"enabled": dtype == "bfloat16"}  # zero.Init makes its shards in the dtype this names
     hf["fp16"] = {"enabled": False}
     keep = HfDeepSpeedConfig(hf)  # noqa: F841 - transformers holds only a weak reference: keep it alive here
     try:
@@ -196,13 +209,18 @@ class DeepSpeedEngine:
         else:
             ds.pop("gradient_clipping", None)
         self.tokenizer = load_tokenizer(model_dir)
-        with sharded_loading(ds, self.cfg.dtype):  # each rank builds and keeps only its shard of the weights
-            model = load_model(model_dir, self.cfg.dtype, "cpu")
+        # the policy's and the critic's shards in the DeepSpeed config's precision (bf16: its optimizer keeps
+        # the fp32 master weights and Adam's moments)
+        self.dtype = weights_dtype(ds, self.cfg.dtype)
+        with sharded_loading(ds, self.dtype):  # each rank builds and keeps only its shard of the weights
+            model = load_model(model_dir, self.dtype, "cpu")
             separate = self.cfg.value_head and self.cfg.critic == "separate"
-            critic = load_critic(self.cfg.critic_path or model_dir, self.cfg.dtype, "cpu") if separate else None
+            critic = load_critic(self.cfg.critic_path or model_dir, self.dtype, "cpu") if separate else None
         if self.cfg.gradient_checkpointing:
             enable_checkpointing(model)
-        self.value_head = ValueHead(model.config.hidden_size) if self.cfg.value_head and not separate else None
+        # made outside zero.Init, the shared value head is partitioned by DeepSpeed as it is: in the shards' dtype
+        self.value_head = ValueHead(model.config.hidden_size).to(getattr(torch, self.dtype)) \
+            if self.cfg.value_head and not separate else None
         module = _WithValueHead(model, self.value_head)
         params = [p for p in module.parameters() if p.requires_grad]
         opt = self.cfg.optim
@@ -217,6 +235,7 @@ class DeepSpeedEngine:
         self.critic_ds: Any = None
         self.critic_optimizer: Any = None
         if critic is not None:  # its own engine: sharded, clipped and stepped apart from the policy
+            critic.head.to(getattr(torch, self.dtype))  # made outside zero.Init, like the shared head above
             if self.cfg.gradient_checkpointing:
                 enable_checkpointing(critic.backbone)
             copt = critic_optimizer(critic, opt, self.cfg.critic_lr)
@@ -324,7 +343,7 @@ class DeepSpeedEngine:
         if folder is None:
             raise ValueError("trainer.engine=deepspeed needs a weights folder for the reference policy")
         ds = reference_ds_config(self.ds.config)
-        dtype = "bfloat16" if ds["bf16"]["enabled"] else self.cfg.dtype
+        dtype = weights_dtype(ds, self.cfg.dtype)
         with sharded_loading(ds, dtype):  # like the policy: each rank builds and keeps only its shard
             model = load_model(folder, dtype, "cpu").eval()
         for p in model.parameters():
@@ -443,6 +462,13 @@ class DeepSpeedEngine:
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
                 yield name, p.data
 
+    def _master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank: the optimizer's fp32 master copy of each policy parameter, gathered one at a time."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, p in self.ds.module.policy.named_parameters():
+            yield name, safe_get_full_fp32_param(p)
+
     @torch.no_grad()
     def copy_weights_to(self, model: Any) -> None:
         """Every rank: copy the gathered parameters into ``model``, this rank's generator copy."""
@@ -469,12 +495,14 @@ class DeepSpeedEngine:
         folder = Path(folder)
         cast = getattr(torch, dtype) if dtype is not None else None
         writer = _ShardWriter(folder, self.export_shard_mb * 2**20) if self.rank == 0 else None
-        for name, t in self._gathered():
+        # an fp32 export of bf16 shards: the optimizer's fp32 master weights, not the bf16 ones widened
+        weights = self._master_weights() if cast == torch.float32 and self.ds.bfloat16_enabled() else self._gathered()
+        for name, t in weights:
             if writer is not None:
                 writer.add(name, t.to(cast) if cast is not None and t.is_floating_point() else t)
         if writer is not None:
             writer.close()
-            save_config(self.ds.module.policy, folder, dtype)
+            save_config(self.ds.module.policy, folder, dtype or self.dtype)
             self.tokenizer.save_pretrained(folder)
         dist.barrier()
         return folder

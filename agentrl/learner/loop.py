@@ -114,11 +114,11 @@ def rl_update(eng: Any, batch: TokenBatch, loss_fn: LossFn, cfg: RecipeCfg, rng:
     ``algo.old_logprobs``). ``last``: the last checkpoint, for error messages.
     ``time_learn_s`` counts from after the reference log-probs."""
     a, temp = cfg.algo, cfg.rollout.temperature
-    if a.kl != "none" and a.kl_coef > 0:  # only the loss's KL term reads them
+    if a.kl_in_loss:  # only the loss's KL term reads them
         batch.ref_logprobs = eng.ref_logprobs(batch, temp)
     t = time.perf_counter()
     if (not need_values and not batch.any_advantage()
-            and not (a.kl != "none" and a.kl_coef) and not a.entropy_coef):
+            and not a.kl_in_loss and not a.entropy_coef):
         return dict(skipped_update=1.0, loss=0.0, grad_norm=0.0, time_learn_s=time.perf_counter() - t)
     mode = mismatch_mode(cfg)
     if stale or mode != "none":  # stale samples are corrected whatever algo.mismatch says (tis by default)
