@@ -28,7 +28,8 @@ from typing import Any, Iterable
 import torch
 from safetensors import SafetensorError
 
-from agentrl.io_atomic import atomic_write_text, fsync_dir
+# RunError is defined with the writes that keep to their folder, and raised (and imported) from here too
+from agentrl.io_atomic import RunError, atomic_write_text, fsync_dir, open_in_folder
 
 MARKER = ".agentrl-run"
 LOCK = ".agentrl-lock"  # held (an OS lock) by the run using the folder; holds its pid and host
@@ -36,10 +37,6 @@ MANIFEST = "agentrl-checkpoint.json"
 FORMAT = "agentrl-checkpoint/1"
 LINK = "checkpoint"  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a save is complete
 _STEP = re.compile(r"^step-(\d{6,})$")
-
-
-class RunError(RuntimeError):
-    """A run cannot go on for a reason outside the config (disk, permissions, its folder); one line for the user."""
 
 
 class CheckpointCorrupt(Exception):
@@ -72,7 +69,7 @@ def lock_run_folder(out_dir: Path) -> Any:
     key = str(out_dir.resolve())
     if key in _HELD and not _HELD[key].closed:
         return _HELD[key]
-    f = open(out_dir / LOCK, "a+")
+    f = open_in_folder(out_dir / LOCK, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

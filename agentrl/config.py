@@ -374,4 +374,7 @@ def warm_start_folder(cfg: RecipeCfg) -> Path | None:
 
 
 def dump(cfg: RecipeCfg, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    from agentrl.io_atomic import open_in_folder  # a link at config.yaml leaving the folder is refused
+
+    with open_in_folder(path, "w") as f:
+        f.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

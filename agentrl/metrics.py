@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from agentrl.io_atomic import open_in_folder
 from agentrl.types import Episode
 
 
@@ -102,7 +103,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}}
-        with self.path.open("a") as f:
+        with open_in_folder(self.path, "a") as f:  # never through a link leaving the run folder
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for k, v in row.items():

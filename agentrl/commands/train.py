@@ -201,7 +201,10 @@ def run_eval(args: argparse.Namespace) -> int:
     # pass@1, 2, 4, ... up to eval.samples (the ladder lives in Trainer.evaluate)
     trainer, res = _run_on_every_rank(cfg, lambda t: t.evaluate())
     if trainer.is_main:
-        with open(cfg.out_dir / "eval_episodes.jsonl", "w") as f:  # per-episode results, for paired comparisons
+        from agentrl.io_atomic import open_in_folder
+
+        # per-episode results, for paired comparisons; never through a link leaving the run folder
+        with open_in_folder(cfg.out_dir / "eval_episodes.jsonl", "w") as f:
             for ep in trainer.eval_episodes:
                 f.write(json.dumps(episode_row(ep)) + "\n")
         print(json.dumps(res, indent=1))
