@@ -31,7 +31,8 @@ def add_parser(sub: Any) -> None:
                    help="agentrl backend: answer 429 (Retry-After) while one client address has more than N tokens "
                         "(prompt + max_tokens, every row) queued or running (default 1048576)")
     p.add_argument("--max-connections", type=int, default=1024, metavar="N",
-                   help="agentrl backend: open connections and requests in flight; beyond, 503 (default 1024)")
+                   help="agentrl backend: open connections and requests in flight; beyond, 503 (default 1024). "
+                        "The last quarter is kept for client addresses holding fewer than 8 connections")
     p.add_argument("--max-client-connections", type=int, default=256, metavar="N",
                    help="agentrl backend: open connections from one client address; beyond, a new one is answered "
                         "503 at once and takes none of --max-connections (default 256)")

@@ -21,13 +21,15 @@ model, so short ones are not held up behind them; a weight swap waits until both
 hangs up has its rows dropped at the next decode step; a request that fails inside a batch is retried
 alone, so it fails by itself. Budgets (``ServerLimits``): tokens per request (400), tokens queued per
 client address (429), body size (413), time to send headers and body (connection closed / 408), open
-connections in total and per client address (503), KV cache per batch. Binds 127.0.0.1 unless told otherwise.
+connections in total (its last quarter kept for addresses holding few) and per client address (503, logged
+as one line per interval with the count), KV cache per batch. Binds 127.0.0.1 unless told otherwise.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import logging
 import os
 import socket
 import threading
@@ -56,6 +58,8 @@ from agentrl.generation.requests import (BadRequest, ChatBody, CompletionBody, C
 from agentrl.generation.weights_check import WeightsRefused, allowed_folder, load_into, read_checked
 from agentrl.learner.logprobs import token_logprobs
 from agentrl.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class Cancelled(Exception):
@@ -557,22 +561,77 @@ def make_app(service: GenerationService, api_key: str | None = None) -> FastAPI:
 
 
 REFUSED_GRACE_S = 1.0  # a refused connection is aborted after this if the client has not closed it (a trickler)
+REFUSALS_LOG_S = 10.0  # refused connections are logged as one line per this many seconds, with their count
+# the global pool is shared: its last quarter is kept for addresses holding fewer than FEW_CONNECTIONS, so a
+# handful of addresses each under --max-client-connections cannot fill it and shut every other client out
+RESERVED_FRACTION = 0.25
+FEW_CONNECTIONS = 8
 
 
-def _refusal(host: str, cap: int) -> bytes:
-    body = json.dumps({"error": {"message": f"too many open connections from {host} (at most {cap}); close some or "
-                                            "retry", "type": _KINDS[503], "param": None, "code": None}}).encode()
+def _refusal(message: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": _KINDS[503], "param": None, "code": None}}).encode()
     return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
 
 
-def _protocol(header_timeout_s: float, max_client_connections: int) -> type[asyncio.Protocol]:
+class _Refusals:
+    """Refused connections, counted per reason and address and logged as one warning line per
+    ``REFUSALS_LOG_S`` (3,000 refusals in a burst are one line, not 3,000). Touched on the event loop only."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+        self.since: float | None = None
+
+    def add(self, loop: asyncio.AbstractEventLoop, reason: str, host: str) -> None:
+        self.counts[reason, host] = self.counts.get((reason, host), 0) + 1
+        if self.since is None:
+            self.since = time.monotonic()
+            loop.call_later(REFUSALS_LOG_S, self.flush)
+
+    def flush(self) -> None:
+        if self.since is None:
+            return
+        took, counts = time.monotonic() - self.since, self.counts
+        self.counts, self.since = {}, None
+        by_reason: dict[str, list[tuple[int, str]]] = {}
+        for (reason, host), n in counts.items():
+            by_reason.setdefault(reason, []).append((n, host))
+        parts = []
+        for reason, hosts in by_reason.items():
+            hosts.sort(reverse=True)
+            shown = ", ".join(f"{h} x{n}" for n, h in hosts[:3]) + (f" and {len(hosts) - 3} more addresses"
+                                                                        if len(hosts) > 3 else "")
+            parts.append(f"{sum(n for n, _ in hosts)} {reason} ({shown})")
+        log.warning("refused %d connections with a 503 in the last %.0f s: %s", sum(counts.values()), took,
+                    "; ".join(parts))
+
+
+def _protocol(header_timeout_s: float, max_client_connections: int,
+              max_connections: int) -> tuple[type[asyncio.Protocol], _Refusals]:
     """uvicorn's HTTP protocol (httptools when installed, else h11) plus a deadline for a request's headers:
     a connection that opens and sends nothing, or trickles bytes (slowloris), is closed after
     ``header_timeout_s`` (after keep-alive + that when idle between requests) instead of held forever. One
-    client address holds at most ``max_client_connections``: past that a connection is answered 503 before
-    uvicorn sees it, so it takes no slot of ``max_connections`` (which counts every address together)."""
+    client address holds at most ``max_client_connections``; and once the open connections reach the
+    ``max_connections`` less its reserved part (``RESERVED_FRACTION``), only addresses holding fewer than
+    ``FEW_CONNECTIONS`` get another. Past either a connection is answered 503 before uvicorn sees it, so it
+    takes no slot of ``max_connections``; refusals are logged one line per ``REFUSALS_LOG_S``."""
     open_from: dict[str, int] = {}  # client address -> its open connections (touched on the event loop only)
+    refusals = _Refusals()
+    shared = max_connections - int(max_connections * RESERVED_FRACTION)  # beyond: only for addresses holding few
+    few = min(FEW_CONNECTIONS, max_client_connections)
+
+    def refusal(host: str) -> tuple[str, str] | None:
+        """(why, the client's message) when ``host`` may not open another connection now."""
+        held, cap = open_from.get(host, 0), max_client_connections
+        if held >= cap:
+            return (f"past the per-address cap of {cap}",
+                    f"too many open connections from {host} (at most {cap}); close some or retry")
+        if held >= few and sum(open_from.values()) >= shared:
+            kept = max_connections - shared
+            return (f"to keep the last {kept} for addresses holding under {few}",
+                    f"the server is busy: its last {kept} of {max_connections} connections are kept for clients "
+                    f"holding fewer than {few}, and {host} holds {held}; close some or retry")
+        return None
 
     class Protocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _host: str | None = None  # set while this connection counts against its address
@@ -581,12 +640,18 @@ def _protocol(header_timeout_s: float, max_client_connections: int) -> type[asyn
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             peer = transport.get_extra_info("peername")
             host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-            if open_from.get(host, 0) >= max_client_connections:
+            refused = refusal(host)
+            if refused is not None:
                 # the answer, then our half closed: closing at once reset most clients' sockets before they read it
                 self._refused = True
-                transport.write(_refusal(host, max_client_connections))
-                if transport.can_write_eof():
-                    transport.write_eof()
+                refusals.add(self.loop, refused[0], host)
+                transport.write(_refusal(refused[1]))
+                try:
+                    if transport.can_write_eof():
+                        transport.write_eof()
+                except OSError:  # the client already closed: nothing to answer, and nothing to print
+                    transport.abort()
+                    return
                 self.loop.call_later(REFUSED_GRACE_S, transport.abort)
                 return
             self._host, open_from[host] = host, open_from.get(host, 0) + 1
@@ -627,7 +692,7 @@ def _protocol(header_timeout_s: float, max_client_connections: int) -> type[asyn
                 self._host = None
             super().connection_lost(exc)
 
-    return Protocol
+    return Protocol, refusals
 
 
 class RunningServer:
@@ -635,8 +700,9 @@ class RunningServer:
     answered 503, running work stops at its next decode step, the port is closed)."""
 
     def __init__(self, service: Any, server: uvicorn.Server, sock: socket.socket,
-                 thread: threading.Thread):
+                 thread: threading.Thread, refusals: _Refusals | None = None):
         self.service, self.server, self.sock, self.thread = service, server, sock, thread
+        self.refusals = refusals
         self.server_address: tuple[str, int] = sock.getsockname()[:2]
         self._stopped = False
 
@@ -647,6 +713,8 @@ class RunningServer:
         self.service.close()
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        if self.refusals is not None and not self.thread.is_alive():
+            self.refusals.flush()  # the refusals counted since the last line (the event loop has ended)
 
     def server_close(self) -> None:
         self.shutdown()
@@ -671,7 +739,7 @@ def serve_app(app: FastAPI, service: Any, host: str, port: int) -> RunningServer
     lim = service.limits
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family)
-    http = _protocol(lim.header_timeout_s, lim.max_client_connections)
+    http, refusals = _protocol(lim.header_timeout_s, lim.max_client_connections, lim.max_connections)
     config = uvicorn.Config(app, http=http, lifespan="off",
                             log_config=None, log_level="error", access_log=False,
                             limit_concurrency=lim.max_connections, timeout_keep_alive=int(lim.keep_alive_s),
@@ -687,4 +755,4 @@ def serve_app(app: FastAPI, service: Any, host: str, port: int) -> RunningServer
             sock.close()
             raise RuntimeError(f"the generation server did not start on {host}:{port}")
         time.sleep(0.01)
-    return RunningServer(service, server, sock, thread)
+    return RunningServer(service, server, sock, thread, refusals)
