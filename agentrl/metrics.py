@@ -71,6 +71,8 @@ def episode_diagnostics(episodes: list[Episode], reward: Callable[[Episode], flo
     if episodes[0].env.startswith("agent:"):  # agent programs that raised or timed out (rollout/agent_program.py)
         out["agent_failures"] = float(sum(bool(e.error) for e in episodes))
         out["agent_timeouts"] = float(sum(e.error.startswith("TimeoutError") for e in episodes))
+        for kind in {e.error.split(":", 1)[0] for e in episodes if e.error}:  # per exception type
+            out[f"agent_failures/{kind}"] = float(sum(e.error.split(":", 1)[0] == kind for e in episodes))
     cats: dict[str, list[bool]] = defaultdict(list)
     for e in episodes:
         if e.category:

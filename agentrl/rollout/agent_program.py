@@ -11,18 +11,23 @@ template made of its messages and tools, and the ids and log-probs the generator
 them (never re-tokenized), so the learner trains on exactly what was sampled. The reward goes on the last
 turn. A program that raises, returns something that is not a reward, or is still running after
 ``timeout_s`` is a failed episode (``Episode.error``, counted as ``agent_failures``): its turns so far get
-``failure_reward``, the run goes on. A timed-out program's thread cannot be killed; it is left to finish
-on its own, and every request it makes after its episode ended is refused (404). A generator that fails
-is the run's error: the rollout raises it once the programs have ended.
+``failure_reward``, the run goes on.
+The first failure of each kind (the exception's type) a program has in this process is logged as a warning
+with its message and the last ``TRACE_FRAMES`` frames of its traceback; every one is counted in the step's
+metrics as ``agent_failures/<kind>``. A timed-out program's thread cannot be killed; it is left to finish on
+its own, and every request it makes after its episode ended is refused (404). A generator that fails is the
+run's error: the rollout raises it once the programs have ended.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -39,6 +44,10 @@ from agentrl.rollout.tool_prompts import render_chat, template_support
 from agentrl.types import Episode, Turn
 
 MAX_CALLS = 16  # tool calls read out of one reply
+TRACE_FRAMES = 8  # frames of a failed program's traceback that are printed (the innermost ones)
+TRACE_CHARS = 4000  # and at most this much of it (a chained or deep one is cut from the top)
+log = logging.getLogger(__name__)
+_reported: set[tuple[str, str]] = set()  # (program, kind of failure) printed already in this process
 
 
 @dataclass(frozen=True)
@@ -152,13 +161,31 @@ def read_reward(result: Any) -> tuple[float, bool]:
 def _call(fn: Any, task: dict[str, Any], endpoint: AgentEndpoint, box: dict[str, Any], done: queue.Queue,
           i: int) -> None:
     try:
-        result = fn(task, endpoint)
-        if inspect.iscoroutine(result):  # an ``async def`` program: its own event loop in this thread
-            result = asyncio.run(result)
-        box["reward"] = read_reward(result)
-    except BaseException as e:  # the program's failure is its episode's, never the run's
-        box["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-    done.put(i)
+        try:
+            result = fn(task, endpoint)
+            if inspect.iscoroutine(result):  # an ``async def`` program: its own event loop in this thread
+                result = asyncio.run(result)
+        except BaseException as e:  # the program's failure is its episode's, never the run's
+            box["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            box["trace"] = "".join(traceback.format_exception(e, limit=-TRACE_FRAMES))[-TRACE_CHARS:]
+            return
+        try:
+            box["reward"] = read_reward(result)
+        except ValueError as e:  # a return value that is not a reward: no traceback of the program's to show
+            box["error"] = f"ValueError: {str(e)[:500]}"
+    finally:
+        done.put(i)
+
+
+def report_failure(program: str, error: str, trace: str = "") -> None:
+    """Log the first failure of each kind (``error``'s exception type) of ``program``, with its traceback."""
+    kind = error.split(":", 1)[0]
+    if (program, kind) in _reported:
+        return
+    _reported.add((program, kind))
+    log.warning("agent program %s failed: %s (the first %s shown; each is counted in agent_failures/%s and its "
+                "episode gets env_kwargs.failure_reward)%s", program, error, kind, kind,
+                f"\n{trace.rstrip()}" if trace else "")
 
 
 def to_episode(env_name: str, s: Start, task: dict[str, Any], calls: list[CapturedCall], reward: float,
@@ -202,6 +229,8 @@ def roll_agents(steps: EpisodeSteps, generator: Any, envs: Any, starts: list[Sta
         eid, _, task, box = running.pop(i)
         calls = service.end(eid)
         error = error or box.get("error", "")
+        if error:
+            report_failure(spec.program, error, box.get("trace", ""))
         reward, success = (spec.failure_reward, False) if error else box["reward"]
         out[i] = to_episode(steps.env_name, starts[i], task, calls, reward, success, error, cfg.max_turns)
         steps.stats["turns"] += len(calls)
