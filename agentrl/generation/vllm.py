@@ -124,6 +124,10 @@ def vllm_env(sync: str | None, lora: bool = False) -> dict[str, str]:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if sync:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if sync == "ipc":
+        # vLLM unpickles the CUDA IPC handles a colocated trainer posts over HTTP only with this flag
+        # (distributed/weight_transfer/ipc_engine.py); the server then binds loopback (one node)
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [x for x in [env.get("PYTHONPATH")] if x])
     return env
 
@@ -189,18 +193,36 @@ class VLLMServer:
         self.proc = None
 
 
+def is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1", "")
+
+
 def node_address() -> str:
-    """This node's address as other nodes know it: $AGENTRL_NODE_ADDR, else what its hostname resolves to
-    (no packet is sent)."""
+    """This node's address as other nodes reach it, asked on rank 0's node (where the servers run):
+    $AGENTRL_NODE_ADDR; else the launcher's MASTER_ADDR (rank 0's node as every rank dialled it); else
+    what the hostname resolves to unless that is loopback (Debian and Ubuntu map it to 127.0.1.1); else
+    the address of the interface with the default route (no packet is sent); else the hostname."""
     import socket
 
-    env = os.environ.get("AGENTRL_NODE_ADDR")
-    if env:
-        return env
+    for key in ("AGENTRL_NODE_ADDR", "MASTER_ADDR"):
+        value = os.environ.get(key, "").strip()
+        if value and not is_loopback(value):
+            return value
     try:
-        return socket.gethostbyname(socket.getfqdn())
+        resolved = socket.gethostbyname(socket.getfqdn())
+        if not is_loopback(resolved):
+            return resolved
     except OSError:
-        return socket.gethostname()
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: picks the outgoing interface, sends nothing
+            routed = s.getsockname()[0]
+            if not is_loopback(routed) and routed != "0.0.0.0":
+                return routed
+    except OSError:
+        pass
+    return socket.gethostname()
 
 
 def advertised_host(bind: str, advertise: str = "") -> str:

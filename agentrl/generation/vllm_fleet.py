@@ -78,14 +78,14 @@ class VLLMFleet:
         self.started_here = not urls
         error = ""
         if not urls and dist.is_main():
-            from agentrl.generation.layout import server_gpu_conflict
+            from agentrl.generation.layout import places_gpus, server_gpu_conflict, server_gpus
             from agentrl.generation.vllm import VLLMServer
 
-            error = server_gpu_conflict(tcfg, self.vcfg, device, dist.launched_world()) if device.startswith(
-                "cuda") else ""
+            error = server_gpu_conflict(tcfg, self.vcfg, device, dist.launched_world())
             try:
                 for k in range(tcfg.vllm_servers if not error else 0):
-                    gpus = str(tcfg.vllm_gpus[k]) if k < len(tcfg.vllm_gpus) else ""
+                    # colocated without a vllm_gpus entry: learner rank k's GPU, as the launch plan shows it
+                    gpus = server_gpus(tcfg, self.vcfg, k, dist.launched_world()) if places_gpus(device) else ""
                     srv = VLLMServer(model_dir, port=tcfg.vllm_port + k, log_file=str(out_dir / f"vllm-{k}.log"),
                                      sync=self.mode, lora=lora, gpus=gpus, opts=self.vcfg)
                     self.servers.append(srv)

@@ -174,8 +174,7 @@ def rendezvous_address(nodes_one: bool, configured: str = "") -> str:
         return "127.0.0.1"
     from agentrl.generation.vllm import node_address
 
-    master = os.environ.get("MASTER_ADDR", "")
-    return master if master and not master.startswith("127.") and master != "localhost" else node_address()
+    return node_address()  # $AGENTRL_NODE_ADDR, else a routable MASTER_ADDR, else this node's routable address
 
 
 class FanOutClient:  # pragma: no cover - the calls are vLLM's weight-transfer routes (GPU servers)
@@ -276,7 +275,7 @@ class IpcSync:  # pragma: no cover - needs CUDA (CUDA IPC handles) and vLLM in t
         self.names = sorted(clients)
         fan = FanOutClient({n: clients[n].base_url for n in self.names}, timeout_s=timeout_s)
         self.engine = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(rank=dist.rank()), client=fan,
-                                                                source=_engine_source(engine))
+                                                                source=_engine_source(engine, every_rank=True))
 
     def push(self, clients: dict[str, Any], weights: Any = None, timeout_s: float = 300.0) -> dict[str, str]:
         return _send(self.engine, self.names, clients, timeout_s)
@@ -319,23 +318,42 @@ def watchdog(timeout_s: float, what: str) -> Iterator[None]:
         done.set()
 
 
-def _engine_source(engine: Any) -> Any:  # pragma: no cover - GPU path
-    """vLLM's ``WeightSource`` over an agentrl engine: metadata from the (unsharded) shapes, iteration
-    through ``engine.iter_weights`` (ZeRO-3: one parameter gathered at a time, on every rank)."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+def _engine_source(engine: Any, every_rank: bool = False) -> Any:  # pragma: no cover - GPU path
+    """vLLM's ``WeightSource`` over an agentrl engine (``weight_source``'s, as vLLM's base class)."""
+    from vllm.distributed.weight_transfer.base import WeightSource
 
-    class EngineSource(WeightSource):
-        def metadata(self) -> list[Any]:
-            return [ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
-                    for n, p in engine_named_parameters(engine)]
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            yield from engine.iter_weights()
+    class EngineSource(weight_source(engine, every_rank, _param_meta), WeightSource):  # type: ignore[misc]
+        pass
 
     return EngineSource()
 
 
-def engine_named_parameters(engine: Any) -> list[tuple[str, Any]]:  # pragma: no cover - GPU path
+def _param_meta(name: str, dtype: Any, shape: tuple[int, ...]) -> Any:  # pragma: no cover - GPU path
+    from vllm.distributed.weight_transfer.base import ParamMeta
+
+    return ParamMeta(name, dtype, shape)
+
+
+def weight_source(engine: Any, every_rank: bool, meta: Any = None) -> type:
+    """The iteration a transfer engine walks: metadata from the (unsharded) shapes, tensors from
+    ``engine.iter_weights`` (ZeRO-3: one parameter gathered at a time, on every rank). ``every_rank``: each
+    rank yields its own copy (vLLM's IPC engine makes a handle of every rank's tensor for the server on that
+    rank's GPU, so None on ranks > 0 cannot be sent); else rank 0's copies and None elsewhere (NCCL: rank 0
+    broadcasts)."""
+
+    class Source:
+        def metadata(self) -> list[Any]:
+            make = meta or (lambda *fields: fields)
+            return [make(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+                    for n, p in engine_named_parameters(engine)]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            yield from engine.iter_weights(every_rank=every_rank)
+
+    return Source
+
+
+def engine_named_parameters(engine: Any) -> list[tuple[str, Any]]:
     ds = getattr(engine, "ds", None)
     module = ds.module.policy if ds is not None else engine.merged_model()
     return list(module.named_parameters())
