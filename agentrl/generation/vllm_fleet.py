@@ -76,10 +76,13 @@ class VLLMFleet:
         urls = tcfg.generator_url if isinstance(tcfg.generator_url, list) else \
             [u for u in [tcfg.generator_url] if u]
         self.started_here = not urls
-        error = ""
+        error, key = "", ""
         if not urls and dist.is_main():
             from agentrl.generation.layout import places_gpus, server_gpu_conflict, server_gpus
-            from agentrl.generation.vllm import VLLMServer
+            from agentrl.generation.vllm import VLLMServer, is_loopback
+            from agentrl.generation.vllm_auth import run_key
+
+            key = "" if is_loopback(self.vcfg.host) else run_key()  # beyond loopback: every route takes it
 
             error = server_gpu_conflict(tcfg, self.vcfg, device, dist.launched_world())
             try:
@@ -87,20 +90,20 @@ class VLLMFleet:
                     # colocated without a vllm_gpus entry: learner rank k's GPU, as the launch plan shows it
                     gpus = server_gpus(tcfg, self.vcfg, k, dist.launched_world()) if places_gpus(device) else ""
                     srv = VLLMServer(model_dir, port=tcfg.vllm_port + k, log_file=str(out_dir / f"vllm-{k}.log"),
-                                     sync=self.mode, lora=lora, gpus=gpus, opts=self.vcfg)
+                                     sync=self.mode, lora=lora, gpus=gpus, opts=self.vcfg, api_key=key)
                     self.servers.append(srv)
                     srv.start(timeout_s)
                 urls = [s.url for s in self.servers]
             except (RuntimeError, TimeoutError) as e:
                 error = f"{e} (see {out_dir}/vllm-*.log)"
-        urls, error = dist.broadcast_object((urls, error))
+        urls, key, error = dist.broadcast_object((urls, key, error))  # the key travels inside the process group
         if error:
             self.close()
             raise GenerationServerError(error)
         clients = {}
         for url in urls:
             try:
-                clients[url] = RemoteGenerator(url, backend="vllm")
+                clients[url] = RemoteGenerator(url, backend="vllm", api_key=key or None)
             except GenerationServerError as e:
                 self.close()
                 raise GenerationServerError(f"generation server {url} does not answer: {e}") from None

@@ -183,10 +183,21 @@ class FanOutClient:  # pragma: no cover - the calls are vLLM's weight-transfer r
     server: its workers' rank offset in the shared group."""
 
     def __init__(self, urls: dict[str, str], offsets: dict[str, int] | None = None, world: int = 0,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, keys: dict[str, str | None] | None = None):
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-        self.clients = {n: HTTPVLLMWeightSyncClient(u, timeout=timeout_s) for n, u in urls.items()}
+        class Keyed(HTTPVLLMWeightSyncClient):  # vLLM's client sends no header; our servers beyond loopback want one
+            def __init__(self, url: str, key: str | None):
+                super().__init__(url, timeout=timeout_s)
+                self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+            def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+                import requests
+
+                requests.post(f"{self.base_url}/{path}", json=json, timeout=self.timeout,
+                              headers=self.headers).raise_for_status()
+
+        self.clients = {n: Keyed(u, (keys or {}).get(n)) for n, u in urls.items()}
         self.offsets, self.world = offsets or {}, world
 
     def _all(self, fn: Any) -> None:
@@ -238,7 +249,8 @@ class NcclSync:  # pragma: no cover - needs CUDA and vLLM in the trainer's envir
         world, offsets = 0, {}
         if dist.is_main():
             world, offsets = group_layout(server_worlds(clients))
-        fan = FanOutClient({n: clients[n].base_url for n in self.names}, offsets, world, timeout_s)
+        fan = FanOutClient({n: clients[n].base_url for n in self.names}, offsets, world, timeout_s,
+                           keys={n: getattr(clients[n], "api_key", None) for n in self.names})
         info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world or 2,
                                    rank=dist.rank())
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=fan, source=_engine_source(engine))
@@ -273,7 +285,8 @@ class IpcSync:  # pragma: no cover - needs CUDA (CUDA IPC handles) and vLLM in t
         from agentrl import dist
 
         self.names = sorted(clients)
-        fan = FanOutClient({n: clients[n].base_url for n in self.names}, timeout_s=timeout_s)
+        fan = FanOutClient({n: clients[n].base_url for n in self.names}, timeout_s=timeout_s,
+                           keys={n: getattr(clients[n], "api_key", None) for n in self.names})
         self.engine = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(rank=dist.rank()), client=fan,
                                                                 source=_engine_source(engine, every_rank=True))
 
