@@ -27,7 +27,7 @@ LAYOUT=${1:-all}
 VENV=${VENV:-.venv}
 BIN=$ROOT/$VENV/bin
 OUT=${AGENTRL_REHEARSE_OUT:-/tmp/agentrl-rehearse}
-MODEL=${AGENTRL_REHEARSE_MODEL:-}     # a model folder; default: tiny after a short SFT (below)
+MODEL=${AGENTRL_REHEARSE_MODEL:-tiny}
 LIMIT=${AGENTRL_REHEARSE_TIMEOUT:-900}   # seconds per launch
 PORT=${AGENTRL_REHEARSE_PORT:-18700}     # vLLM ports from here; torch rendezvous on PORT+50..
 NS0=agentrl-rh0 NS1=agentrl-rh1 ADDR0=10.231.7.1 ADDR1=10.231.7.2 IF=rh0
@@ -40,7 +40,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # the GPU counts (fewer servers, tensor parallel 1), and a workload two steps can finish on a CPU.
 DOCS_KEYS=(trainer.engine=deepspeed trainer.deepspeed_config=configs/deepspeed/zero3.json trainer.generator=vllm
            rollout.mode=async rollout.pool=process)
+# (an untrained tiny model's groups all score alike: every group is kept and an entropy term makes each
+# update move the weights, so each step ends in a real weight sync)
 WORKLOAD=(trainer.steps=2 sft.enabled=false eval.tasks=0 eval.at_start=false rollout.group_size=2
+          "algo.filters=[dropped]" algo.entropy_coef=0.01
           rollout.max_turns=2 rollout.max_new_tokens=16 rollout.slots=8 vllm.max_num_seqs=8
           vllm.max_model_len=2048 optim.token_budget=2048 trainer.progress=false trainer.tensorboard=false
           trainer.checkpoint_every=2)
@@ -51,8 +54,9 @@ FAILED=0
 STARTED=()   # process ids this script started (killed by id on exit)
 
 cleanup() {
-    for pid in "${STARTED[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null; done
+    for pid in "${STARTED[@]+"${STARTED[@]}"}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null; done
     sleep 1
+    [ "${MADE_NODES:-0}" = 1 ] || return 0  # namespaces only this run made
     for ns in $NS0 $NS1; do
         if ip netns list 2>/dev/null | grep -qw "$ns"; then
             for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null; done
@@ -70,6 +74,8 @@ need "$ROOT/.venv-vllm/bin/python" "make vllm-setup"
 
 make_nodes() {
     [ "$(id -u)" = 0 ] || { say "two nodes need root (ip netns)"; exit 2; }
+    ip netns list 2>/dev/null | grep -qw $NS0 && { say "$NS0 exists: another rehearsal runs (or: ip netns del $NS0)"; exit 2; }
+    MADE_NODES=1
     cleanup
     ip netns add $NS0 && ip netns add $NS1 || exit 2
     ip link add agentrl-rhv0 type veth peer name agentrl-rhv1 || exit 2
@@ -211,18 +217,6 @@ run_two_nodes() {  # run_two_nodes torchrun|deepspeed [fail-before|fail-after]
     say "node 1's requests at the server: $(grep -c "$ADDR1:[0-9]* - \"POST /v1/" "$log")"
 }
 
-# The model in place of the docs' 7B: a tiny one after a short SFT on ALFWorld demos, made once by one
-# process (an untrained tiny model's groups all score alike, so no update and no weight sync would run)
-if [ -z "${AGENTRL_REHEARSE_MODEL:-}" ]; then
-    MODEL=$OUT/warm/warm_start
-    if [ ! -f "$MODEL/config.json" ]; then
-        say "the model: tiny, after SFT on 48 ALFWorld demos ($OUT/warm)"
-        "$BIN/agentrl" train spear --env alfworld --model tiny trainer.out_dir="$OUT/warm" trainer.steps=0 \
-            sft.demos=48 sft.epochs=3 sft.lr=3e-3 sft.max_epochs=0 sft.target_success=0 eval.tasks=0 \
-            eval.at_start=false trainer.progress=false trainer.tensorboard=false >"$OUT/warm.log" 2>&1 ||
-            { say "the warm start failed: $OUT/warm.log"; exit 2; }
-    fi
-fi
 # kill_after_first_step kill-server|kill-rank0 DIR: once step 1 is logged, SIGKILL the server (its whole
 # process group) or rank 0; for rank 0, no vLLM process may be left in node 0's namespace 30 s later
 kill_after_first_step() {
@@ -255,12 +249,12 @@ run_single_node() {  # the 6 + 2 layout scaled to 2 + 1: ranks on GPUs 0-1, the 
               --module agentrl.cli train spear --env alfworld --model "$MODEL" "${DOCS_KEYS[@]}"
               trainer.vllm_servers=1 trainer.vllm_port=$((PORT + 1)) rollout.groups=2 "${WORKLOAD[@]}")
     say "single node: deepspeed --include localhost:0,1 ... 'trainer.vllm_gpus=[1]' (a server on a learner's GPU)"
-    "${ds[@]}" "trainer.vllm_gpus=[1]" trainer.out_dir="$dir/refused" >"$dir/refused.log" 2>&1 &
+    setsid "${ds[@]}" "trainer.vllm_gpus=[1]" trainer.out_dir="$dir/refused" >"$dir/refused.log" 2>&1 &
     STARTED+=($!); wait_all 300 $!
     grep -q "error: vLLM server 0 would run on GPU 1, a learner rank's GPU on node 0" "$dir/refused.log" &&
         [ "${CODES[0]}" != 0 ] || fail "the server on a learner's GPU was not refused in one line (see $dir/refused.log)"
     say "single node: deepspeed --include localhost:0,1 ... 'trainer.vllm_gpus=[2]'"
-    "${ds[@]}" "trainer.vllm_gpus=[2]" trainer.out_dir="$dir/run" >"$dir/run.log" 2>&1 &
+    setsid "${ds[@]}" "trainer.vllm_gpus=[2]" trainer.out_dir="$dir/run" >"$dir/run.log" 2>&1 &
     STARTED+=($!); wait_all "$LIMIT" $!
     say "single node: exit ${CODES[0]} at ${ENDED[0]} s"
     [ "${CODES[0]}" = 0 ] || { fail "single node: see $dir/run.log"; tail -n 5 "$dir/run.log"; return; }
@@ -279,7 +273,7 @@ run_colocated() {  # docs/guides/gpu.md "Colocated": the learner and its server 
                model.autocast=bf16 trainer.generator=vllm vllm.colocate=true vllm.gpu_memory_utilization=0.05
                trainer.vllm_port=$((PORT + 2)) trainer.out_dir="$dir/run" rollout.groups=2 "${WORKLOAD[@]}")
     say "colocated: agentrl train starpo --env sokoban ... vllm.colocate=true (1 GPU)"
-    "${cmd[@]}" >"$dir/run.log" 2>&1 &
+    setsid "${cmd[@]}" >"$dir/run.log" 2>&1 &
     STARTED+=($!); wait_all "$LIMIT" $!
     say "colocated: exit ${CODES[0]} at ${ENDED[0]} s"
     [ "${CODES[0]}" = 0 ] || { fail "colocated: see $dir/run.log"; tail -n 5 "$dir/run.log"; return; }
@@ -289,6 +283,9 @@ run_colocated() {  # docs/guides/gpu.md "Colocated": the learner and its server 
     [ -z "$(servers_left port $((PORT + 2)))" ] || fail "a vLLM server is still running after the run"
 }
 
+# the model folder once, before the ranks start (each would build it otherwise)
+"$BIN/python" -c "from agentrl.model_zoo import resolve_model; import sys; print(resolve_model(sys.argv[1]))" "$MODEL" \
+    >"$OUT/model.log" 2>&1 || { say "building the model failed: $OUT/model.log"; exit 2; }
 case $LAYOUT in
     two-nodes|all|failures) make_nodes;;
 esac
