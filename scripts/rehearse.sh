@@ -141,8 +141,9 @@ for s in steps:
     r = rows[s]
     assert r.get("time_sync_s", 0) > 0, f"step {s}: no weight sync ({r})"
     assert r.get("sync_logprob_diff", 1) < 0.1, f"step {s}: server differs from learner ({r.get('sync_logprob_diff')})"
-    print(f"step {s}: time_sync_s={r['time_sync_s']:.2f} sync_logprob_diff={r['sync_logprob_diff']:.4f} "
-          f"episodes={r.get('episodes', '?')}")
+    assert r.get("optim_steps", 0) > 0, f"step {s}: no update"
+    print(f"step {s}: optim_steps={r['optim_steps']:.0f} time_sync_s={r['time_sync_s']:.2f} "
+          f"sync_logprob_diff={r['sync_logprob_diff']:.4f}")
 EOF
 }
 
@@ -297,10 +298,9 @@ case $LAYOUT in
 esac
 case $LAYOUT in
     failures|all)
-        run_two_nodes torchrun kill-server
-        run_two_nodes torchrun kill-rank0
-        run_two_nodes torchrun fail-after
-        run_two_nodes torchrun fail-before
+        for fault in ${AGENTRL_REHEARSE_FAILURES:-kill-server kill-rank0 fail-after fail-before}; do
+            run_two_nodes torchrun "$fault"
+        done
         ;;
 esac
 case $LAYOUT in
