@@ -196,7 +196,7 @@ run_two_nodes() {  # run_two_nodes torchrun|deepspeed [fail-before|fail-after]
             return;;
         kill-rank0)
             [ "${CODES[1]}" != 0 ] || fail "node 1 must stop when rank 0 is gone"
-            say "after rank 0 was killed: $(grep -hE "stopping|error" "$dir/node1.log" | head -1 | cut -c1-200)"
+            say "after rank 0 was killed, node 1: $(grep -hE "\] (stopping|error):" "$dir/node1.log" | head -1 | cut -c1-200)"
             return;;
     esac
     if [ -n "$fault" ]; then
