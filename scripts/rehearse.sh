@@ -190,9 +190,10 @@ run_two_nodes() {  # run_two_nodes torchrun|deepspeed [fail-before|fail-after]
     case $fault in
         kill-server)
             [ "${CODES[0]}" != 0 ] && [ "${CODES[1]}" != 0 ] || fail "both nodes must stop when their only server is gone"
-            grep -q "no generation server" "$dir/node0.log" "$dir/node1.log" ||
+            grep -qE "every generation server is gone|no generation server" "$dir/node0.log" "$dir/node1.log" ||
                 fail "no rank said that no server is left"
-            say "after the server was killed: $(grep -h "no generation server" "$dir"/node*.log | head -1 | cut -c1-200)"
+            say "after the server was killed: $(grep -hE "\] error: (every|no) generation server" "$dir"/node*.log |
+                head -1 | cut -c1-200)"
             return;;
         kill-rank0)
             [ "${CODES[1]}" != 0 ] || fail "node 1 must stop when rank 0 is gone"
