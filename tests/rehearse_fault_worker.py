@@ -10,7 +10,9 @@ from agentrl.cli import main
 FAULT = os.environ.get("AGENTRL_REHEARSE_FAULT", "")
 ON_NODE_1 = os.environ.get("GROUP_RANK", os.environ.get("CROSS_RANK", "0")) == "1"
 
-if FAULT == "before-group" and ON_NODE_1:
+if __name__ != "__main__":  # a spawned worker of the process pool re-imports this module: nothing to run
+    pass
+elif FAULT == "before-group" and ON_NODE_1:
     from agentrl import dist
 
     def init(device, timeout_s=1800.0):
@@ -25,4 +27,5 @@ elif FAULT == "learner-step" and os.environ.get("RANK") == "1":
 
     deepspeed_engine.DeepSpeedEngine.step = step
 
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
