@@ -205,7 +205,7 @@ run_two_nodes() {  # run_two_nodes torchrun|deepspeed [fail-before|fail-after]
         grep -q "rank [12]" "$dir/node0.log" || fail "node 0's log does not name node 1's failing rank"
         [ $((ENDED[0] - ENDED[1])) -le "${AGENTRL_REHEARSE_STOP_S:-60}" ] ||
             fail "node 0 stopped $((ENDED[0] - ENDED[1])) s after node 1"
-        say "node 0's last lines: $(grep -E 'error|stopping|failed' "$dir/node0.log" | tail -2 | tr '\n' ' ')"
+        say "node 0: $(grep -hE '\] (stopping|error):' "$dir/node0.log" | head -1 | cut -c1-200)"
         return
     fi
     [ "${CODES[0]}" = 0 ] && [ "${CODES[1]}" = 0 ] || { fail "two nodes ($launcher): see $dir/node*.log"; tail -n 5 "$dir"/node*.log; return; }
