@@ -88,7 +88,8 @@ class VLLMFleet:
             try:
                 for k in range(tcfg.vllm_servers if not error else 0):
                     # colocated without a vllm_gpus entry: learner rank k's GPU, as the launch plan shows it
-                    gpus = server_gpus(tcfg, self.vcfg, k, dist.launched_world()) if places_gpus(device) else ""
+                    gpus = server_gpus(tcfg, self.vcfg, k, dist.launched_world()) \
+                        if k < len(tcfg.vllm_gpus) or places_gpus(device) else ""
                     srv = VLLMServer(model_dir, port=tcfg.vllm_port + k, log_file=str(out_dir / f"vllm-{k}.log"),
                                      sync=self.mode, lora=lora, gpus=gpus, opts=self.vcfg, api_key=key)
                     self.servers.append(srv)
