@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rehearse the GPU layouts of docs/guides/gpu-quickstart.md and docs/guides/gpu.md on a CPU machine, with
 # real processes: the docs' own launch commands and keys, with a small model, fewer GPUs per node, two
-# steps and a small rollout (the only substitutions; printed before each run).
+# steps and a small rollout (the only substitutions: DOCS_KEYS and WORKLOAD below).
 #
 #   sudo bash scripts/rehearse.sh [two-nodes|colocated|single-node|failures|all]    (exit 0: ran as documented)
 #
