@@ -64,6 +64,7 @@ cleanup() {
         fi
         rm -rf "/etc/netns/$ns"
     done
+    rmdir /etc/netns 2>/dev/null  # when this run made it (empty otherwise)
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
