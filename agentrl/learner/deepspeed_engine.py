@@ -478,10 +478,11 @@ class DeepSpeedEngine:
                 dst[name].copy_(t.to(dst[name].device, dst[name].dtype))
 
     @torch.no_grad()
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Every rank walks the gathers; rank 0 gets a copy of each parameter, the others None."""
+    def iter_weights(self, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Every rank walks the gathers; rank 0 gets a copy of each parameter, the others None (``every_rank``:
+        every rank its own copy, on its GPU: the CUDA IPC sync shares each rank's with its colocated server)."""
         for name, t in self._gathered():
-            yield name, (t.detach().clone() if self.rank == 0 else None)
+            yield name, (t.detach().clone() if self.rank == 0 or every_rank else None)
 
     export_shard_mb = EXPORT_SHARD_MB
 

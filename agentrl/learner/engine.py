@@ -451,7 +451,7 @@ class TorchEngine:
                 p.copy_(src[name].to(p.device, p.dtype))
 
     @torch.no_grad()
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def iter_weights(self, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
         for name, p in self.merged_model().named_parameters():
             yield name, p.detach()
 

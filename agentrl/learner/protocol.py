@@ -52,9 +52,10 @@ class LearnerEngine(Protocol):
     def copy_weights_to(self, model: Any) -> None:
         """Copy the policy into ``model`` (an embedded generator's module) without going through disk."""
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def iter_weights(self, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The policy's full tensors under their HF names (LoRA merged), one at a time (ZeRO-3: each
-        gathered, collectively; rank 0 gets the tensor, other ranks None), for a generation server."""
+        gathered, collectively; rank 0 gets the tensor, other ranks None unless ``every_rank``), for a
+        generation server."""
 
     def save(self, folder: str | Path) -> Path:
         """Everything a resumed run needs: weights, optimizer, step, this rank's RNG."""
