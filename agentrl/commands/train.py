@@ -200,6 +200,7 @@ def run_eval(args: argparse.Namespace) -> int:
     cfg = _config(args, "eval")
     # pass@1, 2, 4, ... up to eval.samples (the ladder lives in Trainer.evaluate)
     trainer, res = _run_on_every_rank(cfg, lambda t: t.evaluate())
+    trainer.records.write(trainer.step)  # RUN/rollouts/eval.jsonl.gz: what `agentrl view` and `show` read
     if trainer.is_main:
         with open(cfg.out_dir / "eval_episodes.jsonl", "w") as f:  # per-episode results, for paired comparisons
             for ep in trainer.eval_episodes:
