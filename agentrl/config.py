@@ -301,7 +301,8 @@ class TrainerCfg:
     # rollout records under RUN/rollouts (`agentrl view`, `agentrl show`, agentrl.runs): the groups recorded
     # per step, the first ones of the step (0: every group; -1: no records)
     record_groups: int = 8
-    record_every: int = 1  # RL steps between recorded steps (evaluations are recorded whole, every time)
+    record_every: int = 1  # RL steps between recorded steps
+    record_eval_tasks: int = 64  # the tasks of each evaluation recorded, the first ones (0: every task; -1: none)
     record_tokens: bool = True  # each generated token's text, log-prob and version (token colouring in the viewer)
     progress: bool = True  # print a progress line per step
 

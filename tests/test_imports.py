@@ -16,7 +16,8 @@ LAYERS = [
     ["agentrl.rollout"],
     ["agentrl.run"],  # the protocol of a run that the pieces below the trainer are written against
     ["agentrl.model_zoo", "agentrl.curriculum", "agentrl.buffers", "agentrl.sft", "agentrl.dpo", "agentrl.plot",
-     "agentrl.run_folder", "agentrl.runs"],  # run_folder: the run folder's checkpoints, resume and final.json, for the trainer
+     # run_folder: the run folder's checkpoints, resume and final.json, for the trainer; runs: its rollout records
+     "agentrl.run_folder", "agentrl.runs"],
     ["agentrl.recipe"],
     ["agentrl.recipes"],
     ["agentrl.config_loader"],  # recipe YAMLs into a checked config: looks names up in the registries above
