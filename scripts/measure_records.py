@@ -3,7 +3,9 @@ without the SFT warm start so that no run waits minutes for it): runs alternate 
 off (trainer.record_groups=-1 trainer.record_eval_tasks=-1), each in its own process; prints each run's
 train() wall time, the medians, and the records' bytes per step.
 
-    python scripts/measure_records.py --pairs 3 --steps 4
+    python scripts/measure_records.py --pairs 3 --steps 3 rollout.groups=4 rollout.fill_groups=0
+
+Extra arguments are config overrides for every run (a smaller step where cores are scarce).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import agentrl.runs
 
 ONE = """
 import json, sys, time
@@ -34,16 +38,17 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--eval-tasks", type=int, default=32)
+    ap.add_argument("overrides", nargs="*", help="config overrides for every run")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="records-"))
     times: dict[str, list[float]] = {"on": [], "off": []}
-    per_step, per_eval = [], []
+    per_step, per_eval, per_episode = [], [], []
     for k in range(a.pairs):
         for mode in (("on", "off") if k % 2 == 0 else ("off", "on")):
             out = root / f"{mode}-{k}"
             args = [f"trainer.out_dir={out}", f"trainer.steps={a.steps}", "sft.enabled=false",
                     "trainer.progress=false", "trainer.checkpoint_every=1000", f"eval.tasks={a.eval_tasks}",
-                    "eval.every=0", "eval.at_start=false"]
+                    "eval.every=0", "eval.at_start=false", *a.overrides]
             if mode == "off":
                 args += ["trainer.record_groups=-1", "trainer.record_eval_tasks=-1"]
             got = subprocess.run([sys.executable, "-c", ONE, *args], capture_output=True, text=True)
@@ -57,12 +62,17 @@ def main() -> None:
                 ev = (out / "rollouts" / "eval.jsonl.gz").stat().st_size
                 per_step.append(train / a.steps)
                 per_eval.append(ev)
+                run = agentrl.runs.open(out)
+                n = sum(h["episodes_recorded"] for h in run.heads())
+                per_episode.append(train / n)
+                line += f", {n} train episodes recorded ({train / n:.0f} B each)"
                 line += f", rollouts/train.jsonl.gz {train} B ({train / a.steps:.0f} B/step), eval {ev} B"
             print(line, flush=True)
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     print(f"median train(): on {on:.1f} s, off {off:.1f} s: {100 * (on - off) / off:+.1f}%")
-    print(f"median bytes: {statistics.median(per_step):.0f} per step, {statistics.median(per_eval):.0f} per "
+    print(f"median bytes: {statistics.median(per_episode):.0f} per recorded training episode, "
+          f"{statistics.median(per_step):.0f} per step, {statistics.median(per_eval):.0f} per "
           f"evaluation of {a.eval_tasks} tasks")
     shutil.rmtree(root, ignore_errors=True)
 

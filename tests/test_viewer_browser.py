@@ -24,10 +24,8 @@ def _chromium_or_skip():
 @pytest.mark.timeout(600)
 def test_view_in_a_real_browser(tiny_model_dir, tmp_path):
     sync_api = _chromium_or_skip()
-    import agentrl.runs
     from agentrl import Trainer
     from agentrl.config_loader import load_config
-    from agentrl.viewer.serve import start_viewer
 
     run_dir = tmp_path / "run"
     # the untrained tiny model answers among the admissible moves (constrained decoding): episodes with actions
@@ -43,17 +41,26 @@ def test_view_in_a_real_browser(tiny_model_dir, tmp_path):
         t.train()
     finally:
         t.close()
+    shots = Path(os.environ.get("AGENTRL_VIEWER_SCREENSHOTS") or tmp_path / "shots")
+    check_in_browser(sync_api, run_dir, shots, tmp_path / "profile")
+
+
+def check_in_browser(sync_api, run_dir, shots, profile):
+    """The viewer on ``run_dir`` in a fresh Chromium profile; the pages' screenshots into ``shots``."""
+    import agentrl.runs
+    from agentrl.viewer.serve import start_viewer
+
     run = agentrl.runs.open(run_dir)
     step = run.step(run.steps()[-1])
     server = start_viewer([run], "127.0.0.1", 0)
-    shots = Path(os.environ.get("AGENTRL_VIEWER_SCREENSHOTS") or tmp_path / "shots")
     shots.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{server.server_address[1]}/"
     try:
         with sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                        args=FLAGS + [f"--user-data-dir={tmp_path / 'profile'}"])
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            # a fresh profile (--user-data-dir): nothing from another run of the browser
+            browser = p.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, headless=True,
+                                                           args=FLAGS, viewport={"width": 1400, "height": 1000})
+            page = browser.new_page()
             page.goto(url + f"#run=0&step={step.step}")
             page.wait_for_selector("body[data-ready='1']")
             # the curves: one path per run, a point per logged step

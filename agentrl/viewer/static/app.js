@@ -56,7 +56,7 @@ function drawMetricChoices() {
 }
 function drawChart() {
   const svg = $("chart"), st = getState(), metric = $("metric").value;
-  const W = svg.clientWidth || 900, H = 240, L = 48, R = 12, T = 10, B = 26;
+  const W = svg.clientWidth || 900, H = 240, L = 48, R = 36, T = 10, B = 26;
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const series = chosenRuns().map((i) => ({ run: i, pts: (S.metrics[i] || []).filter((r) => typeof r[metric] === "number")
     .map((r) => [r.step, r[metric]]) })).filter((s) => s.pts.length);
