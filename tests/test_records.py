@@ -127,7 +127,7 @@ def test_view_binds_elsewhere_only_with_a_key(tmp_path, capsys):
 
 SMALL = ["trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=2", "rollout.group_size=2",
          "rollout.slots=4", "rollout.max_turns=2", "rollout.max_new_tokens=8", "eval.tasks=2",
-         "sft.enabled=false", "trainer.checkpoint_every=1",
+         "sft.enabled=false", "trainer.checkpoint_every=1000",
          "algo.filters=[dropped]", "rollout.fill_groups=0", "eval.every=0"]
 
 
@@ -181,3 +181,37 @@ def test_make_help_lists_every_target_and_eval_help_every_flag():
     for name in ("eval", "view", "show"):
         bare = [a.option_strings or a.dest for a in sub.choices[name]._actions if not a.help]
         assert not bare, f"agentrl {name}: {bare} without help"
+
+
+def test_wandb_keys_and_the_rollout_table(tmp_path, monkeypatch):
+    import wandb
+
+    from agentrl.config_loader import load_config
+    from agentrl.metrics import MetricsLogger
+
+    got = {}
+
+    class Run:  # stands in for wandb's run object: what was logged
+        def log(self, row, step):
+            got.setdefault("logged", []).append((step, row))
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: got.update(init=kw) or Run())
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = load_config("grpo", env="sokoban", overrides=[
+        f"trainer.out_dir={tmp_path}", "trainer.wandb=true", "trainer.tensorboard=false", "trainer.wandb_project=p",
+        "trainer.wandb_entity=team", "trainer.wandb_mode=disabled"])
+    logger = MetricsLogger.of_run(cfg)
+    assert {k: got["init"][k] for k in ("project", "entity", "name")} == dict(project="p", entity="team",
+                                                                            name=tmp_path.name)
+    assert os.environ["WANDB_MODE"] == "disabled"
+    rec = RolloutRecorder(tmp_path, None, tokens=False)
+    rec.add([_episode("1:a", True, ["Up", "Left"])])
+    rec.write(1, logger)
+    step, row = got["logged"][-1]
+    table = row["rollouts/train"]
+    assert step == 1 and table.columns[:4] == ["step", "group", "task_id", "won"]
+    assert table.data[0][6] == "Up | Left" and table.data[0][7] == "0.500 0.500"
+    monkeypatch.delenv("WANDB_MODE", raising=False)
