@@ -20,14 +20,22 @@ from pathlib import Path
 
 import agentrl.runs
 
+# one run; with records on it also times the recorder's own work (its write of each step) inside the run
 ONE = """
 import json, sys, time
 from agentrl import Trainer
 from agentrl.config_loader import load_config
+from agentrl.runs.records import RolloutRecorder
+spent = [0.0]
+write = RolloutRecorder.write
+def timed(self, *a, **k):
+    t = time.perf_counter(); write(self, *a, **k); spent[0] += time.perf_counter() - t
+RolloutRecorder.write = timed
 cfg = load_config("grpo", env="sokoban", overrides=sys.argv[1:])
 t = Trainer.from_config(cfg)
 try:
-    t0 = time.perf_counter(); t.train(); print(json.dumps({"train_s": time.perf_counter() - t0}))
+    t0 = time.perf_counter(); t.train()
+    print(json.dumps({"train_s": time.perf_counter() - t0, "write_s": spent[0]}))
 finally:
     t.close()
 """
@@ -42,7 +50,7 @@ def main() -> None:
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="records-"))
     times: dict[str, list[float]] = {"on": [], "off": []}
-    per_step, per_eval, per_episode = [], [], []
+    per_step, per_eval, per_episode, shares = [], [], [], []
     for k in range(a.pairs):
         for mode in (("on", "off") if k % 2 == 0 else ("off", "on")):
             out = root / f"{mode}-{k}"
@@ -54,9 +62,13 @@ def main() -> None:
             got = subprocess.run([sys.executable, "-c", ONE, *args], capture_output=True, text=True)
             if got.returncode:
                 sys.exit(got.stderr[-3000:])
-            s = json.loads(got.stdout.strip().splitlines()[-1])["train_s"]
+            res = json.loads(got.stdout.strip().splitlines()[-1])
+            s = res["train_s"]
             times[mode].append(s)
             line = f"run {k} records {mode}: train() {s:.1f} s"
+            if mode == "on":
+                shares.append(res["write_s"] / s)
+                line += f", of which writing records {res['write_s']:.2f} s ({100 * res['write_s'] / s:.2f}%)"
             if mode == "on":
                 train = (out / "rollouts" / "train.jsonl.gz").stat().st_size
                 ev = (out / "rollouts" / "eval.jsonl.gz").stat().st_size
@@ -70,7 +82,8 @@ def main() -> None:
             print(line, flush=True)
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    print(f"median train(): on {on:.1f} s, off {off:.1f} s: {100 * (on - off) / off:+.1f}%")
+    print(f"median train(): on {on:.1f} s, off {off:.1f} s: {100 * (on - off) / off:+.1f}%; the records' writes: "
+          f"{100 * statistics.median(shares):.2f}% of train() (median)")
     print(f"median bytes: {statistics.median(per_episode):.0f} per recorded training episode, "
           f"{statistics.median(per_step):.0f} per step, {statistics.median(per_eval):.0f} per "
           f"evaluation of {a.eval_tasks} tasks")
