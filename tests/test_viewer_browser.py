@@ -34,7 +34,7 @@ def test_view_in_a_real_browser(tiny_model_dir, tmp_path):
         f"model.name={tiny_model_dir}", f"trainer.out_dir={run_dir}", "trainer.steps=2",
         "trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=3", "rollout.group_size=2",
         "rollout.slots=6", "rollout.max_turns=3", "rollout.max_new_tokens=16", "rollout.constrain_actions=true",
-        "eval.tasks=2", "eval.every=1", "sft.enabled=false", "trainer.checkpoint_every=2", "algo.filters=[dropped]",
+        "eval.tasks=2", "eval.every=0", "sft.enabled=false", "trainer.checkpoint_every=2", "algo.filters=[dropped]",
         "rollout.fill_groups=0"])
     t = Trainer.from_config(cfg)
     try:
