@@ -233,7 +233,6 @@ class GroupRecipe(Recipe):
             kept[n].turns[k].info["advantage"] = a  # the run's records show what each turn was trained toward
             if out.returns is not None:
                 kept[n].turns[k].info["return"] = out.returns[n][k]
-            if out.returns is not None:
                 # the value target sits at the last prompt token, which predicts the first generated one
                 first = s.loss_mask.index(1)
                 s.returns, s.old_values, s.value_mask = [0.0] * len(s.ids), [0.0] * len(s.ids), [0] * len(s.ids)
