@@ -114,15 +114,25 @@ def test_viewer_api_and_its_key(tmp_path):
     assert r.status_code == 303 and k.get("/api/runs").status_code == 200
 
 
-def test_view_binds_elsewhere_only_with_a_key(tmp_path, capsys):
-    from agentrl.cli import main
+def test_view_binds_elsewhere_only_with_a_key(tmp_path):
+    import argparse
 
-    assert main(["view", str(tmp_path), "--host", "0.0.0.0"]) != 0
-    assert "--api-key" in capsys.readouterr().err
-    assert main(["view", str(tmp_path / "nothing")]) != 0
-    assert "not a run folder" in capsys.readouterr().err
-    assert main(["show", str(tmp_path)]) != 0
-    assert "no train records" in capsys.readouterr().err
+    from agentrl.commands.view import add_parser
+    from agentrl.config import ConfigError
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+
+    def run(*argv):
+        args = sub.choices[argv[0]].parse_args(argv[1:])
+        return args.func(args)
+
+    with pytest.raises(ConfigError, match="--api-key"):
+        run("view", str(tmp_path), "--host", "0.0.0.0", "--api-key", "")
+    with pytest.raises(ConfigError, match="not a run folder"):
+        run("view", str(tmp_path / "nothing"))
+    with pytest.raises(ConfigError, match="no train records"):
+        run("show", str(tmp_path))
 
 
 SMALL = ["trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=2", "rollout.group_size=2",

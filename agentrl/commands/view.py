@@ -53,12 +53,12 @@ def open_runs(paths: list[str]) -> list[Any]:
 
 def run_view(args: argparse.Namespace) -> int:
     from agentrl.config import ConfigError
-    from agentrl.viewer.serve import start_viewer
 
     if not _loopback(args.host) and not args.api_key:
         raise ConfigError(f"--host {args.host} is reachable from other machines: give --api-key KEY (or "
                           "$AGENTRL_API_KEY), or keep the default loopback --host 127.0.0.1")
     runs = open_runs(args.runs)
+    from agentrl.viewer.serve import start_viewer  # the server stack only once the arguments hold
     try:
         server = start_viewer(runs, args.host, args.port, args.api_key)
     except OSError as e:
