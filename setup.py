@@ -9,7 +9,7 @@ setup(
     # envs/ and recipes/ stay top-level folders in the repo but install as agentrl.envs and agentrl.recipes
     # (agentrl/envs and agentrl/recipes are links to them): no generic top-level names in site-packages
     packages=find_packages(include=["agentrl", "agentrl.*"]),
-    package_data={"agentrl.recipes": ["*.yaml", "**/*.yaml"]},
+    package_data={"agentrl.recipes": ["*.yaml", "**/*.yaml"], "agentrl.viewer": ["static/*"]},
     install_requires=[
         "numpy>=1.26",
         "pyyaml>=6",
@@ -35,7 +35,9 @@ setup(
                  "rapidfuzz>=3"],  # WebShop's reward matches attributes and options fuzzily
         # Learner extras: LoRA and DeepSpeed ZeRO (runs on CPU with gloo too). Install torch first.
         "train": ["peft>=0.15", "deepspeed>=0.16"],
-        "dev": ["pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3", "ruff>=0.15", "hypothesis>=6.100"],
+        "dev": ["pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3", "ruff>=0.15", "hypothesis>=6.100",
+                # the viewer's browser test drives the OS's Chromium (.ci/run installs it); never its own download
+                "playwright>=1.50"],
         # Outside env suites behind the Gymnasium adapter: `env: gem:<id>`, `textarena:<id>`, `rg:<dataset>`
         "suites": ["gem-llm==0.1.0", "textarena==0.7.4", "reasoning-gym==0.1.23"],
         "ray": ["ray>=2.30"],  # rollout.pool=ray: env workers as Ray actors, on this machine or a cluster

@@ -302,7 +302,18 @@ class TrainerCfg:
     check_sync: bool = True  # after each sync: server log-probs equal learner log-probs on a fixed sequence
     sync_atol: float = 0.1  # that check's tolerance on the mean |log-prob difference| (bf16 servers: ~0.01)
     tensorboard: bool = True  # write TensorBoard event files under RUN/tb
-    wandb: bool = False  # log to wandb (offline unless WANDB_MODE says otherwise)
+    wandb: bool = False  # log to wandb (with the wandb_* keys below) and the rollout records' sample as a Table
+    wandb_project: str = "agentrl"  # trainer.wandb: the wandb project
+    wandb_entity: str = ""  # trainer.wandb: the wandb entity (team or user; empty: wandb's default)
+    wandb_name: str = ""  # trainer.wandb: the wandb run's name (empty: the run folder's name)
+    # trainer.wandb: offline (files under RUN/wandb, `wandb sync` later), online, or disabled; $WANDB_MODE wins
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    # rollout records under RUN/rollouts (`agentrl view`, `agentrl show`, agentrl.runs): the groups recorded
+    # per step, the first ones of the step (0: every group; -1: no records)
+    record_groups: int = 8
+    record_every: int = 1  # RL steps between recorded steps
+    record_eval_tasks: int = 64  # the tasks of each evaluation recorded, the first ones (0: every task; -1: none)
+    record_tokens: bool = True  # each generated token's text, log-prob and version (token colouring in the viewer)
     progress: bool = True  # print a progress line per step
 
 

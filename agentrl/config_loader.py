@@ -501,6 +501,10 @@ def _check_ranges(cfg: RecipeCfg) -> None:
         ("eval.every", e.every, e.every >= 0, ">= 0 (0: only at the end)"),
         ("trainer.steps", t.steps, t.steps >= 0, ">= 0"),
         ("trainer.checkpoint_every", t.checkpoint_every, t.checkpoint_every >= 1, ">= 1"),
+        ("trainer.record_groups", t.record_groups, t.record_groups >= -1, ">= -1 (0: every group; -1: no records)"),
+        ("trainer.record_every", t.record_every, t.record_every >= 1, ">= 1"),
+        ("trainer.record_eval_tasks", t.record_eval_tasks, t.record_eval_tasks >= -1,
+         ">= -1 (0: every task; -1: no evaluation records)"),
         ("trainer.time_limit_s", t.time_limit_s, t.time_limit_s >= 0, ">= 0 (0: no limit)"),
         # N collects run ahead of the learner, step t's drawn with the weights after t - N updates
         ("trainer.max_staleness", t.max_staleness, t.max_staleness >= 0,

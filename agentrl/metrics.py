@@ -83,9 +83,18 @@ def episode_diagnostics(episodes: list[Episode], reward: Callable[[Episode], flo
 
 
 class MetricsLogger:
-    """metrics.jsonl always; TensorBoard and wandb (offline unless WANDB_MODE says otherwise) if asked."""
+    """metrics.jsonl always; TensorBoard and wandb (``wandb``: the ``trainer.wandb_*`` keys, init's keyword
+    arguments; its mode offline unless WANDB_MODE says otherwise) if asked."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool = True, wandb: bool = False, config: dict | None = None):
+    @classmethod
+    def of_run(cls, cfg: Any) -> "MetricsLogger":
+        t = cfg.trainer
+        wb = dict(project=t.wandb_project, entity=t.wandb_entity or None, name=t.wandb_name or cfg.out_dir.name,
+                  mode=t.wandb_mode) if t.wandb else None
+        return cls(cfg.out_dir, t.tensorboard, wb, cfg.to_dict())
+
+    def __init__(self, out_dir: Path, tensorboard: bool = True, wandb: bool | dict[str, Any] | None = False,
+                 config: dict | None = None):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.tb = self.wb = None
         if tensorboard:
@@ -98,10 +107,12 @@ class MetricsLogger:
         if wandb:
             import wandb as wb
 
-            os.environ.setdefault("WANDB_MODE", "offline")
+            opts = dict(wandb) if isinstance(wandb, dict) else {}
+            os.environ.setdefault("WANDB_MODE", opts.pop("mode", "offline"))  # $WANDB_MODE wins over the key
+            opts.setdefault("project", "agentrl")
             # finish_previous: a second run in one process (a study script) closes the first instead of
             # logging into it; the boolean form is deprecated
-            self.wb = wb.init(project="agentrl", dir=str(out_dir), config=config or {}, reinit="finish_previous")
+            self.wb = wb.init(dir=str(out_dir), config=config or {}, reinit="finish_previous", **opts)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float, str, bool))}}
@@ -114,6 +125,13 @@ class MetricsLogger:
             self.tb.flush()
         if self.wb is not None:
             self.wb.log(row, step=step)
+
+    def log_table(self, step: int, key: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """A wandb Table at ``step`` (the rollout records' sample); nothing without wandb."""
+        if self.wb is not None and rows:
+            import wandb as wb
+
+            self.wb.log({key: wb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self) -> None:
         if self.tb is not None:

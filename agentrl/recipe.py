@@ -168,7 +168,12 @@ class GroupRecipe(Recipe):
         dropped: dict[str, int] = {}
         ctx = FilterContext(self.variance_signal, self.cfg.algo.variance_keep)
         for name in self.episode_filters():
+            before = episodes
             episodes, dropped[f"filtered_{name}"] = FILTERS.get(name)(episodes, ctx)
+            kept = {id(e) for e in episodes}
+            for e in before:  # the run's records say which filter dropped an episode
+                if id(e) not in kept:
+                    e.notes.setdefault("filtered", name)
         return episodes, dropped
 
     def episode_filters(self) -> list[str]:
@@ -216,6 +221,8 @@ class GroupRecipe(Recipe):
         for i, (s, (n, k)) in enumerate(zip(samples, where)):
             if k < 0:
                 samples[i] = episode_sample(kept[n], out.per_turn[n], s.meta)
+                for t, a in zip(kept[n].turns, out.per_turn[n]):  # for the run's records
+                    t.info["advantage"] = a
                 if out.per_token is not None:
                     with_token_targets(samples[i], out.per_token[n], out.token_returns[n], x.token_values[n])
                 continue
@@ -223,7 +230,9 @@ class GroupRecipe(Recipe):
             if algo.turn_weight == "episode":  # every trajectory weighs the same, however many turns it took
                 a /= max(1, sum(1 for t in kept[n].turns if t.gen_ids))
             s.advantages = [a if m else 0.0 for m in s.loss_mask]
+            kept[n].turns[k].info["advantage"] = a  # the run's records show what each turn was trained toward
             if out.returns is not None:
+                kept[n].turns[k].info["return"] = out.returns[n][k]
                 # the value target sits at the last prompt token, which predicts the first generated one
                 first = s.loss_mask.index(1)
                 s.returns, s.old_values, s.value_mask = [0.0] * len(s.ids), [0.0] * len(s.ids), [0] * len(s.ids)

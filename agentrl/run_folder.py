@@ -29,7 +29,8 @@ LINK = ckpt.LINK  # RUN/checkpoint -> checkpoints/step-NNNNNN, switched once a s
 # what may change when a run resumes (how long it trains, how it is evaluated and logged, where servers
 # are); any other difference from the config its checkpoint was written with makes it another run
 RESUMABLE = ("trainer.steps", "trainer.env_steps", "trainer.progress", "trainer.tensorboard", "trainer.wandb",
-             "trainer.checkpoint_every", "trainer.time_limit_s", "trainer.out_dir", "trainer.generator_url", "eval.")
+             "trainer.checkpoint_every", "trainer.time_limit_s", "trainer.out_dir", "trainer.generator_url", "eval.",
+             "trainer.wandb_", "trainer.record_")
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:

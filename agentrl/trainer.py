@@ -47,6 +47,7 @@ from agentrl.rollout.episode import RolloutConfig, Start
 from agentrl.rollout.collect_ahead import CollectAhead
 from agentrl.rollout.sampler import RolloutSampler
 from agentrl.run_folder import RunFolder, check_free_space, check_run_folder
+from agentrl.runs.records import RolloutRecorder
 from agentrl.types import Completion, Episode, SamplingParams
 
 if TYPE_CHECKING:
@@ -126,8 +127,8 @@ class Trainer:
                                       world=self.world, rank=self.rank)
         if cfg.trainer.max_staleness > 0:
             self._ahead = CollectAhead(cfg.trainer, self.generator, self.sampler, self.recipe.collect, side)
-        self.logger = MetricsLogger(self.out_dir, cfg.trainer.tensorboard, cfg.trainer.wandb, cfg.to_dict()) \
-            if self.is_main else None
+        self.logger = MetricsLogger.of_run(cfg) if self.is_main else None
+        self.records = RolloutRecorder.of_run(cfg, self.tokenizer, self.is_main)  # RUN/rollouts (agentrl.runs)
         self._tasks = None
         self.eval_episodes: list[Episode] = []
         self._sync_stats: dict[str, float] = {}  # the last server weight sync (time, check), logged per step
@@ -303,6 +304,7 @@ class Trainer:
         """Collective (every rank calls it in ``Recipe.step``): episode statistics, timings, and the env
         workers' restarts, timeouts, crashes, replays and dropped episodes this step, summed over ranks."""
         d = episode_diagnostics(episodes, recipe.reward)
+        self.records.add(episodes, "train", recipe.reward)
         st = self.sampler.stats
         d.update(time_generate_s=st.get("generate_s", 0.0), time_env_s=st.get("env_s", 0.0),
                  context_trimmed=st.get("context_trimmed", 0.0), context_ended=st.get("context_ended", 0.0))
@@ -326,6 +328,7 @@ class Trainer:
         starts = [Start(t, 1000 + i, f"eval:{t}") for i, t in enumerate(ids) for _ in range(samples)]
         eps = self.rollout(starts, temperature=e.temperature if temperature is None else temperature)
         self.eval_episodes = eps  # the last evaluation's episodes, for per-task reports (agentrl eval)
+        self.records.add(eps, "eval")
         out = episode_diagnostics(eps, lambda ep: float(ep.won), prefix="eval/")
         by_task: dict[str, list[bool]] = {}
         for ep in eps:
@@ -474,6 +477,7 @@ class Trainer:
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:  # every row says how much memory the run has needed so far
             self.logger.log(step, {**metrics, "peak_rss_gib": peak_rss_gib()})
+        self.records.write(step, self.logger)  # the step's sampled episodes to RUN/rollouts (and a wandb Table)
 
     def _print(self, step: int, m: dict[str, float]) -> None:
         if "eval/success" in m:

@@ -104,6 +104,9 @@ class Episode:
     dropped: bool = False  # an env worker was lost and the episode could not be rebuilt: never train on it
     truncated: bool = False  # hit the turn limit before the env ended
     error: str = ""  # an agent program that raised or timed out (envs/agent_program.py): a failed episode
+    # what the recipe decided about the episode, for the run's records (agentrl.runs): e.g. "filtered": the
+    # filter that dropped it from the batch
+    notes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_reward(self) -> float:

@@ -42,8 +42,15 @@ def test_every_config_key_has_a_row_with_a_meaning():
 
 def test_cli_reference_lists_every_command():
     page = _hook().cli_page()
-    for cmd in ("train", "eval", "plot", "envs", "serve", "bench"):
+    for cmd in ("train", "eval", "plot", "envs", "serve", "bench", "view", "show"):
         assert f"`agentrl {cmd}`" in page, cmd
+
+
+def test_the_committed_reference_pages_are_current():
+    """docs/reference/config.md and cli.md are committed, so that links to them work on the repository's pages."""
+    for path, text in _hook().committed_pages().items():
+        assert path.exists() and path.read_text() == text, \
+            f"{path.relative_to(ROOT)} is stale: run `.venv/bin/python docs/hooks/reference.py --write`"
 
 
 def test_readme_is_at_most_200_lines():

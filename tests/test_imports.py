@@ -16,12 +16,13 @@ LAYERS = [
     ["agentrl.rollout"],
     ["agentrl.run"],  # the protocol of a run that the pieces below the trainer are written against
     ["agentrl.model_zoo", "agentrl.curriculum", "agentrl.buffers", "agentrl.sft", "agentrl.dpo", "agentrl.plot",
-     "agentrl.run_folder"],  # run_folder: the run folder's checkpoints, resume and final.json, for the trainer
+     # run_folder: the run folder's checkpoints, resume and final.json, for the trainer; runs: its rollout records
+     "agentrl.run_folder", "agentrl.runs"],
     ["agentrl.recipe"],
     ["agentrl.recipes"],
     ["agentrl.config_loader"],  # recipe YAMLs into a checked config: looks names up in the registries above
     ["agentrl.trainer", "agentrl.preflight"],
-    ["agentrl.commands", "agentrl.cli", "agentrl"],  # the CLI: one package of commands
+    ["agentrl.commands", "agentrl.cli", "agentrl", "agentrl.viewer"],  # the CLI: one package of commands
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

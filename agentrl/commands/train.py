@@ -36,9 +36,13 @@ def add_parser(sub: Any) -> None:
                    help="print each value set away from its default with where it came from (recipe, demo "
                         "overlay, model overlay, user) and exit")
     t.set_defaults(func=run_train)
-    e = sub.add_parser("eval", help="evaluate a model or checkpoint: success, pass@k, per category")
-    e.add_argument("--split", default="valid")
-    e.add_argument("--tasks", type=int, default=32)
+    e = sub.add_parser("eval", help="evaluate a model or checkpoint: success, pass@k, per category",
+                       description="Evaluate --model (a checkpoint's model folder, a model spec) on --tasks tasks of "
+                                   "--split: prints success, pass@k and per-category success; writes the run folder's "
+                                   "eval_episodes.jsonl and rollouts/eval.jsonl.gz (agentrl view, agentrl show)")
+    e.add_argument("--split", default="valid", choices=["train", "valid", "test"],
+                   help="the env split whose tasks are evaluated (default valid)")
+    e.add_argument("--tasks", type=int, default=32, help="the split's first N tasks (default 32)")
     e.add_argument("--samples", type=int, default=1, help="samples per task (pass@k for k <= samples)")
     _common(e)
     e.set_defaults(func=run_eval)
@@ -200,6 +204,7 @@ def run_eval(args: argparse.Namespace) -> int:
     cfg = _config(args, "eval")
     # pass@1, 2, 4, ... up to eval.samples (the ladder lives in Trainer.evaluate)
     trainer, res = _run_on_every_rank(cfg, lambda t: t.evaluate())
+    trainer.records.write(trainer.step)  # RUN/rollouts/eval.jsonl.gz: what `agentrl view` and `show` read
     if trainer.is_main:
         from agentrl.io_atomic import open_in_folder
 

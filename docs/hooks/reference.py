@@ -256,5 +256,16 @@ def on_files(files, config):  # noqa: ANN001  (mkdocs hook signature)
     return files
 
 
-if __name__ == "__main__":  # print a page: python docs/hooks/reference.py config|cli
-    print(textwrap.dedent(config_page() if sys.argv[1:] == ["config"] else cli_page()))
+def committed_pages() -> dict[Path, str]:
+    """The generated pages as committed under docs/ (so links to them work on the repository's own pages
+    too); tests/test_docs.py fails when they are stale, and ``--write`` renews them."""
+    return {ROOT / "docs" / CONFIG_PAGE: config_page() + "\n", ROOT / "docs" / CLI_PAGE: cli_page() + "\n"}
+
+
+if __name__ == "__main__":  # python docs/hooks/reference.py config|cli (print a page) | --write (renew both)
+    if sys.argv[1:] == ["--write"]:
+        for path, text in committed_pages().items():
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    else:
+        print(textwrap.dedent(config_page() if sys.argv[1:] == ["config"] else cli_page()))
