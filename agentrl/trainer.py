@@ -41,7 +41,7 @@ from agentrl.learner.loop import rl_update
 from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, peak_rss_gib, read_metrics,
                              truncate_metrics)
-from agentrl.preflight import check_launch, resolve_device
+from agentrl.preflight import preflight
 from agentrl.progress import Progress
 from agentrl.rollout.episode import RolloutConfig, Start
 from agentrl.rollout.collect_ahead import CollectAhead
@@ -72,10 +72,8 @@ class Trainer:
     def from_config(cls, cfg: RecipeCfg) -> "Trainer":
         """The trainer of ``cfg`` (``agentrl.load_config``) with its recipe, the class ``cfg.method`` names in
         ``RECIPES``. Builds the model, generator and env slots; ``close()`` releases them."""
-        from agentrl.preflight import preflight
         from agentrl.recipe import RECIPES
 
-        preflight(cfg)  # this machine can run cfg (device, packages, env, model folder): one line, before any work
         return cls(cfg, RECIPES.get(cfg.method or cfg.recipe)(cfg))
 
     def __init__(self, cfg: RecipeCfg, recipe: "Recipe"):
@@ -87,8 +85,9 @@ class Trainer:
         self._t0 = time.monotonic()  # trainer.time_limit_s counts from here: loading and the warm start included
         self.cfg, self.recipe = cfg, recipe
         self.out_dir = cfg.out_dir
-        self.device = resolve_device(cfg)
-        check_launch(cfg, self.device)  # before any collective or model loading: one clear error on every rank
+        # this machine and launch can run cfg (the checks --print-config and --dry-run make too): one line on
+        # every rank, before any collective or model loading
+        self.device = preflight(cfg)
         self.world = dist.init(self.device)
         self.rank = dist.rank()
         self.is_main = self.rank == 0
@@ -139,17 +138,7 @@ class Trainer:
 
     def _make_generator(self) -> "Generator":
         if self.cfg.trainer.generator == "vllm":
-            from agentrl.generation.vllm_fleet import VLLMFleet, staged_push_refusal, sync_mode
-
-            n, c = self.cfg.trainer.max_staleness, self.cfg
-            why = staged_push_refusal(sync_mode(c.trainer.vllm_sync, self.device, c.vllm.colocate), c.model.lora_r)
-            if n > 1 and why:  # before any server starts
-                raise ConfigError(f"trainer.max_staleness={n} with trainer.generator=vllm pushes older weights from "
-                                  f"host copies, and {why}; use trainer.max_staleness=1")
-            if c.trainer.inflight_updates and why:
-                raise ConfigError(f"trainer.inflight_updates=true with trainer.generator=vllm pushes each update from "
-                                  f"a host copy while collects run, and {why}; use trainer.vllm_sync=shm or "
-                                  "trainer.inflight_updates=false")
+            from agentrl.generation.vllm_fleet import VLLMFleet
 
             fleet = VLLMFleet(self.cfg.trainer, self.model_dir, self.device, self.out_dir,
                               lora=self.cfg.model.lora_r, vcfg=self.cfg.vllm)

@@ -117,19 +117,36 @@ def run_train(args: argparse.Namespace) -> int:
         for key, where in config_sources(args.recipe, args.env, _overrides(args), args.model).items():
             print(f"{key}: {values[key]!r}  # {where}")
         return 0
+    from agentrl.preflight import preflight
+
     if args.print_config:
         import yaml
 
+        preflight(cfg)  # what the run would refuse here, refused in the same line
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     if args.dry_run:
         from agentrl.commands.plan import run as plan
 
+        preflight(cfg, planned_ranks=_planned_ranks(cfg, args.nodes, args.gpus_per_node))
         return plan(cfg, args.nodes, args.gpus_per_node, args.gpu_memory_gib)
     trainer, final = _run_on_every_rank(cfg, _train)
     if trainer.is_main:
         print(json.dumps({"run": str(cfg.out_dir), **final}, indent=1))
     return 0
+
+
+def _planned_ranks(cfg: Any, nodes: int | None, gpus_per_node: int | None) -> int:
+    """The learner ranks of the launch plan (``--nodes`` x ``--gpus-per-node``, this machine's GPUs by
+    default; 1 when there are none: the plan then asks for the shape)."""
+    import torch
+
+    from agentrl.generation.layout import place
+
+    gpus = gpus_per_node or (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if not gpus or (nodes or 1) < 1:
+        return 1
+    return max(1, place(cfg.trainer, cfg.vllm, nodes or 1, gpus).learner_ranks)
 
 
 def _train(trainer: Any) -> Any:
