@@ -189,12 +189,17 @@ def shard_groups(group_ids: Sequence[str], n_ranks: int) -> list[list[int]]:
 # rank already holds a client of) and exits; a watcher thread on every rank polls the store and ends its
 # process with the failing rank's message. A collective cannot be left from Python (gloo's wait, NCCL's
 # kernels), and a barrier after an error would wait for a rank that never comes: exiting is what stops it.
+# Before the process group exists the same keys go to the store at MASTER_ADDR:MASTER_PORT through a client
+# of this process's own (hosted by torchrun's agent; under the DeepSpeed launcher by rank 0, in its
+# rendezvous, or here when rank 0 is the one failing), so ranks waiting in the rendezvous stop too.
 FAILURES, FAILED, ACKS = "agentrl/failures", "agentrl/failed/", "agentrl/failure_acks"
 POLL_S = 0.5
 STORE_GONE_S = 10.0  # the store unreachable this long (its host, rank 0's process, is gone): stop too
 ACK_WAIT_S = 5.0  # a failing rank waits this long for the others to read its message before it exits
+EARLY_WAIT_S = 60.0  # before the group: for the store's host to come up, then for the others to read it
 
 _watch = threading.Event()  # set: stop watching (the run ended in step on every rank)
+_cleanup: list[Any] = [None]  # what the watcher runs before it exits: the latest watch_peers' cleanup
 _failed = threading.Event()  # set: this process is stopping on an error (its own or a peer's)
 
 
@@ -204,23 +209,68 @@ def _store() -> Any:
     return distributed_c10d._get_default_store()
 
 
+def _early_prefix() -> str:
+    """The keys of failures before the group, per launch attempt (torchrun's agent store outlives a restart)."""
+    return f"agentrl/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _launch_store(wait_s: float, host: bool = False) -> Any:
+    """A client of the launcher's store at MASTER_ADDR:MASTER_PORT, waiting up to ``wait_s`` for it to be up
+    (None without one). ``host``: rank 0 outside torchrun serves it itself (its peers' rendezvous connects
+    to it), as its ``init_process_group`` would have."""
+    from torch.distributed import TCPStore
+
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit():
+        return None
+    timeout = datetime.timedelta(seconds=wait_s)
+    if host and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        try:
+            return TCPStore(addr, int(port), is_master=True, wait_for_workers=False, multi_tenant=True,
+                            timeout=timeout)
+        except Exception:  # noqa: BLE001 - the port is held (a store is up): join it as a client
+            pass
+    if not _listening(addr, int(port), wait_s):  # not up (yet): c10d would log every failed connect
+        return None
+    try:
+        return TCPStore(addr, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
+    except Exception:  # noqa: BLE001 - went away meanwhile
+        return None
+
+
+def _listening(addr: str, port: int, wait_s: float) -> bool:
+    """Whether something accepts connections at ``addr:port`` within ``wait_s``."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, wait_s))).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
 def stopping() -> bool:
     """True once this process stops on an error: no collective may be entered (a peer may never come)."""
     return _failed.is_set()
 
 
 def _exit_now(code: int, cleanup: Any, limit_s: float = 10.0) -> None:
-    """Run ``cleanup`` (the trainer's close: env workers, servers) for at most ``limit_s``, then exit at once,
-    skipping the process group's teardown (a NCCL destructor could wait on the collective left behind)."""
-    import sys
+    """Stop this process's servers, run ``cleanup`` (the trainer's close: env workers, servers) for at most
+    ``limit_s``, then exit at once, skipping the process group's teardown (a NCCL destructor could wait on
+    the collective left behind)."""
+    from agentrl import hard_exit
 
+    hard_exit.stop_children()  # first: a cleanup past its limit must not leave them running
     if cleanup is not None:
         t = threading.Thread(target=cleanup, daemon=True)
         t.start()
         t.join(limit_s)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    hard_exit.exit_now(code)
 
 
 def _say(line: str) -> None:
@@ -230,17 +280,27 @@ def _say(line: str) -> None:
 
 
 def watch_peers(cleanup: Any = None) -> None:
-    """Start this rank's watcher (a daemon thread; once per process): when another rank announces an error
-    it prints one line naming that rank and exits the process non-zero, wherever the main thread waits.
-    It waits for the process group to exist; in one process it does nothing."""
+    """Start this rank's watcher (a daemon thread; once per process): when another rank announces an error,
+    before or after the process group exists, it prints one line naming that rank and exits the process
+    non-zero, wherever the main thread waits (a rendezvous, a collective). In one process it does nothing.
+    Called again, it only takes the new ``cleanup``."""
+    _cleanup[0] = cleanup
     if launched_world() <= 1 or getattr(watch_peers, "thread", None) is not None:
         return
     _watch.clear()
 
     def loop() -> None:
-        gone_since = None
+        gone_since, early = None, None
         while not _watch.wait(POLL_S):
-            if not _pg() or _failed.is_set():
+            if _failed.is_set():
+                continue
+            if not _pg():  # no group yet: a failure before it comes through the launcher's store
+                early = early or _launch_store(POLL_S)
+                try:
+                    if early is not None and early.add(_early_prefix() + FAILURES, 0):
+                        _stop_for_peer(early, _early_prefix())
+                except Exception:  # noqa: BLE001 - the store's host went away: connect again
+                    early = None
                 continue
             try:
                 store = _store()
@@ -251,20 +311,24 @@ def watch_peers(cleanup: Any = None) -> None:
                 if _now() - gone_since > STORE_GONE_S and not _watch.is_set():
                     _failed.set()
                     _say(f"[rank {rank()}] stopping: the rendezvous store is unreachable (rank 0 exited?)")
-                    _exit_now(1, cleanup)
+                    _exit_now(1, _cleanup[0])
                 continue
             if n and not _watch.is_set():
-                _failed.set()
-                why = _first_failure(store)
-                _say(f"[rank {rank()}] stopping: {why}")
-                try:
-                    store.add(ACKS, 1)
-                except Exception:  # noqa: BLE001
-                    pass
-                _exit_now(1, cleanup)
+                _stop_for_peer(store, "")
 
     watch_peers.thread = threading.Thread(target=loop, name="agentrl-peer-watch", daemon=True)  # type: ignore[attr-defined]
     watch_peers.thread.start()  # type: ignore[attr-defined]
+
+
+def _stop_for_peer(store: Any, prefix: str) -> None:
+    """Another rank announced its error in ``store``: say which, let it know this rank read it, and exit."""
+    _failed.set()
+    _say(f"[rank {rank()}] stopping: {_first_failure(store, prefix)}")
+    try:
+        store.add(prefix + ACKS, 1)
+    except Exception:  # noqa: BLE001
+        pass
+    _exit_now(1, _cleanup[0])
 
 
 def _now() -> float:
@@ -273,10 +337,10 @@ def _now() -> float:
     return time.monotonic()
 
 
-def _first_failure(store: Any) -> str:
+def _first_failure(store: Any, prefix: str = "") -> str:
     try:
-        store.wait([FAILED + "1"], datetime.timedelta(seconds=2))
-        return store.get(FAILED + "1").decode()
+        store.wait([f"{prefix}{FAILED}1"], datetime.timedelta(seconds=2))
+        return store.get(f"{prefix}{FAILED}1").decode()
     except Exception:  # noqa: BLE001
         return "another rank failed"
 
@@ -294,6 +358,7 @@ def stop_watching() -> None:
 def fail_every_rank(error: BaseException, cleanup: Any = None, plain: bool = False) -> None:
     """This rank raised ``error``: print its traceback and message at once, tell every other rank (they stop
     naming this one), run ``cleanup`` without collectives, and exit non-zero. Returns only in one process.
+    Before the process group exists it tells them through the launcher's store (``_launch_store``).
     ``plain``: an error whose message says it all (bad config, env, server): one line, no traceback, code 2.
     An error that follows another rank's (a collective broken by its exit) names that rank's as the cause."""
     import traceback
@@ -304,18 +369,22 @@ def fail_every_rank(error: BaseException, cleanup: Any = None, plain: bool = Fal
         _watch.wait(30)
         os._exit(1)
     _failed.set()
-    me = rank()
-    cause = None
-    try:
-        store = _store() if _pg() else None
-        if store is not None and store.add(FAILURES, 0):
-            cause = _first_failure(store)
-    except Exception:  # noqa: BLE001
-        store = None
+    me, early = rank(), not _pg()
     msg = str(error) if plain else f"{type(error).__name__}: {error}".strip()
     if isinstance(error, RankFailed):  # a gather already named the failing rank, which announces itself
         _say(f"[rank {me}] error: {error}")
         _exit_now(1, cleanup)
+    prefix, cause = _early_prefix() if early else "", None
+    try:
+        store = _launch_store(EARLY_WAIT_S, host=me == 0) if early else _store()
+        if store is not None:
+            if store.add(prefix + FAILURES, 1) == 1:  # the first to fail: its message is the one the others read
+                store.set(f"{prefix}{FAILED}1", f"rank {me} failed: {msg.splitlines()[0] if msg else ''}")
+            else:
+                cause = _first_failure(store, prefix)
+                store.add(prefix + ACKS, 1)
+    except Exception:  # noqa: BLE001
+        store = None
     if cause is None and not plain:
         _say("".join(f"[rank {me}] {line}" for line in "".join(
             traceback.format_exception(type(error), error, error.__traceback__)).splitlines(keepends=True)))
@@ -324,11 +393,9 @@ def fail_every_rank(error: BaseException, cleanup: Any = None, plain: bool = Fal
     else:
         _say(f"[rank {me}] stopping: {cause} (here: {msg.splitlines()[0] if msg else type(error).__name__})")
     if store is not None and cause is None:
-        try:
-            n = store.add(FAILURES, 1)
-            store.set(f"{FAILED}{n}", f"rank {me} failed: {msg.splitlines()[0] if msg else ''}")
-            deadline = _now() + ACK_WAIT_S  # the store may live in this process (rank 0): let the others read it
-            while _now() < deadline and store.add(ACKS, 0) < world() - 1:
+        try:  # the store may live in this process (rank 0): let the others read it
+            deadline = _now() + (EARLY_WAIT_S if early else ACK_WAIT_S)
+            while _now() < deadline and store.add(prefix + ACKS, 0) < launched_world() - 1:
                 _watch.wait(0.1)
         except Exception:  # noqa: BLE001
             pass

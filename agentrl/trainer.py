@@ -34,6 +34,7 @@ from agentrl import checkpoint as ckpt
 from agentrl import dist
 from agentrl.checkpoint import RunError
 from agentrl.config import ConfigError, RecipeCfg, warm_start_folder
+from agentrl.fail_fast import fail_every_rank, fails_every_rank
 from agentrl.learner.batch import Sample, TokenBatch
 from agentrl.learner.engine import EngineConfig, TorchEngine
 from agentrl.learner.finite import StepGuard
@@ -76,6 +77,7 @@ class Trainer:
 
         return cls(cfg, RECIPES.get(cfg.method or cfg.recipe)(cfg))
 
+    @fails_every_rank  # an error on one rank ends every rank, from the CLI and from Python alike
     def __init__(self, cfg: RecipeCfg, recipe: "Recipe"):
         from agentrl.learner.models import cap_kernel_caches
         from agentrl.model_zoo import resolve_model
@@ -297,6 +299,7 @@ class Trainer:
         return d
 
     # ----- evaluation --------------------------------------------------------------------------
+    @fails_every_rank
     def evaluate(self, n_tasks: int | None = None, samples: int | None = None, split: str | None = None,
                  ks: tuple[int, ...] | None = None, temperature: float | None = None) -> dict[str, float]:
         self._generator_current()
@@ -360,6 +363,7 @@ class Trainer:
         return True
 
     # ----- the run -----------------------------------------------------------------------------
+    @fails_every_rank
     def train(self) -> dict[str, float]:
         """Train until ``trainer.steps`` (or the env-step or time budget), resuming from the run folder's
         checkpoint if it has one; returns the last evaluation's metrics (``eval/...``, also in final.json)."""
@@ -467,16 +471,14 @@ class Trainer:
                       f"{self.cfg.eval.split} tasks" + (f" ({cats})" if cats else ""))
 
     def close(self) -> None:
-        if self._ahead is not None:
-            self._ahead.close()
-        self.recipe.close()
-        self.generator.close()
-        self.envs.close()
-        self.engine.close()
-        self.folder.close()
+        for name in ("_ahead", "recipe", "generator", "envs", "engine", "folder"):  # those made so far
+            if (part := getattr(self, name, None)) is not None:
+                part.close()
 
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        if error is not None:  # raised in the with block: under several ranks every rank ends with it
+            fail_every_rank(error, self.close)
         self.close()

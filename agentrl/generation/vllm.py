@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from agentrl import hard_exit
 from agentrl.generation.client import RemoteGenerator
 
 DEFAULT_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
@@ -155,6 +156,7 @@ class VLLMServer:
         # its own process group: vLLM's engine-core and worker processes are stopped with it
         self.proc = subprocess.Popen(vllm_command(self.model_dir, self.port, lora=self.lora, **self.kwargs),
                                      stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        hard_exit.on_exit(id(self), self.kill)  # a hard exit of this process (os._exit) stops it too
         _Probe(self.url).wait(timeout, self.proc)
         return RemoteGenerator(self.url, backend="vllm")
 
@@ -165,6 +167,7 @@ class VLLMServer:
 
     def kill(self) -> None:
         """SIGKILL the server and every process it started (what a crash looks like to its clients)."""
+        hard_exit.forget(id(self))
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -173,6 +176,7 @@ class VLLMServer:
             self.proc.wait()
 
     def stop(self) -> None:
+        hard_exit.forget(id(self))
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)

@@ -34,6 +34,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from agentrl import hard_exit
+
 SHM_DIR = os.environ.get("AGENTRL_SHM_DIR", "/dev/shm")
 
 
@@ -310,7 +312,7 @@ def watchdog(timeout_s: float, what: str) -> Iterator[None]:
         if not done.wait(timeout_s):
             print(f"error: {what} did not finish in {timeout_s:.0f} s (vllm.sync_timeout_s): a server is gone or "
                   "stuck inside the transfer; stopping this rank", file=sys.stderr, flush=True)
-            os._exit(1)
+            hard_exit.exit_now(1)  # the servers stopped first
 
     threading.Thread(target=watch, daemon=True, name="agentrl-sync-watchdog").start()
     try:
