@@ -393,7 +393,9 @@ def _check_names(cfg: RecipeCfg) -> None:
     if params is None and cfg.extra:
         raise ConfigError(f"unknown key 'extra.{next(iter(cfg.extra))}': recipe method '{cfg.method}' "
                           "takes no extra keys")
-    cls.check_config(cfg, build(params, cfg.extra, "extra.") if params is not None else None)  # the recipe's own
+    p = build(params, cfg.extra, "extra.") if params is not None else None
+    if hasattr(cls, "check_config"):  # the recipe's own rules (Recipe.check_config)
+        cls.check_config(cfg, p)
     est = lookup(ESTIMATORS, cfg.algo.estimator, "algo.estimator")
     lookup(LOSSES, cfg.algo.loss, "algo.loss")
     if est.needs_values and not est.token_level and cfg.algo.level == "trajectory":

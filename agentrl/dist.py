@@ -196,7 +196,8 @@ FAILURES, FAILED, ACKS = "agentrl/failures", "agentrl/failed/", "agentrl/failure
 POLL_S = 0.5
 STORE_GONE_S = 10.0  # the store unreachable this long (its host, rank 0's process, is gone): stop too
 ACK_WAIT_S = 5.0  # a failing rank waits this long for the others to read its message before it exits
-EARLY_WAIT_S = 60.0  # before the group: for the store's host to come up, then for the others to read it
+EARLY_WAIT_S = 120.0  # before the group: for the store's host to come up, then for the others to read it (a
+# node may take a minute to start: imports, its own checks)
 
 _watch = threading.Event()  # set: stop watching (the run ended in step on every rank)
 _cleanup: list[Any] = [None]  # what the watcher runs before it exits: the latest watch_peers' cleanup
