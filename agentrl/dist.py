@@ -358,14 +358,15 @@ def stop_watching() -> None:
 
 def fail_every_rank(error: BaseException, cleanup: Any = None, plain: bool = False) -> None:
     """This rank raised ``error``: print its traceback and message at once, tell every other rank (they stop
-    naming this one), run ``cleanup`` without collectives, and exit non-zero. Returns only in one process.
+    naming this one), run ``cleanup`` without collectives, and exit non-zero. Returns only in one process
+    (or with WORLD_SIZE set but no launcher's MASTER_ADDR: nobody to tell).
     Before the process group exists it tells them through the launcher's store (``_launch_store``).
     ``plain``: an error whose message says it all (bad config, env, server): one line, no traceback, code 2.
     An error that follows another rank's (a collective broken by its exit) names that rank's as the cause."""
     import traceback
 
-    if launched_world() <= 1:
-        return
+    if launched_world() <= 1 or not (_pg() or os.environ.get("MASTER_ADDR")):
+        return  # one process, or no launcher's rendezvous to tell the others through: raised here as it is
     if _failed.is_set():  # the watcher is already stopping this process for a peer's error
         _watch.wait(30)
         os._exit(1)
