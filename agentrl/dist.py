@@ -69,7 +69,10 @@ def resolve_device(spec: str) -> str:
     raise ValueError(f"trainer.device={spec} but no CUDA device is visible; use trainer.device=cpu or auto")
 
 
-def init(device: str, timeout_s: float = 1800.0) -> int:
+RENDEZVOUS_TIMEOUT_S = 1800.0  # how long a rank waits in the rendezvous and in a collective for the others
+
+
+def init(device: str, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> int:
     """Join the launcher's process group (NCCL on CUDA, gloo on CPU) when WORLD_SIZE > 1; returns the
     world size. A no-op in one process or when a group already exists."""
     import torch.distributed as dist
@@ -202,6 +205,7 @@ EARLY_WAIT_S = 120.0  # before the group: for the store's host to come up, then 
 _watch = threading.Event()  # set: stop watching (the run ended in step on every rank)
 _cleanup: list[Any] = [None]  # what the watcher runs before it exits: the latest watch_peers' cleanup
 _failed = threading.Event()  # set: this process is stopping on an error (its own or a peer's)
+_hosting = threading.Event()  # set: this process serves the launcher's store (rank 0 failing before the group)
 
 
 def _store() -> Any:
@@ -218,7 +222,7 @@ def _early_prefix() -> str:
 def _launch_store(wait_s: float, host: bool = False) -> Any:
     """A client of the launcher's store at MASTER_ADDR:MASTER_PORT, waiting up to ``wait_s`` for it to be up
     (None without one). ``host``: rank 0 outside torchrun serves it itself (its peers' rendezvous connects
-    to it), as its ``init_process_group`` would have."""
+    to it), as its ``init_process_group`` would have; ``_hosting`` then says so."""
     from torch.distributed import TCPStore
 
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
@@ -227,8 +231,10 @@ def _launch_store(wait_s: float, host: bool = False) -> Any:
     timeout = datetime.timedelta(seconds=wait_s)
     if host and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         try:
-            return TCPStore(addr, int(port), is_master=True, wait_for_workers=False, multi_tenant=True,
-                            timeout=timeout)
+            store = TCPStore(addr, int(port), is_master=True, wait_for_workers=False, multi_tenant=True,
+                             timeout=timeout)
+            _hosting.set()
+            return store
         except Exception:  # noqa: BLE001 - the port is held (a store is up): join it as a client
             pass
     if not _listening(addr, int(port), wait_s):  # not up (yet): c10d would log every failed connect
@@ -396,7 +402,9 @@ def fail_every_rank(error: BaseException, cleanup: Any = None, plain: bool = Fal
         _say(f"[rank {me}] stopping: {cause} (here: {msg.splitlines()[0] if msg else type(error).__name__})")
     if store is not None and cause is None:
         try:  # the store may live in this process (rank 0): let the others read it
-            deadline = _now() + (EARLY_WAIT_S if early else ACK_WAIT_S)
+            # served here, the store goes with this process: a rank still on its way would then wait in the
+            # rendezvous for its whole timeout, so it is waited for as long
+            deadline = _now() + (RENDEZVOUS_TIMEOUT_S if _hosting.is_set() else EARLY_WAIT_S if early else ACK_WAIT_S)
             while _now() < deadline and store.add(prefix + ACKS, 0) < launched_world() - 1:
                 _watch.wait(0.1)
         except Exception:  # noqa: BLE001
