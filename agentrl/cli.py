@@ -102,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise RegistryError("--import needs a module name, e.g. --import mypkg.envs")
             add_plugin(module)
         cap_kernel_caches()  # before the first matmul of any command (agentrl/learner/models.py says why)
-        return int(args.func(args) or 0)
+        try:
+            return int(args.func(args) or 0)
+        except BaseException as e:  # launched on several ranks: every rank ends with it, none waits for this one
+            from agentrl.fail_fast import fail_every_rank
+
+            fail_every_rank(e, None)
+            raise
     except (EnvError, ConfigError, RegistryError, GenerationServerError, ModelError, RunError,
             LearnerOutOfMemory, RankFailed) as e:
         where = f"[rank {dist.rank()}] " if dist.launched_world() > 1 else ""

@@ -393,8 +393,9 @@ def _check_names(cfg: RecipeCfg) -> None:
     if params is None and cfg.extra:
         raise ConfigError(f"unknown key 'extra.{next(iter(cfg.extra))}': recipe method '{cfg.method}' "
                           "takes no extra keys")
-    if params is not None:
-        build(params, cfg.extra, "extra.")
+    p = build(params, cfg.extra, "extra.") if params is not None else None
+    if hasattr(cls, "check_config"):  # the recipe's own rules (Recipe.check_config)
+        cls.check_config(cfg, p)
     est = lookup(ESTIMATORS, cfg.algo.estimator, "algo.estimator")
     lookup(LOSSES, cfg.algo.loss, "algo.loss")
     if est.needs_values and not est.token_level and cfg.algo.level == "trajectory":
@@ -560,6 +561,52 @@ def _check_contradictions(cfg: RecipeCfg) -> None:
     if why:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness} collects later steps while this one learns, and "
                           f"method={cfg.method} cannot: {why}; set trainer.max_staleness=0")
+    _check_engine_and_generator(cfg)
+    # trainer.vllm_sync=auto resolves on the run's device: preflight checks that case (agentrl.preflight)
+    check_sync_rules(cfg, None if t.vllm_sync == "auto" else t.vllm_sync)
+
+
+def _check_engine_and_generator(cfg: RecipeCfg) -> None:
+    """The learner engine and the generator each refuse some settings of the others, whatever the machine."""
+    from agentrl.generation.vllm import LORA_RANKS
+
+    t, m = cfg.trainer, cfg.model
+    if t.engine == "deepspeed" and m.lora_r:
+        raise ConfigError("LoRA under trainer.engine=deepspeed is not supported yet (the in-memory weight sync "
+                          "copies full weights); use trainer.engine=torch with model.lora_r")
+    if t.engine == "deepspeed" and m.compile:
+        raise ConfigError("model.compile under trainer.engine=deepspeed is not supported (ZeRO-3 gathers "
+                          "parameters in hooks around each module); use trainer.engine=torch to compile")
+    if t.generator == "remote" and not t.generator_url:
+        raise ConfigError("trainer.generator=remote needs trainer.generator_url")
+    if t.generator == "vllm" and not t.generator_url and t.vllm_servers < 1:
+        raise ConfigError("trainer.generator=vllm needs trainer.generator_url or trainer.vllm_servers >= 1")
+    if t.generator == "vllm" and m.lora_r > LORA_RANKS[-1]:
+        raise ConfigError(f"bad value for 'model.lora_r': {m.lora_r}; vLLM serves LoRA ranks up to "
+                          f"{LORA_RANKS[-1]} (trainer.generator=vllm)")
+    if cfg.vllm.colocate and t.vllm_sync == "nccl":  # the launch plan's layout says the same
+        raise ConfigError("trainer.vllm_sync=nccl cannot reach servers on the learner's GPUs (vllm.colocate=true): "
+                          "NCCL refuses two ranks on one GPU; use trainer.vllm_sync=auto (CUDA IPC)")
+
+
+def check_sync_rules(cfg: RecipeCfg, mode: str | None) -> None:
+    """What the vLLM weight sync ``mode`` (shm, nccl, ipc; None: not known before the device is) cannot do:
+    push older weights from host copies (``trainer.max_staleness`` > 1) or each update while collects run
+    (``trainer.inflight_updates``). The loader checks a mode the config names; the preflight the one
+    ``auto`` gives on the run's device."""
+    from agentrl.generation.vllm_fleet import staged_push_refusal
+
+    t = cfg.trainer
+    if t.generator != "vllm" or (mode is None and not cfg.model.lora_r):
+        return
+    why = staged_push_refusal(mode or "shm", cfg.model.lora_r)
+    if t.max_staleness > 1 and why:
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness} with trainer.generator=vllm pushes older weights "
+                          f"from host copies, and {why}; use trainer.max_staleness=1")
+    if t.inflight_updates and why:
+        raise ConfigError("trainer.inflight_updates=true with trainer.generator=vllm pushes each update from a host "
+                          f"copy while collects run, and {why}; use trainer.vllm_sync=shm or "
+                          "trainer.inflight_updates=false")
 
 
 def _overlap_refusal(method: str) -> str:

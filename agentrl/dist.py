@@ -69,7 +69,10 @@ def resolve_device(spec: str) -> str:
     raise ValueError(f"trainer.device={spec} but no CUDA device is visible; use trainer.device=cpu or auto")
 
 
-def init(device: str, timeout_s: float = 1800.0) -> int:
+RENDEZVOUS_TIMEOUT_S = 1800.0  # how long a rank waits in the rendezvous and in a collective for the others
+
+
+def init(device: str, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> int:
     """Join the launcher's process group (NCCL on CUDA, gloo on CPU) when WORLD_SIZE > 1; returns the
     world size. A no-op in one process or when a group already exists."""
     import torch.distributed as dist
@@ -198,13 +201,20 @@ def shard_groups(group_ids: Sequence[str], n_ranks: int) -> list[list[int]]:
 # rank already holds a client of) and exits; a watcher thread on every rank polls the store and ends its
 # process with the failing rank's message. A collective cannot be left from Python (gloo's wait, NCCL's
 # kernels), and a barrier after an error would wait for a rank that never comes: exiting is what stops it.
+# Before the process group exists the same keys go to the store at MASTER_ADDR:MASTER_PORT through a client
+# of this process's own (hosted by torchrun's agent; under the DeepSpeed launcher by rank 0, in its
+# rendezvous, or here when rank 0 is the one failing), so ranks waiting in the rendezvous stop too.
 FAILURES, FAILED, ACKS = "agentrl/failures", "agentrl/failed/", "agentrl/failure_acks"
 POLL_S = 0.5
 STORE_GONE_S = 10.0  # the store unreachable this long (its host, rank 0's process, is gone): stop too
 ACK_WAIT_S = 5.0  # a failing rank waits this long for the others to read its message before it exits
+EARLY_WAIT_S = 120.0  # before the group: for the store's host to come up, then for the others to read it (a
+# node may take a minute to start: imports, its own checks)
 
 _watch = threading.Event()  # set: stop watching (the run ended in step on every rank)
+_cleanup: list[Any] = [None]  # what the watcher runs before it exits: the latest watch_peers' cleanup
 _failed = threading.Event()  # set: this process is stopping on an error (its own or a peer's)
+_hosting = threading.Event()  # set: this process serves the launcher's store (rank 0 failing before the group)
 
 
 def _store() -> Any:
@@ -213,23 +223,70 @@ def _store() -> Any:
     return distributed_c10d._get_default_store()
 
 
+def _early_prefix() -> str:
+    """The keys of failures before the group, per launch attempt (torchrun's agent store outlives a restart)."""
+    return f"agentrl/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _launch_store(wait_s: float, host: bool = False) -> Any:
+    """A client of the launcher's store at MASTER_ADDR:MASTER_PORT, waiting up to ``wait_s`` for it to be up
+    (None without one). ``host``: rank 0 outside torchrun serves it itself (its peers' rendezvous connects
+    to it), as its ``init_process_group`` would have; ``_hosting`` then says so."""
+    from torch.distributed import TCPStore
+
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit():
+        return None
+    timeout = datetime.timedelta(seconds=wait_s)
+    if host and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        try:
+            store = TCPStore(addr, int(port), is_master=True, wait_for_workers=False, multi_tenant=True,
+                             timeout=timeout)
+            _hosting.set()
+            return store
+        except Exception:  # noqa: BLE001 - the port is held (a store is up): join it as a client
+            pass
+    if not _listening(addr, int(port), wait_s):  # not up (yet): c10d would log every failed connect
+        return None
+    try:
+        return TCPStore(addr, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
+    except Exception:  # noqa: BLE001 - went away meanwhile
+        return None
+
+
+def _listening(addr: str, port: int, wait_s: float) -> bool:
+    """Whether something accepts connections at ``addr:port`` within ``wait_s``."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, wait_s))).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
 def stopping() -> bool:
     """True once this process stops on an error: no collective may be entered (a peer may never come)."""
     return _failed.is_set()
 
 
 def _exit_now(code: int, cleanup: Any, limit_s: float = 10.0) -> None:
-    """Run ``cleanup`` (the trainer's close: env workers, servers) for at most ``limit_s``, then exit at once,
-    skipping the process group's teardown (a NCCL destructor could wait on the collective left behind)."""
-    import sys
+    """Stop this process's servers, run ``cleanup`` (the trainer's close: env workers, servers) for at most
+    ``limit_s``, then exit at once, skipping the process group's teardown (a NCCL destructor could wait on
+    the collective left behind)."""
+    from agentrl import hard_exit
 
+    hard_exit.stop_children()  # first: a cleanup past its limit must not leave them running
     if cleanup is not None:
         t = threading.Thread(target=cleanup, daemon=True)
         t.start()
         t.join(limit_s)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    hard_exit.exit_now(code)
 
 
 def _say(line: str) -> None:
@@ -239,17 +296,27 @@ def _say(line: str) -> None:
 
 
 def watch_peers(cleanup: Any = None) -> None:
-    """Start this rank's watcher (a daemon thread; once per process): when another rank announces an error
-    it prints one line naming that rank and exits the process non-zero, wherever the main thread waits.
-    It waits for the process group to exist; in one process it does nothing."""
+    """Start this rank's watcher (a daemon thread; once per process): when another rank announces an error,
+    before or after the process group exists, it prints one line naming that rank and exits the process
+    non-zero, wherever the main thread waits (a rendezvous, a collective). In one process it does nothing.
+    Called again, it only takes the new ``cleanup``."""
+    _cleanup[0] = cleanup
     if launched_world() <= 1 or getattr(watch_peers, "thread", None) is not None:
         return
     _watch.clear()
 
     def loop() -> None:
-        gone_since = None
+        gone_since, early = None, None
         while not _watch.wait(POLL_S):
-            if not _pg() or _failed.is_set():
+            if _failed.is_set():
+                continue
+            if not _pg():  # no group yet: a failure before it comes through the launcher's store
+                early = early or _launch_store(POLL_S)
+                try:
+                    if early is not None and early.add(_early_prefix() + FAILURES, 0):
+                        _stop_for_peer(early, _early_prefix())
+                except Exception:  # noqa: BLE001 - the store's host went away: connect again
+                    early = None
                 continue
             try:
                 store = _store()
@@ -260,20 +327,24 @@ def watch_peers(cleanup: Any = None) -> None:
                 if _now() - gone_since > STORE_GONE_S and not _watch.is_set():
                     _failed.set()
                     _say(f"[rank {rank()}] stopping: the rendezvous store is unreachable (rank 0 exited?)")
-                    _exit_now(1, cleanup)
+                    _exit_now(1, _cleanup[0])
                 continue
             if n and not _watch.is_set():
-                _failed.set()
-                why = _first_failure(store)
-                _say(f"[rank {rank()}] stopping: {why}")
-                try:
-                    store.add(ACKS, 1)
-                except Exception:  # noqa: BLE001
-                    pass
-                _exit_now(1, cleanup)
+                _stop_for_peer(store, "")
 
     watch_peers.thread = threading.Thread(target=loop, name="agentrl-peer-watch", daemon=True)  # type: ignore[attr-defined]
     watch_peers.thread.start()  # type: ignore[attr-defined]
+
+
+def _stop_for_peer(store: Any, prefix: str) -> None:
+    """Another rank announced its error in ``store``: say which, let it know this rank read it, and exit."""
+    _failed.set()
+    _say(f"[rank {rank()}] stopping: {_first_failure(store, prefix)}")
+    try:
+        store.add(prefix + ACKS, 1)
+    except Exception:  # noqa: BLE001
+        pass
+    _exit_now(1, _cleanup[0])
 
 
 def _now() -> float:
@@ -282,10 +353,10 @@ def _now() -> float:
     return time.monotonic()
 
 
-def _first_failure(store: Any) -> str:
+def _first_failure(store: Any, prefix: str = "") -> str:
     try:
-        store.wait([FAILED + "1"], datetime.timedelta(seconds=2))
-        return store.get(FAILED + "1").decode()
+        store.wait([f"{prefix}{FAILED}1"], datetime.timedelta(seconds=2))
+        return store.get(f"{prefix}{FAILED}1").decode()
     except Exception:  # noqa: BLE001
         return "another rank failed"
 
@@ -302,29 +373,35 @@ def stop_watching() -> None:
 
 def fail_every_rank(error: BaseException, cleanup: Any = None, plain: bool = False) -> None:
     """This rank raised ``error``: print its traceback and message at once, tell every other rank (they stop
-    naming this one), run ``cleanup`` without collectives, and exit non-zero. Returns only in one process.
+    naming this one), run ``cleanup`` without collectives, and exit non-zero. Returns only in one process
+    (or with WORLD_SIZE set but no launcher's MASTER_ADDR: nobody to tell).
+    Before the process group exists it tells them through the launcher's store (``_launch_store``).
     ``plain``: an error whose message says it all (bad config, env, server): one line, no traceback, code 2.
     An error that follows another rank's (a collective broken by its exit) names that rank's as the cause."""
     import traceback
 
-    if launched_world() <= 1:
-        return
+    if launched_world() <= 1 or not (_pg() or os.environ.get("MASTER_ADDR")):
+        return  # one process, or no launcher's rendezvous to tell the others through: raised here as it is
     if _failed.is_set():  # the watcher is already stopping this process for a peer's error
         _watch.wait(30)
         os._exit(1)
     _failed.set()
-    me = rank()
-    cause = None
-    try:
-        store = _store() if _pg() else None
-        if store is not None and store.add(FAILURES, 0):
-            cause = _first_failure(store)
-    except Exception:  # noqa: BLE001
-        store = None
+    me, early = rank(), not _pg()
     msg = str(error) if plain else f"{type(error).__name__}: {error}".strip()
     if isinstance(error, RankFailed):  # a gather already named the failing rank, which announces itself
         _say(f"[rank {me}] error: {error}")
         _exit_now(1, cleanup)
+    prefix, cause = _early_prefix() if early else "", None
+    try:
+        store = _launch_store(EARLY_WAIT_S, host=me == 0) if early else _store()
+        if store is not None:
+            if store.add(prefix + FAILURES, 1) == 1:  # the first to fail: its message is the one the others read
+                store.set(f"{prefix}{FAILED}1", f"rank {me} failed: {msg.splitlines()[0] if msg else ''}")
+            else:
+                cause = _first_failure(store, prefix)
+                store.add(prefix + ACKS, 1)
+    except Exception:  # noqa: BLE001
+        store = None
     if cause is None and not plain:
         _say("".join(f"[rank {me}] {line}" for line in "".join(
             traceback.format_exception(type(error), error, error.__traceback__)).splitlines(keepends=True)))
@@ -333,11 +410,11 @@ def fail_every_rank(error: BaseException, cleanup: Any = None, plain: bool = Fal
     else:
         _say(f"[rank {me}] stopping: {cause} (here: {msg.splitlines()[0] if msg else type(error).__name__})")
     if store is not None and cause is None:
-        try:
-            n = store.add(FAILURES, 1)
-            store.set(f"{FAILED}{n}", f"rank {me} failed: {msg.splitlines()[0] if msg else ''}")
-            deadline = _now() + ACK_WAIT_S  # the store may live in this process (rank 0): let the others read it
-            while _now() < deadline and store.add(ACKS, 0) < world() - 1:
+        try:  # the store may live in this process (rank 0): let the others read it
+            # served here, the store goes with this process: a rank still on its way would then wait in the
+            # rendezvous for its whole timeout, so it is waited for as long
+            deadline = _now() + (RENDEZVOUS_TIMEOUT_S if _hosting.is_set() else EARLY_WAIT_S if early else ACK_WAIT_S)
+            while _now() < deadline and store.add(prefix + ACKS, 0) < launched_world() - 1:
                 _watch.wait(0.1)
         except Exception:  # noqa: BLE001
             pass

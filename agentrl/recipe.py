@@ -51,7 +51,13 @@ class Recipe:
             from agentrl.schema import build
 
             self.p = build(self.Params, cfg.extra, "extra.")
-        if cfg.rollout.task_sampler != "uniform" and not self.task_sampling:
+
+    @classmethod
+    def check_config(cls, cfg: "RecipeCfg", p: Any) -> None:
+        """This recipe's own rules on ``cfg`` and its ``extra:`` values ``p`` (a ``Params``, or None): one
+        ``ConfigError`` line naming the key. The loader calls it, so ``--print-config``, ``--dry-run`` and the
+        run refuse alike before any work; a subclass with rules of its own extends it (and calls super)."""
+        if cfg.rollout.task_sampler != "uniform" and not cls.task_sampling:
             from agentrl.schema import ConfigError
 
             raise ConfigError(f"'rollout.task_sampler: {cfg.rollout.task_sampler}' needs a recipe that rolls out "

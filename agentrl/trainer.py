@@ -34,6 +34,7 @@ from agentrl import checkpoint as ckpt
 from agentrl import dist
 from agentrl.checkpoint import RunError
 from agentrl.config import ConfigError, RecipeCfg, warm_start_folder
+from agentrl.fail_fast import fail_every_rank, fails_every_rank
 from agentrl.learner.batch import Sample, TokenBatch
 from agentrl.learner.engine import EngineConfig, TorchEngine
 from agentrl.learner.finite import StepGuard
@@ -41,7 +42,7 @@ from agentrl.learner.loop import rl_update
 from agentrl.learner.lr import lr_factor, set_lr
 from agentrl.metrics import (MetricsLogger, echo_trap_flags, episode_diagnostics, pass_at_k, peak_rss_gib, read_metrics,
                              truncate_metrics)
-from agentrl.preflight import check_launch, resolve_device
+from agentrl.preflight import preflight
 from agentrl.progress import Progress
 from agentrl.rollout.episode import RolloutConfig, Start
 from agentrl.rollout.collect_ahead import CollectAhead
@@ -81,12 +82,11 @@ class Trainer:
     def from_config(cls, cfg: RecipeCfg) -> "Trainer":
         """The trainer of ``cfg`` (``agentrl.load_config``) with its recipe, the class ``cfg.method`` names in
         ``RECIPES``. Builds the model, generator and env slots; ``close()`` releases them."""
-        from agentrl.preflight import preflight
         from agentrl.recipe import RECIPES
 
-        preflight(cfg)  # this machine can run cfg (device, packages, env, model folder): one line, before any work
         return cls(cfg, RECIPES.get(cfg.method or cfg.recipe)(cfg))
 
+    @fails_every_rank  # an error on one rank ends every rank, from the CLI and from Python alike
     def __init__(self, cfg: RecipeCfg, recipe: "Recipe"):
         from agentrl.learner.models import cap_kernel_caches
         from agentrl.model_zoo import resolve_model
@@ -96,8 +96,9 @@ class Trainer:
         self._t0 = time.monotonic()  # trainer.time_limit_s counts from here: loading and the warm start included
         self.cfg, self.recipe = cfg, recipe
         self.out_dir = cfg.out_dir
-        self.device = resolve_device(cfg)
-        check_launch(cfg, self.device)  # before any collective or model loading: one clear error on every rank
+        # this machine and launch can run cfg (the checks --print-config and --dry-run make too): one line on
+        # every rank, before any collective or model loading
+        self.device = preflight(cfg)
         self.world = dist.init(self.device)
         self.rank = dist.rank()
         self.is_main = self.rank == 0
@@ -148,17 +149,7 @@ class Trainer:
 
     def _make_generator(self) -> "Generator":
         if self.cfg.trainer.generator == "vllm":
-            from agentrl.generation.vllm_fleet import VLLMFleet, staged_push_refusal, sync_mode
-
-            n, c = self.cfg.trainer.max_staleness, self.cfg
-            why = staged_push_refusal(sync_mode(c.trainer.vllm_sync, self.device, c.vllm.colocate), c.model.lora_r)
-            if n > 1 and why:  # before any server starts
-                raise ConfigError(f"trainer.max_staleness={n} with trainer.generator=vllm pushes older weights from "
-                                  f"host copies, and {why}; use trainer.max_staleness=1")
-            if c.trainer.inflight_updates and why:
-                raise ConfigError(f"trainer.inflight_updates=true with trainer.generator=vllm pushes each update from "
-                                  f"a host copy while collects run, and {why}; use trainer.vllm_sync=shm or "
-                                  "trainer.inflight_updates=false")
+            from agentrl.generation.vllm_fleet import VLLMFleet
 
             fleet = VLLMFleet(self.cfg.trainer, self.model_dir, self.device, self.out_dir,
                               lora=self.cfg.model.lora_r, vcfg=self.cfg.vllm)
@@ -317,6 +308,7 @@ class Trainer:
         return d
 
     # ----- evaluation --------------------------------------------------------------------------
+    @fails_every_rank
     def evaluate(self, n_tasks: int | None = None, samples: int | None = None, split: str | None = None,
                  ks: tuple[int, ...] | None = None, temperature: float | None = None) -> dict[str, float]:
         self._generator_current()
@@ -381,6 +373,7 @@ class Trainer:
         return True
 
     # ----- the run -----------------------------------------------------------------------------
+    @fails_every_rank
     def train(self) -> dict[str, float]:
         """Train until ``trainer.steps`` (or the env-step or time budget), resuming from the run folder's
         checkpoint if it has one; returns the last evaluation's metrics (``eval/...``, also in final.json)."""
@@ -489,16 +482,14 @@ class Trainer:
                       f"{self.cfg.eval.split} tasks" + (f" ({cats})" if cats else ""))
 
     def close(self) -> None:
-        if self._ahead is not None:
-            self._ahead.close()
-        self.recipe.close()
-        self.generator.close()
-        self.envs.close()
-        self.engine.close()
-        self.folder.close()
+        for name in ("_ahead", "recipe", "generator", "envs", "engine", "folder"):  # those made so far
+            if (part := getattr(self, name, None)) is not None:
+                part.close()
 
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        if error is not None:  # raised in the with block: under several ranks every rank ends with it
+            fail_every_rank(error, self.close)
         self.close()

@@ -63,9 +63,9 @@ class CRPSParams:
 class CRPS(GroupRecipe):
     Params = CRPSParams
 
-    def __init__(self, cfg: "RecipeCfg"):
-        super().__init__(cfg)
-        p = self.p
+    @classmethod
+    def check_config(cls, cfg: "RecipeCfg", p: Any) -> None:
+        super().check_config(cfg, p)
         if len(p.band) != 2 or not 0.0 <= p.band[0] < p.band[1] <= 1.0:
             raise ConfigError(f"bad value for 'extra.band': {p.band!r}; "
                               "allowed: [rho_l, rho_u] with 0 <= rho_l < rho_u <= 1")
@@ -75,6 +75,10 @@ class CRPS(GroupRecipe):
             raise ConfigError(f"bad value for 'extra.ema': {p.ema!r}; allowed: a number in (0, 1]")
         if p.when_full not in WHEN_FULL:
             raise ConfigError(f"bad value for 'extra.when_full': {p.when_full!r}; allowed: {', '.join(WHEN_FULL)}")
+
+    def __init__(self, cfg: "RecipeCfg"):
+        super().__init__(cfg)
+        p = self.p
         self.buffer = SuccessBuffer(p.capacity, p.alpha_max, p.when_full)
         self._replays: dict[str, tuple[str, int]] = {}  # group id -> (entry key, t0 in turns)
         self._step: dict[str, Any] = {}  # this step's rollout rounds, gathered (dynamic sampling runs several)

@@ -135,10 +135,11 @@ class LEAFE(GroupRecipe):
     Params = LEAFEParams
     task_sampling = False
 
-    def __init__(self, cfg: "RecipeCfg"):
-        super().__init__(cfg)
-        if self.p.fallback not in ("random", "none"):
-            raise ConfigError(f"bad value for 'extra.fallback': {self.p.fallback!r}; allowed: random, none")
+    @classmethod
+    def check_config(cls, cfg: "RecipeCfg", p: Any) -> None:
+        super().check_config(cfg, p)
+        if p.fallback not in ("random", "none"):
+            raise ConfigError(f"bad value for 'extra.fallback': {p.fallback!r}; allowed: random, none")
 
     # ----- stage 1 ----------------------------------------------------------------------------
     def collect(self, trainer: "RolloutSide") -> tuple[list[Episode], dict[str, float]]:

@@ -152,11 +152,15 @@ def cut_at_token_limit(ep: Episode, turn: int | None) -> bool:
 class SPEAR(GroupRecipe):
     Params = SPEARParams
 
+    @classmethod
+    def check_config(cls, cfg: "RecipeCfg", p: Any) -> None:
+        super().check_config(cfg, p)
+        if p.cov_bounds and (len(p.cov_bounds) != 2 or p.cov_bounds[0] >= p.cov_bounds[1]):
+            raise ConfigError(f"bad value for 'extra.cov_bounds': {p.cov_bounds!r}; allowed: [omega_lb, omega_ub] "
+                              "with omega_lb < omega_ub")
+
     def __init__(self, cfg: "RecipeCfg"):
         super().__init__(cfg)
-        if self.p.cov_bounds and (len(self.p.cov_bounds) != 2 or self.p.cov_bounds[0] >= self.p.cov_bounds[1]):
-            raise ConfigError(f"bad value for 'extra.cov_bounds': {self.p.cov_bounds!r}; allowed: [omega_lb, omega_ub] "
-                              "with omega_lb < omega_ub")
         r = cfg.rollout
         self.sil = SILBuffer(self.p.buffer_size or paper_buffer_size(r.groups * r.group_size))
         self.baseline = BaselineBuffer(self.p.baseline_size)

@@ -22,6 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port-file", required=True)
+    ap.add_argument("--port", type=int, default=0, help="0: a free one (written to --port-file either way)")
     ap.add_argument("--log", required=True)
     ap.add_argument("--hang-on", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1)
@@ -101,7 +102,7 @@ def main() -> None:
                 f.write(json.dumps({"path": m["path"], "tensors": len(m["tensors"])}) + "\n")
             self._send({"results": [{"loaded": len(m["tensors"])}]})
 
-    srv = ThreadingHTTPServer((a.host, 0), H)
+    srv = ThreadingHTTPServer((a.host, a.port), H)
     srv.daemon_threads = True
     with open(a.port_file + ".tmp", "w") as f:
         f.write(str(srv.server_address[1]))

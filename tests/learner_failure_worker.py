@@ -27,4 +27,5 @@ def step(self, batch, loss_fn, *args, **kwargs):
 
 
 deepspeed_engine.DeepSpeedEngine.step = step
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -7,7 +7,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # lowest first; a module may import from its own layer or any layer below
 LAYERS = [
     ["agentrl.types", "agentrl.registry", "agentrl.seeds", "agentrl.prefix", "agentrl.schema", "agentrl.dist",
-     "agentrl.launch", "agentrl.io_atomic", "agentrl.progress", "agentrl.logs",
+     "agentrl.hard_exit", "agentrl.launch", "agentrl.io_atomic", "agentrl.progress", "agentrl.logs",
      "agentrl.checkpoint", "agentrl.gpu_memory"],
     ["agentrl.envs", "agentrl.algos", "agentrl.metrics"],
     ["agentrl.config"],  # the config dataclasses, which every layer above may be typed against
@@ -21,7 +21,7 @@ LAYERS = [
     ["agentrl.recipe"],
     ["agentrl.recipes"],
     ["agentrl.config_loader"],  # recipe YAMLs into a checked config: looks names up in the registries above
-    ["agentrl.trainer", "agentrl.preflight"],
+    ["agentrl.trainer", "agentrl.preflight", "agentrl.fail_fast"],
     ["agentrl.commands", "agentrl.cli", "agentrl", "agentrl.viewer"],  # the CLI: one package of commands
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}

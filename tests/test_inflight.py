@@ -309,12 +309,11 @@ def test_inflight_with_a_transfer_that_cannot_stage_is_refused_before_any_server
     one line naming the keys, before a server is started (none could be: vLLM is not asked for)."""
     from agentrl import Trainer
 
-    cfg = load_config("grpo", env="sokoban", overrides=[
-        f"model.name={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "sft.enabled=false", "model.lora_r=8",
-        "trainer.generator=vllm", "trainer.max_staleness=1", "trainer.inflight_updates=true",
-        "trainer.tensorboard=false", "trainer.progress=false"])
     with pytest.raises(ConfigError, match=r"trainer.inflight_updates=true with trainer.generator=vllm .* LoRA policy"):
-        Trainer.from_config(cfg)
+        Trainer.from_config(load_config("grpo", env="sokoban", overrides=[  # refused as the config loads
+            f"model.name={tiny_model_dir}", f"trainer.out_dir={tmp_path}", "sft.enabled=false", "model.lora_r=8",
+            "trainer.generator=vllm", "trainer.max_staleness=1", "trainer.inflight_updates=true",
+            "trainer.tensorboard=false", "trainer.progress=false"]))
     assert not list(tmp_path.glob("vllm-*.log"))
 
 

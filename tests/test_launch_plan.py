@@ -89,10 +89,7 @@ def test_colocated_on_one_gpu(tmp_path):
     (["vllm.colocate=true", "trainer.vllm_servers=1"], 1,
      "vllm.colocate=true needs vllm.gpu_memory_utilization, the share of each GPU a server takes (e.g. 0.3), "
      "below 1: the rest is the learner's"),
-    (["vllm.colocate=true", "vllm.gpu_memory_utilization=0.3", "trainer.vllm_sync=nccl"], 1,
-     "trainer.vllm_sync=nccl cannot reach servers on the learner's GPUs (vllm.colocate=true): NCCL refuses two "
-     "ranks on one GPU; use trainer.vllm_sync=auto (CUDA IPC)"),
-])
+])  # vllm.colocate=true with trainer.vllm_sync=nccl: refused when the config loads (tests/test_refusals.py)
 def test_a_layout_that_cannot_work_is_one_error_line(qwen7b, overrides, nodes, error):
     _, errors = plan(qwen7b, DS + ["optim.token_budget=4096"] + overrides, nodes=nodes)
     assert error in errors, errors
@@ -113,12 +110,12 @@ def test_a_learner_over_its_gpu_names_the_budget_and_the_ranks_that_fit(qwen7b):
 def test_the_cli_prints_the_plan_and_exits_without_a_gpu(qwen7b, capsys):
     from agentrl.cli import main
 
-    rc = main(["train", "grpo", "--model", qwen7b, "--dry-run", "--nodes", "1", "--gpus-per-node", "8",
-               *DS, "trainer.vllm_servers=2", "trainer.vllm_gpus=[6,7]", "optim.token_budget=6144"])
+    rc = main(["train", "grpo", "--model", qwen7b, "--dry-run", "--nodes", "1", "--gpus-per-node", "8", *DS,
+               "trainer.vllm_servers=2", "trainer.vllm_gpus=[6,7]", "optim.token_budget=6144", "rollout.groups=8"])
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("launch plan: 1 node(s) x 8 GPU(s) of 74.5 GiB") and "error:" not in out
     rc = main(["train", "grpo", "--model", qwen7b, "--dry-run", "--gpus-per-node", "8", *DS, "trainer.vllm_servers=2",
-               "optim.token_budget=6144"])
+               "optim.token_budget=6144", "rollout.groups=8"])
     out = capsys.readouterr().out
     assert rc == 2 and [x for x in out.splitlines() if x.startswith("error: ")] == [
         "error: vLLM server 0 has no GPU of its own (trainer.vllm_gpus has 0 entries for trainer.vllm_servers=2) "

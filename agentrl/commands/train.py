@@ -79,37 +79,13 @@ def _trainer(cfg: Any) -> Any:
     return Trainer.from_config(cfg)
 
 
-def _says_it_all(e: BaseException) -> bool:
-    """An error whose message names the key, env or server to fix: the CLI prints it as one line."""
-    from agentrl.config import ConfigError
-    from agentrl.envs.base import EnvError
-    from agentrl.generation.client import GenerationServerError
-    from agentrl.learner.models import ModelError
-    from agentrl.registry import RegistryError
-    from agentrl.trainer import RunError
-
-    return isinstance(e, (ConfigError, EnvError, GenerationServerError, ModelError, RegistryError, RunError))
-
-
 def _run_on_every_rank(cfg: Any, work: Callable[[Any], Any]) -> tuple[Any, Any]:
     """Build the trainer and run ``work`` on it, then close it. Launched on several ranks, an error on one
-    stops every rank at once: it prints its traceback here, the others exit naming it (``agentrl.dist``),
-    and nobody waits at a barrier for it."""
-    from agentrl import dist
-
-    holder: list[Any] = []
-    dist.watch_peers(cleanup=lambda: holder and holder[0].close())
-    try:
-        holder.append(_trainer(cfg))
-        out = work(holder[0])
-    except BaseException as e:
-        # exits when on several ranks
-        dist.fail_every_rank(e, cleanup=lambda: holder and holder[0].close(), plain=_says_it_all(e))
-        if holder:
-            holder[0].close()
-        raise
-    holder[0].close()
-    return holder[0], out
+    stops every rank at once (the trainer's guard, ``agentrl.fail_fast``): it prints its traceback here,
+    the others exit naming it, and nobody waits at a barrier for it."""
+    with _trainer(cfg) as trainer:
+        out = work(trainer)
+    return trainer, out
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -121,19 +97,36 @@ def run_train(args: argparse.Namespace) -> int:
         for key, where in config_sources(args.recipe, args.env, _overrides(args), args.model).items():
             print(f"{key}: {values[key]!r}  # {where}")
         return 0
+    from agentrl.preflight import preflight
+
     if args.print_config:
         import yaml
 
+        preflight(cfg)  # what the run would refuse here, refused in the same line
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     if args.dry_run:
         from agentrl.commands.plan import run as plan
 
+        preflight(cfg, planned_ranks=_planned_ranks(cfg, args.nodes, args.gpus_per_node))
         return plan(cfg, args.nodes, args.gpus_per_node, args.gpu_memory_gib)
     trainer, final = _run_on_every_rank(cfg, _train)
     if trainer.is_main:
         print(json.dumps({"run": str(cfg.out_dir), **final}, indent=1))
     return 0
+
+
+def _planned_ranks(cfg: Any, nodes: int | None, gpus_per_node: int | None) -> int:
+    """The learner ranks of the launch plan (``--nodes`` x ``--gpus-per-node``, this machine's GPUs by
+    default; 1 when there are none: the plan then asks for the shape)."""
+    import torch
+
+    from agentrl.generation.layout import place
+
+    gpus = gpus_per_node or (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if not gpus or (nodes or 1) < 1:
+        return 1
+    return max(1, place(cfg.trainer, cfg.vllm, nodes or 1, gpus).learner_ranks)
 
 
 def _train(trainer: Any) -> Any:
@@ -156,6 +149,7 @@ def _say_where_sigterm_stops(trainer: Any) -> Callable[[], None]:
     import threading
 
     from agentrl import checkpoint as ckpt
+    from agentrl import hard_exit
 
     if not trainer.is_main or threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -170,7 +164,7 @@ def _say_where_sigterm_stops(trainer: Any) -> Callable[[], None]:
             print(f"stopped by SIGTERM in step {trainer.step + 1} of {trainer.out_dir} ({last}): run the same command "
                   "to resume", file=sys.stderr, flush=True)
         finally:
-            os._exit(128 + signal.SIGTERM)
+            hard_exit.exit_now(128 + signal.SIGTERM)  # the servers stopped first
 
     def watch() -> None:
         while (got := os.read(r, 64)) and 0 not in got:  # a 0 byte: undone

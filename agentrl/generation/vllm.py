@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from agentrl import hard_exit
 from agentrl.generation.client import RemoteGenerator
 
 DEFAULT_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
@@ -177,6 +178,7 @@ class VLLMServer:
         # SIGTERM when the process that started it dies (rank 0 killed: no server keeps its GPUs and port)
         self.proc = subprocess.Popen(parent_death_prefix() + cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
+        hard_exit.on_exit(id(self), self.kill)  # a hard exit of this process (os._exit) stops it too
         _Probe(self.url).wait(timeout, self.proc)
         return RemoteGenerator(self.url, backend="vllm", api_key=self.api_key or None)
 
@@ -187,6 +189,7 @@ class VLLMServer:
 
     def kill(self) -> None:
         """SIGKILL the server and every process it started (what a crash looks like to its clients)."""
+        hard_exit.forget(id(self))
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -195,6 +198,7 @@ class VLLMServer:
             self.proc.wait()
 
     def stop(self) -> None:
+        hard_exit.forget(id(self))
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)

@@ -34,6 +34,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from agentrl import hard_exit
+
 SHM_DIR = os.environ.get("AGENTRL_SHM_DIR", "/dev/shm")
 
 
@@ -341,14 +343,18 @@ def _send(engine: Any, names: list[str], clients: dict[str, Any], timeout_s: flo
 @contextmanager
 def watchdog(timeout_s: float, what: str) -> Iterator[None]:
     """Ends this process with one ``error:`` line when the block runs past ``timeout_s``: an NCCL call whose
-    peer died never returns and has no timeout of its own. The launcher then stops the other ranks."""
+    peer died never returns and has no timeout of its own. Under several ranks every rank ends with it."""
+    from agentrl import dist
+
     done = threading.Event()
 
     def watch() -> None:
         if not done.wait(timeout_s):
-            print(f"error: {what} did not finish in {timeout_s:.0f} s (vllm.sync_timeout_s): a server is gone or "
-                  "stuck inside the transfer; stopping this rank", file=sys.stderr, flush=True)
-            os._exit(1)
+            line = (f"{what} did not finish in {timeout_s:.0f} s (vllm.sync_timeout_s): a server is gone or stuck "
+                    "inside the transfer; stopping this rank")
+            dist.fail_every_rank(SyncError(line), plain=True)  # returns in one process only
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            hard_exit.exit_now(1)  # the servers stopped first
 
     threading.Thread(target=watch, daemon=True, name="agentrl-sync-watchdog").start()
     try:
