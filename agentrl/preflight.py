@@ -227,5 +227,7 @@ def check_launch(cfg: Any, device: str, n: int, here: bool = True) -> None:
     if c.trainer.engine != "deepspeed":
         raise ConfigError(f"{n} ranks were launched but trainer.engine={c.trainer.engine} trains in one process; "
                           "add trainer.engine=deepspeed (ZeRO-3 over the ranks) or launch one process")
+    from agentrl import dist
+
     if why := dist.groups_refusal(c.rollout.groups, n):
         raise ConfigError(why)

@@ -188,7 +188,7 @@ def test_a_row_longer_than_the_budget_is_a_micro_batch_of_its_own(qwen7b, tmp_pa
                       "vllm.max_model_len=8640 or model.gradient_checkpointing=true"]
 
 
-def test_fewer_groups_than_ranks_is_the_runs_own_refusal(qwen7b, monkeypatch):
+def test_fewer_groups_than_ranks_is_the_runs_own_refusal(qwen7b):
     from agentrl.config import ConfigError
     from agentrl.preflight import check_launch
 
@@ -197,9 +197,8 @@ def test_fewer_groups_than_ranks_is_the_runs_own_refusal(qwen7b, monkeypatch):
     line = ("rollout.groups=4 is fewer than the 6 ranks: each rank rolls out whole groups, so set rollout.groups >= 6 "
             "(or launch fewer ranks)")
     assert errors == [line]
-    monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(ConfigError) as e:  # the run on 6 ranks: the same line
-        check_launch(load_config("grpo", model=qwen7b, overrides=DS[:2] + ["rollout.groups=4"]), "cpu")
+        check_launch(load_config("grpo", model=qwen7b, overrides=DS[:2] + ["rollout.groups=4"]), "cpu", 6)
     assert str(e.value) == line
 
 
