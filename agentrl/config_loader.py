@@ -319,10 +319,11 @@ def _chosen_model(recipe: str, env: str, parsed: list[tuple[str, list[str], Any]
 
 
 def config_sources(recipe: str, env: str | None = None, overrides: list[str] | tuple[str, ...] = (),
-                   model: str | None = None) -> dict[str, str]:
-    """Where each resolved value that differs from the dataclass default came from: ``recipe`` (the recipe YAML
-    chain and its env overlays: the paper's settings, each traced in a comment), ``demo overlay`` (a CPU demo's
-    tuning, for the demo models only), ``model overlay`` or ``user`` (``--model``, the command line)."""
+                   model: str | None = None, defaults: bool = True) -> dict[str, str]:
+    """Where each resolved value came from: ``recipe`` (the recipe YAML chain, its env and paper overlays: the
+    papers' settings, each traced in a comment), ``demo overlay`` (a CPU demo's tuning, for the demo models
+    only), ``model overlay``, ``user`` (``--model``, the command line) or ``default`` (the config dataclass's
+    or the recipe class's ``extra`` default: set by nobody). ``defaults=False`` leaves the defaults out."""
     layers = [("recipe", _load(recipe, env, (), None if model is None else model, demo=False,
                                model_overlays=False)),
               ("demo overlay", _load(recipe, env, (), model, model_overlays=False)),
@@ -339,7 +340,27 @@ def config_sources(recipe: str, env: str | None = None, overrides: list[str] | t
     for key, given in (("model.name", model), ("env", env)):
         if given is not None:
             out[key] = "user"
+    if defaults:
+        out = {k: out.get(k, "default") for k in resolved_values(layers[-1][1])}
     return out
+
+
+def resolved_values(cfg: RecipeCfg) -> dict[str, Any]:
+    """``flat_config`` with the recipe class's ``extra`` defaults filled in: every value the run uses."""
+    from agentrl.recipe import RECIPES
+
+    out = flat_config(cfg)
+    params = getattr(lookup(RECIPES, cfg.method, "method"), "Params", None)
+    if params is not None:
+        for k, v in flat_config_of(build(params, cfg.extra, "extra.")).items():
+            out.setdefault(f"extra.{k}", v)
+    return out
+
+
+def flat_config_of(params: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
 def flat_config(cfg: RecipeCfg) -> dict[str, Any]:
