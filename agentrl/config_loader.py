@@ -17,6 +17,8 @@ and what is allowed.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -134,10 +136,17 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read the recipe YAML: {e}") from None
-    data = load_yaml(text, str(path)) or {}
+    # parsed once per text: a suite resolves hundreds of configs, each reading its recipe chain, and the pure-Python
+    # parser takes ~0.1 s a file; the copy keeps the cached tree from the resolver's pops and merges
+    data = copy.deepcopy(_parsed(text, str(path)))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe YAML must be a mapping, got {type(data).__name__}")
     return data
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(text: str, what: str) -> Any:
+    return load_yaml(text, what) or {}
 
 
 def is_import_path(name: str) -> bool:
@@ -387,7 +396,9 @@ def _apply_model_overlay(data: dict[str, Any], parsed: list[tuple[str, list[str]
     for _, keys, value in parsed:
         if keys == ["model", "name"]:
             name = value
-    overlay = overlays.get(name) if isinstance(name, str) else None  # a model folder's path gets none
+    # a model folder's path gets none, unless the folder holds a demo model (its config.json's agentrl_model:
+    # a tiny build or its export), which takes that model's overlays as it takes its demo overlays
+    overlay = (overlays.get(name, overlays.get(demo_model_of(name))) if isinstance(name, str) else None)
     if overlay is None:
         return data
     if not isinstance(overlay, dict):

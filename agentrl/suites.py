@@ -172,9 +172,10 @@ def suite_shared(suite: Suite, env: str, demo: bool) -> dict[str, Any]:
 
 
 def plan(suite: Suite, model: str | None, seeds: int | None = None, out: Path | None = None,
-         envs: list[str] | None = None) -> list[PlannedRun]:
+         envs: list[str] | None = None, user: list[str] | None = None) -> list[PlannedRun]:
     """Every run of ``suite`` (run x env x seed) with its resolved config, in the order they run: run by run
-    (a run another starts from comes first), env by env, seed by seed."""
+    (a run another starts from comes first), env by env, seed by seed. ``user``: dotted overrides for every
+    run, after the suite's settings (the run's seed and folder stay the suite's)."""
     demo = demo_mode(model)
     envs = envs or (suite.demo.envs if demo else suite.envs)
     n = seeds or (suite.demo.seeds if demo else suite.seeds)
@@ -193,7 +194,9 @@ def plan(suite: Suite, model: str | None, seeds: int | None = None, out: Path | 
                 folder = root / env / f"{slug(run.name)}-s{seed}"
                 where[(run.name, env, seed)] = folder
                 flat = {**shared, **flatten(run.overrides), "trainer.seed": seed, "trainer.out_dir": str(folder)}
-                overrides = [_override(k, v) for k, v in flat.items()]
+                overrides = [_override(k, v) for k, v in flat.items() if k not in ("trainer.seed", "trainer.out_dir")]
+                overrides += list(user or []) + [_override("trainer.seed", seed), _override("trainer.out_dir",
+                                                                                              str(folder))]
                 waits = None
                 if run.warm_start_from:
                     waits = where[(run.warm_start_from, env, seed)] / "checkpoint" / "model"

@@ -185,3 +185,27 @@ def test_the_expert_lengths_are_data_with_their_command():
     assert EXPERT["command"].startswith("python scripts/expert_lengths.py")
     for env in ("sokoban", "frozenlake", "bandit", "alfworld", "webshop"):
         assert EXPERT[env]["solved"] > 0 and EXPERT[env]["p90"] >= EXPERT[env]["median"]
+
+
+def test_on_the_tiny_model_a_suite_is_its_cpu_demo(tmp_path):
+    """Every suite plans its demo on the tiny model: a warm start a seed first, every run starting from it, the
+    demo's shared settings in every run."""
+    for name in suites.names():
+        suite = suites.load(name)
+        planned = suites.plan(suite, "tiny", seeds=1, out=tmp_path / name)
+        assert planned[0].run.name == suites.WARM_START and {p.env for p in planned} == set(suite.demo.envs)
+        for p in planned[1:]:
+            start = p.run.warm_start_from
+            assert p.cfg is None and p.waits_for == next(q.out_dir for q in planned if q.run.name == start and
+                                                         q.env == p.env) / "checkpoint" / "model"
+            cfg = flat_config(suites.preview(p, "tiny"))
+            for key, value in suites.suite_shared(suite, p.env, demo=True).items():
+                assert cfg[key] == value or key in suites.flatten(p.run.overrides), (name, p.run.name, key)
+
+
+def test_a_folder_holding_the_demo_model_gets_its_model_overlays_too(tmp_path):
+    """A tiny build's export (config.json names agentrl_model) takes the demo overlays and the tiny model's
+    overlays alike, not a mix of the demo's and the paper's."""
+    (tmp_path / "config.json").write_text(json.dumps({"agentrl_model": "tiny"}))
+    cfg = load_config("spear", env="sokoban", model=str(tmp_path))
+    assert cfg.extra["warmup_steps"] == 10 and cfg.optim.lr == 5e-5  # model_overlays.tiny, demo overlay

@@ -31,6 +31,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--full", action="store_true", help="--dry-run: every run's whole config, not only what "
                    "differs from the settings the runs share")
     p.add_argument("--table", action="store_true", help="write the table from the runs done so far, run nothing")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every run, after the suite's settings (e.g. "
+                   "trainer.steps=3 for a short check)")
     p.set_defaults(func=run)
 
 
@@ -50,13 +52,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bad value for '--seeds': {args.seeds}; allowed: 1 or more")
     suite = suites.load(args.suite)
     out = Path(args.out) if args.out else None
-    planned = suites.plan(suite, args.model, args.seeds, out, args.env)
+    planned = suites.plan(suite, args.model, args.seeds, out, args.env, list(args.overrides or []))
     if args.dry_run:
         return _dry_run(suite, planned, args)
     root = planned[0].out_dir.parent.parent if planned else Path("runs") / suite.name
     if not args.table:
-        _run_all(suite, planned, args.model, root)
-    return _write_table(suite, planned, args.model, root)
+        _run_all(suite, planned, args.model, root, args.overrides or [])
+    return _write_table(suite, planned, args.model, root, user=args.overrides or [])
 
 
 def _dry_run(suite: Any, planned: list[Any], args: argparse.Namespace) -> int:
@@ -110,7 +112,7 @@ def _dry_run(suite: Any, planned: list[Any], args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_all(suite: Any, planned: list[Any], model: str | None, root: Path) -> None:
+def _run_all(suite: Any, planned: list[Any], model: str | None, root: Path, user: list[str]) -> None:
     from agentrl.commands.train import _run_on_every_rank, _train
     from agentrl.config_loader import load_config
 
@@ -125,16 +127,17 @@ def _run_all(suite: Any, planned: list[Any], model: str | None, root: Path) -> N
         print(f"[{i}/{len(planned)}] {p.out_dir}: {p.run.name} ({p.run.recipe}) on {p.env}, seed {p.seed}",
               flush=True)
         _run_on_every_rank(cfg, _train)
-        _write_table(suite, planned, model, root, quiet=True)
+        _write_table(suite, planned, model, root, quiet=True, user=user)
 
 
-def _write_table(suite: Any, planned: list[Any], model: str | None, root: Path, quiet: bool = False) -> int:
+def _write_table(suite: Any, planned: list[Any], model: str | None, root: Path, quiet: bool = False,
+                 user: list[str] | tuple[str, ...] = ()) -> int:
     from agentrl import suites
     from agentrl.io_atomic import atomic_write_text
 
     text = (f"{suite.paper} {suite.table}: {suite.title}\n\n"
             f"Command: `agentrl reproduce {suite.name} --model {model or 'tiny'}"
-            f" --seeds {max(p.seed for p in planned) + 1}`\n\n{suites.table(suite, planned, model)}\n")
+            f" --seeds {max(p.seed for p in planned) + 1}{''.join(' ' + o for o in user)}`\n\n{suites.table(suite, planned, model)}\n")
     if not suites.demo_mode(model) and suite.paper_source:
         text += f"\nThe paper's numbers (in brackets): {suite.paper_source}.\n"
     root.mkdir(parents=True, exist_ok=True)
