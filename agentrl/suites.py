@@ -175,7 +175,7 @@ def plan(suite: Suite, model: str | None, seeds: int | None = None, out: Path | 
          envs: list[str] | None = None, user: list[str] | None = None) -> list[PlannedRun]:
     """Every run of ``suite`` (run x env x seed) with its resolved config, in the order they run: run by run
     (a run another starts from comes first), env by env, seed by seed. ``user``: dotted overrides for every
-    run, after the suite's settings (the run's seed and folder stay the suite's)."""
+    run, after the suite's shared settings and before the run's own (its seed and folder stay the suite's)."""
     demo = demo_mode(model)
     envs = envs or (suite.demo.envs if demo else suite.envs)
     n = seeds or (suite.demo.seeds if demo else suite.seeds)
@@ -193,10 +193,11 @@ def plan(suite: Suite, model: str | None, seeds: int | None = None, out: Path | 
             for seed in range(n):
                 folder = root / env / f"{slug(run.name)}-s{seed}"
                 where[(run.name, env, seed)] = folder
-                flat = {**shared, **flatten(run.overrides), "trainer.seed": seed, "trainer.out_dir": str(folder)}
-                overrides = [_override(k, v) for k, v in flat.items() if k not in ("trainer.seed", "trainer.out_dir")]
-                overrides += list(user or []) + [_override("trainer.seed", seed), _override("trainer.out_dir",
-                                                                                              str(folder))]
+                # the suite's shared settings, then the user's, then what the paper sets for this run alone (a
+                # short check's trainer.steps=3 leaves an SFT-only row at 0 steps), then the run's seed and folder
+                overrides = [_override(k, v) for k, v in shared.items()] + list(user or [])
+                overrides += [_override(k, v) for k, v in flatten(run.overrides).items()]
+                overrides += [_override("trainer.seed", seed), _override("trainer.out_dir", str(folder))]
                 waits = None
                 if run.warm_start_from:
                     waits = where[(run.warm_start_from, env, seed)] / "checkpoint" / "model"

@@ -1,6 +1,8 @@
 """The env experts' episode lengths (turns to solve), as data for the horizon checks.
 
-    python scripts/expert_lengths.py --tasks 100 sokoban frozenlake bandit alfworld webshop > tests/expert_lengths.json
+    python scripts/expert_lengths.py --tasks 100 sokoban frozenlake bandit > lengths.json
+
+(tests/expert_lengths.json merges such outputs; each env's entry names the command that measured it.)
 
 Per env: the expert plays ``--tasks`` train tasks (a seeded sample) to the end; the JSON gives the number
 of tasks, how many it solved, and the median, 90th percentile and longest episode of the solved ones.
@@ -42,9 +44,10 @@ def main() -> int:
     ap.add_argument("--tasks", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    out = {"command": "python scripts/expert_lengths.py --tasks %d %s" % (args.tasks, " ".join(args.envs))}
+    out = {}
     for name in args.envs:
-        out[name] = lengths(name, args.tasks, args.seed)
+        out[name] = dict(lengths(name, args.tasks, args.seed),
+                         command=f"python scripts/expert_lengths.py --tasks {args.tasks} --seed {args.seed} {name}")
         print(f"{name}: {out[name]}", file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
     return 0

@@ -182,8 +182,8 @@ def test_the_deviation_tables_agree_with_print_config(folder):
 
 
 def test_the_expert_lengths_are_data_with_their_command():
-    assert EXPERT["command"].startswith("python scripts/expert_lengths.py")
-    for env in ("sokoban", "frozenlake", "bandit", "alfworld", "webshop"):
+    for env in ("sokoban", "frozenlake", "bandit", "alfworld", "webshop", "scienceworld"):
+        assert EXPERT[env]["command"].startswith("python scripts/expert_lengths.py") and env in EXPERT[env]["command"]
         assert EXPERT[env]["solved"] > 0 and EXPERT[env]["p90"] >= EXPERT[env]["median"]
 
 

@@ -31,8 +31,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--full", action="store_true", help="--dry-run: every run's whole config, not only what "
                    "differs from the settings the runs share")
     p.add_argument("--table", action="store_true", help="write the table from the runs done so far, run nothing")
-    p.add_argument("overrides", nargs="*", help="dotted overrides for every run, after the suite's settings (e.g. "
-                   "trainer.steps=3 for a short check)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every run, after the suite's shared settings "
+                   "and before each run's own (e.g. trainer.steps=3 for a short check)")
     p.set_defaults(func=run)
 
 
@@ -104,7 +104,8 @@ def _dry_run(suite: Any, planned: list[Any], args: argparse.Namespace) -> int:
                 print(f"    {line}")
     if params:
         print(f"\nGPU-hours estimate: {total:.0f} H100-hours for {len(planned)} runs ({params / 1e9:.2f}B "
-              f"parameters; an upper bound: every episode at rollout.max_turns, every turn its env's full prompt; "
+              "parameters; RL steps and evaluations: an upper bound, every episode at rollout.max_turns and every "
+              "turn its env's full prompt; SFT, RRO's Monte Carlo walks and LEAFE's trees are not counted; "
               f"training at {suites.TRAIN_MFU:.0%} and generation at {suites.DECODE_MFU:.0%} of "
               f"{suites.PEAK_FLOPS / 1e12:.0f} TFLOP/s)")
     else:
@@ -135,9 +136,10 @@ def _write_table(suite: Any, planned: list[Any], model: str | None, root: Path, 
     from agentrl import suites
     from agentrl.io_atomic import atomic_write_text
 
-    text = (f"{suite.paper} {suite.table}: {suite.title}\n\n"
-            f"Command: `agentrl reproduce {suite.name} --model {model or 'tiny'}"
-            f" --seeds {max(p.seed for p in planned) + 1}{''.join(' ' + o for o in user)}`\n\n{suites.table(suite, planned, model)}\n")
+    command = (f"agentrl reproduce {suite.name} --model {model or 'tiny'} --seeds {max(p.seed for p in planned) + 1}"
+               + "".join(f" {o}" for o in user))
+    body = suites.table(suite, planned, model)
+    text = f"{suite.paper} {suite.table}: {suite.title}\n\nCommand: `{command}`\n\n{body}\n"
     if not suites.demo_mode(model) and suite.paper_source:
         text += f"\nThe paper's numbers (in brackets): {suite.paper_source}.\n"
     root.mkdir(parents=True, exist_ok=True)
