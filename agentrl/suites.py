@@ -172,10 +172,12 @@ def suite_shared(suite: Suite, env: str, demo: bool) -> dict[str, Any]:
 
 
 def plan(suite: Suite, model: str | None, seeds: int | None = None, out: Path | None = None,
-         envs: list[str] | None = None, user: list[str] | None = None) -> list[PlannedRun]:
+         envs: list[str] | None = None, user: list[str] | None = None,
+         only: list[str] | None = None) -> list[PlannedRun]:
     """Every run of ``suite`` (run x env x seed) with its resolved config, in the order they run: run by run
     (a run another starts from comes first), env by env, seed by seed. ``user``: dotted overrides for every
-    run, after the suite's shared settings and before the run's own (its seed and folder stay the suite's)."""
+    run, after the suite's shared settings and before the run's own (its seed and folder stay the suite's).
+    ``only``: these runs (by name) and the runs they start from."""
     demo = demo_mode(model)
     envs = envs or (suite.demo.envs if demo else suite.envs)
     n = seeds or (suite.demo.seeds if demo else suite.seeds)
@@ -187,6 +189,16 @@ def plan(suite: Suite, model: str | None, seeds: int | None = None, out: Path | 
         first = build(SuiteRun, dict(suite.demo.warm_start, name=WARM_START), f"{suite.name}: demo.warm_start.")
         runs = [first] + [r if r.warm_start_from else SuiteRun(**dict(vars(r), warm_start_from=WARM_START))
                           for r in runs]
+    if only:
+        unknown = [n for n in only if n not in {r.name for r in runs}]
+        if unknown:
+            raise ConfigError(f"suite {suite.name} has no run '{unknown[0]}'; allowed: "
+                              f"{', '.join(r.name for r in runs)}")
+        keep = set(only)
+        for r in reversed(runs):
+            if r.name in keep and r.warm_start_from:
+                keep.add(r.warm_start_from)
+        runs = [r for r in runs if r.name in keep]
     for run in runs:
         for env in envs:
             shared = suite_shared(suite, env, demo)

@@ -209,3 +209,20 @@ def test_a_folder_holding_the_demo_model_gets_its_model_overlays_too(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"agentrl_model": "tiny"}))
     cfg = load_config("spear", env="sokoban", model=str(tmp_path))
     assert cfg.extra["warmup_steps"] == 10 and cfg.optim.lr == 5e-5  # model_overlays.tiny, demo overlay
+
+
+def test_the_table_gives_mean_and_range_over_seeds_and_the_papers_number(folder, tmp_path):
+    suite = suites.load("crps-table1")
+    planned = suites.plan(suite, folder, seeds=2, out=tmp_path, envs=["alfworld"], only=["GRPO", "+CRPS"])
+    assert [p.run.name for p in planned] == ["GRPO", "GRPO", "+CRPS", "+CRPS"]
+    for p, success in zip(planned, (0.70, 0.76, 0.80, None)):  # +CRPS seed 1 not done yet
+        if success is not None:
+            p.out_dir.mkdir(parents=True)
+            (p.out_dir / "final.json").write_text(json.dumps({"eval/success": success}))
+    table = suites.table(suite, planned, folder)
+    assert "| GRPO | 0.730 (0.700-0.760) (0.730) |" in table
+    assert "| +CRPS | 0.800 [1/2 seeds] (0.830) |" in table
+    with pytest.raises(suites.ConfigError, match="has no run 'CRPS'; allowed: RFT, PPO"):
+        suites.plan(suite, folder, only=["CRPS"])
+    # a done run is skipped by the next launch: its folder holds final.json
+    assert [p.done for p in planned] == [True, True, True, False]

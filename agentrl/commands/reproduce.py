@@ -25,6 +25,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", help="the policy: an HF model folder (the paper's settings), or tiny (the CPU demo)")
     p.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the suite's)")
     p.add_argument("--env", action="append", help="only this env (repeatable; default: the suite's)")
+    p.add_argument("--run", action="append", help="only this run, by its name in the table, and the runs it starts "
+                   "from (repeatable; default: every run)")
     p.add_argument("--out", help="the suite's folder (default runs/SUITE)")
     p.add_argument("--dry-run", action="store_true", help="print every run's resolved settings and the GPU-hours "
                    "estimate, and exit")
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bad value for '--seeds': {args.seeds}; allowed: 1 or more")
     suite = suites.load(args.suite)
     out = Path(args.out) if args.out else None
-    planned = suites.plan(suite, args.model, args.seeds, out, args.env, list(args.overrides or []))
+    planned = suites.plan(suite, args.model, args.seeds, out, args.env, list(args.overrides or []), args.run)
     if args.dry_run:
         return _dry_run(suite, planned, args)
     root = planned[0].out_dir.parent.parent if planned else Path("runs") / suite.name
