@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         return _dry_run(suite, planned, args)
     root = planned[0].out_dir.parent.parent if planned else Path("runs") / suite.name
     # the table's command line names what selected the runs, so it reruns (or resumes) the same plan
-    user = [f'--run "{r}"' for r in args.run or []] + [f"--env {e}" for e in args.env or []] + list(args.overrides or [])
+    user = [f'--run "{r}"' for r in args.run or []] + [f"--env {e}" for e in args.env or []]
+    user += list(args.overrides or [])
     if not args.table:
         _run_all(suite, planned, args.model, root, user)
     return _write_table(suite, planned, args.model, root, user=user)
