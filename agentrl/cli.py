@@ -9,7 +9,7 @@ from agentrl import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from agentrl.commands import bench, envs, serve, train, view
+    from agentrl.commands import bench, envs, reproduce, serve, train, view
 
     parser = argparse.ArgumentParser(prog="agentrl", description="Multi-turn agent RL: train, evaluate and "
                                      "inspect LLM agents on text environments.")
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     bench.add_parser(sub)
     view.add_parser(sub)
+    reproduce.add_parser(sub)
     return parser
 
 

@@ -17,6 +17,8 @@ and what is allowed.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -134,10 +136,17 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read the recipe YAML: {e}") from None
-    data = load_yaml(text, str(path)) or {}
+    # parsed once per text: a suite resolves hundreds of configs, each reading its recipe chain, and the pure-Python
+    # parser takes ~0.1 s a file; the copy keeps the cached tree from the resolver's pops and merges
+    data = copy.deepcopy(_parsed(text, str(path)))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe YAML must be a mapping, got {type(data).__name__}")
     return data
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(text: str, what: str) -> Any:
+    return load_yaml(text, what) or {}
 
 
 def is_import_path(name: str) -> bool:
@@ -319,10 +328,11 @@ def _chosen_model(recipe: str, env: str, parsed: list[tuple[str, list[str], Any]
 
 
 def config_sources(recipe: str, env: str | None = None, overrides: list[str] | tuple[str, ...] = (),
-                   model: str | None = None) -> dict[str, str]:
-    """Where each resolved value that differs from the dataclass default came from: ``recipe`` (the recipe YAML
-    chain and its env overlays: the paper's settings, each traced in a comment), ``demo overlay`` (a CPU demo's
-    tuning, for the demo models only), ``model overlay`` or ``user`` (``--model``, the command line)."""
+                   model: str | None = None, defaults: bool = True) -> dict[str, str]:
+    """Where each resolved value came from: ``recipe`` (the recipe YAML chain, its env and paper overlays: the
+    papers' settings, each traced in a comment), ``demo overlay`` (a CPU demo's tuning, for the demo models
+    only), ``model overlay``, ``user`` (``--model``, the command line) or ``default`` (the config dataclass's
+    or the recipe class's ``extra`` default: set by nobody). ``defaults=False`` leaves the defaults out."""
     layers = [("recipe", _load(recipe, env, (), None if model is None else model, demo=False,
                                model_overlays=False)),
               ("demo overlay", _load(recipe, env, (), model, model_overlays=False)),
@@ -339,7 +349,27 @@ def config_sources(recipe: str, env: str | None = None, overrides: list[str] | t
     for key, given in (("model.name", model), ("env", env)):
         if given is not None:
             out[key] = "user"
+    if defaults:
+        out = {k: out.get(k, "default") for k in resolved_values(layers[-1][1])}
     return out
+
+
+def resolved_values(cfg: RecipeCfg) -> dict[str, Any]:
+    """``flat_config`` with the recipe class's ``extra`` defaults filled in: every value the run uses."""
+    from agentrl.recipe import RECIPES
+
+    out = flat_config(cfg)
+    params = getattr(lookup(RECIPES, cfg.method, "method"), "Params", None)
+    if params is not None:
+        for k, v in flat_config_of(build(params, cfg.extra, "extra.")).items():
+            out.setdefault(f"extra.{k}", v)
+    return out
+
+
+def flat_config_of(params: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
 
 def flat_config(cfg: RecipeCfg) -> dict[str, Any]:
@@ -366,7 +396,9 @@ def _apply_model_overlay(data: dict[str, Any], parsed: list[tuple[str, list[str]
     for _, keys, value in parsed:
         if keys == ["model", "name"]:
             name = value
-    overlay = overlays.get(name) if isinstance(name, str) else None  # a model folder's path gets none
+    # a model folder's path gets none, unless the folder holds a demo model (its config.json's agentrl_model:
+    # a tiny build or its export), which takes that model's overlays as it takes its demo overlays
+    overlay = (overlays.get(name, overlays.get(demo_model_of(name))) if isinstance(name, str) else None)
     if overlay is None:
         return data
     if not isinstance(overlay, dict):

@@ -42,7 +42,7 @@ def test_every_config_key_has_a_row_with_a_meaning():
 
 def test_cli_reference_lists_every_command():
     page = _hook().cli_page()
-    for cmd in ("train", "eval", "plot", "envs", "serve", "bench", "view", "show"):
+    for cmd in ("train", "eval", "plot", "envs", "serve", "bench", "view", "show", "reproduce"):
         assert f"`agentrl {cmd}`" in page, cmd
 
 

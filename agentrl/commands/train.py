@@ -33,8 +33,10 @@ def add_parser(sub: Any) -> None:
     t.add_argument("--gpu-memory-gib", type=float, help="--dry-run: memory of one GPU, GiB (default: this "
                    "machine's GPU, else 74.5: an 80 GB card)")
     t.add_argument("--print-sources", action="store_true",
-                   help="print each value set away from its default with where it came from (recipe, demo "
-                        "overlay, model overlay, user) and exit")
+                   help="print every key's value with where it came from (recipe, demo overlay, model overlay, "
+                        "user, default) and exit")
+    t.add_argument("--changed-only", action="store_true", help="--print-sources: leave out the keys at their "
+                   "default")
     t.set_defaults(func=run_train)
     e = sub.add_parser("eval", help="evaluate a model or checkpoint: success, pass@k, per category",
                        description="Evaluate --model (a checkpoint's model folder, a model spec) on --tasks tasks of "
@@ -91,10 +93,11 @@ def _run_on_every_rank(cfg: Any, work: Callable[[Any], Any]) -> tuple[Any, Any]:
 def run_train(args: argparse.Namespace) -> int:
     cfg = _config(args, args.recipe)
     if args.print_sources:
-        from agentrl.config_loader import config_sources, flat_config
+        from agentrl.config_loader import config_sources, resolved_values
 
-        values = flat_config(cfg)
-        for key, where in config_sources(args.recipe, args.env, _overrides(args), args.model).items():
+        values = resolved_values(cfg)
+        for key, where in config_sources(args.recipe, args.env, _overrides(args), args.model,
+                                         defaults=not args.changed_only).items():
             print(f"{key}: {values[key]!r}  # {where}")
         return 0
     from agentrl.preflight import preflight
