@@ -21,7 +21,7 @@ LAYERS = [
     ["agentrl.recipe"],
     ["agentrl.recipes"],
     ["agentrl.config_loader"],  # recipe YAMLs into a checked config: looks names up in the registries above
-    ["agentrl.trainer", "agentrl.preflight", "agentrl.fail_fast", "agentrl.suites"],  # suites: a paper's table as checked runs
+    ["agentrl.trainer", "agentrl.preflight", "agentrl.fail_fast", "agentrl.suites"],  # suites: a table as runs
     ["agentrl.commands", "agentrl.cli", "agentrl", "agentrl.viewer"],  # the CLI: one package of commands
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
