@@ -30,11 +30,12 @@ METRICS = {"success": "eval/success", "score": "eval/score"}
 
 @dataclass
 class Protocol:
-    """How the paper evaluates: on which split, how many tasks, at which temperature, how many samples."""
-    split: str = "test"
-    tasks: int = 128
-    temperature: float = 0.0
-    samples: int = 1
+    """How the paper evaluates: on which split, how many tasks, at which temperature, how many samples. Every
+    field is given by the suite (the eval keys' defaults are ``EvalCfg``'s alone)."""
+    split: str
+    tasks: int
+    temperature: float
+    samples: int
 
 
 @dataclass
@@ -165,9 +166,9 @@ def suite_shared(suite: Suite, env: str, demo: bool) -> dict[str, Any]:
     """The flat settings every run of ``suite`` on ``env`` gets: the protocol's eval keys, then ``shared``."""
     if demo:
         return {**flatten(suite.demo.shared.get("all", {})), **flatten(suite.demo.shared.get(env, {}))}
-    p = suite.protocol.get(env) or suite.protocol.get("all") or Protocol()
+    p = suite.protocol.get(env) or suite.protocol.get("all")
     proto = {"eval.split": p.split, "eval.tasks": p.tasks, "eval.temperature": p.temperature,
-             "eval.samples": p.samples}
+             "eval.samples": p.samples} if p is not None else {}
     return {**proto, **flatten(suite.shared.get("all", {})), **flatten(suite.shared.get(env, {}))}
 
 

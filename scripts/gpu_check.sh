@@ -168,8 +168,16 @@ def ds_json():
     return f"stage {load_ds_config('configs/deepspeed/zero3.json')['zero_optimization']['stage']}"
 
 def config(argv):
+    import torch
     from agentrl.cli import main
     buf = io.StringIO()
+    if not torch.cuda.is_available():  # --print-config checks this machine, which has no GPU: plan for one
+        with contextlib.redirect_stdout(buf):
+            gpus = "2" if "trainer.generator=vllm" in argv else "1"  # one learner rank; a server's GPU beside it
+            rc = main(argv + ["--dry-run", "--nodes", "1", "--gpus-per-node", gpus])
+        if rc:
+            raise RuntimeError(f"exit {rc}; the launch plan refuses it")
+        return "planned for a GPU node (--dry-run: no GPU on this machine)"
     with contextlib.redirect_stdout(buf):
         rc = main(argv + ["--print-config"])
     text = buf.getvalue()

@@ -22,8 +22,9 @@ def test_dry_run_passes_on_cpu_and_prints_the_planned_commands(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "FAIL" not in out and "dry run passed" in out
-    assert "ok    config of the grpo run:" in out and "device: cuda" in out  # resolved for CUDA without a GPU
-    assert "ok    config of the deepspeed run:" in out and "engine: deepspeed" in out
+    # planned for a GPU node: --print-config checks this machine (no GPU), the launch plan the layout
+    assert "ok    config of the grpo run: planned for a GPU node" in out
+    assert "ok    config of the deepspeed run: planned for a GPU node" in out
     planned = out.split("== planned commands", 1)[1].splitlines()
     train = [c for c in planned if "agentrl.cli train grpo" in c]
     assert len(train) == 3 and all("trainer.device=cuda" in c and "model.autocast=bf16" in c for c in train)

@@ -47,17 +47,16 @@ def run(args: argparse.Namespace) -> int:
 
     folder = resolve_model(args.model)
     if args.backend == "vllm":
-        from agentrl.generation.vllm import vllm_command, vllm_env
-
+        from agentrl.generation.vllm import is_loopback, vllm_command, vllm_env
         from agentrl.generation.vllm_auth import KEY_ENV, MIDDLEWARE
 
+        if not is_loopback(args.host) and not args.api_key:  # refused before anything else is looked at
+            print(f"error: --host {args.host} reaches beyond this machine: give --api-key (or ${KEY_ENV}); "
+                  "every route of the server then takes it", file=sys.stderr)
+            return 2
         cmd = vllm_command(folder, args.port, args.host, lora=args.lora)
         env = vllm_env(None, args.lora)
         if MIDDLEWARE in cmd:  # bound beyond loopback: every route takes the key
-            if not args.api_key:
-                print(f"error: --host {args.host} reaches beyond this machine: give --api-key (or ${KEY_ENV}); "
-                      "every route of the server then takes it", file=sys.stderr)
-                return 2
             env[KEY_ENV] = args.api_key
         print("exec:", " ".join(cmd), flush=True)
         # our logits processor (constrained decoding) must be importable by vLLM's interpreter
