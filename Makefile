@@ -18,13 +18,14 @@ else
   EXTRAS      := envs,train,dev,suites,ray,docs,gpu
 endif
 
-.PHONY: help setup setup-gpu check-gpu-resolve docs test test-fast lint train view envs check-envs play bench serve vllm-setup test-vllm clean
+.PHONY: help setup setup-gpu check-gpu-resolve docs test test-extended test-fast lint train view envs check-envs play bench serve vllm-setup test-vllm clean
 
 help:
 	@echo "make train [RECIPE=grpo] [ENV=sokoban] [MODEL=tiny] [SEED=0] [OVERRIDES=\"a.b=c ...\"]   train (CPU default)"
 	@echo "make envs         set up, list the envs and self-check the fast ones (expert + restore)"
 	@echo "make test         set up and run the test suite (what CI runs: lint first; TEST_WORKERS=2 processes)"
 	@echo "make test-fast    the tests not marked slow (no multi-rank, DeepSpeed or end-to-end runs)"
+	@echo "make test-extended  the minutes-long checks make test leaves out (every recipe on 2 ranks, compile, ...)"
 	@echo "make lint         ruff check (ruff.toml)"
 	@echo "make docs         build the docs site into site/ (mkdocs --strict; make test runs it)"
 	@echo "make check-envs   full self-check of every env (50 expert tasks, 20 restore checks each)"
@@ -93,6 +94,10 @@ test: lint docs
 # the docs site (mkdocs.yml, docs/); --strict turns broken links and pages missing from the nav into errors
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d site
+
+# the minutes-long checks `make test` leaves out (tests marked extended)
+test-extended: $(STAMP)
+	AGENTRL_TEST_EXTENDED=1 $(BIN)/python -m pytest -q -m extended $(XDIST) $(PYTEST_ARGS) tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS) tests

@@ -22,6 +22,17 @@ CORPUS = [
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process, DeepSpeed, real-engine or end-to-end training tests "
                                        "(seconds to minutes each); `make test-fast` leaves them out")
+    config.addinivalue_line("markers", "extended: minutes-long checks whose ground other tests of `make test` "
+                                       "also cover; `make test-extended` (AGENTRL_TEST_EXTENDED=1) runs them")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("AGENTRL_TEST_EXTENDED") == "1":
+        return
+    skip = pytest.mark.skip(reason="extended: `make test-extended` runs it")
+    for item in items:
+        if "extended" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

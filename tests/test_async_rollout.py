@@ -304,6 +304,7 @@ def test_a_server_gets_one_request_in_flight_per_live_episode():
     assert gen.peak == 96
 
 
+@pytest.mark.extended  # the bench end to end (minutes); its parts are tested above
 def test_bench_async_quick(tmp_path, capsys):
     import json
 

@@ -19,8 +19,9 @@ def test_every_registered_env_has_a_gymnasium_id():
     assert all(i in gym.registry for i in FAST + ENGINES)
 
 
-@pytest.mark.parametrize("gid", FAST + [pytest.param(g, marks=[pytest.mark.slow, pytest.mark.timeout(600)])
-                                        for g in ENGINES])
+# ScienceWorld's checker takes minutes (its Java engine); test_text_games and test_fuzz step it in make test
+@pytest.mark.parametrize("gid", FAST + [pytest.param(g, marks=[pytest.mark.slow, pytest.mark.timeout(600)] + (
+    [pytest.mark.extended] if "ScienceWorld" in g else [])) for g in ENGINES])
 def test_env_passes_the_gymnasium_checker(gid):
     env = gym.make(gid)
     try:

@@ -467,6 +467,7 @@ def test_a_reset_optimizer_steps_as_a_fresh_one(tiny_model_dir, tmp_path):
     assert not torch.allclose(after(kept), after(fresh), atol=1e-6)
 
 
+@pytest.mark.extended  # torch.compile on a CPU takes minutes; scripts/gpu_check.sh compiles on CUDA
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
                     reason="torch.compile on CPU needs a C++ compiler")
 def test_a_compiled_decoder_trains_as_the_eager_one(tiny_model_dir, tmp_path):

@@ -224,6 +224,7 @@ def recipe_reports(sokoban_sft_model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # every recipe on 2 DeepSpeed ranks (minutes); make test runs CRPS and SPEAR there overlapped
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_on_two_deepspeed_ranks(recipe, recipe_reports):
@@ -240,6 +241,7 @@ def test_recipe_runs_on_two_deepspeed_ranks(recipe, recipe_reports):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # shares the every-recipe fixture
 @pytest.mark.timeout(900)
 def test_dpo_on_two_ranks_matches_the_torch_engine(recipe_reports, sokoban_sft_model_dir, tmp_path):
     """Pairs stay whole on one rank and in one micro-batch: the same losses as one process."""
