@@ -58,6 +58,10 @@ def test_weights_nbytes_counts_full_size_tensors():
 
 def test_a_server_on_a_learner_gpu_is_refused_in_one_line(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for key in ("GROUP_RANK", "CROSS_RANK", "NODE_RANK", "AGENTRL_REHEARSE_GPUS"):  # node 0, whatever ran before
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
     t = TrainerCfg(generator="vllm", vllm_servers=2, vllm_gpus=["6", "7"])
     assert server_gpu_conflict(t, VLLMCfg(), "cuda:0", 6) == ""
