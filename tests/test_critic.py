@@ -108,6 +108,7 @@ PPO = ["train", "ppo", "--env", "sokoban", "trainer.engine=deepspeed", "sft.enab
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # minutes; make test keeps the DeepSpeed critic's step and the 2-rank killed-run resume
 @pytest.mark.timeout(1500)
 def test_ppo_with_a_separate_critic_on_two_deepspeed_ranks_resumes_exactly(sokoban_sft_model_dir, tmp_path):
     from tests.test_multirank import launch, rows

@@ -321,6 +321,7 @@ def test_old_logprobs_come_from_the_learner_in_async_mode_only(tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # two whole async runs (minutes); make test keeps staleness N = 0 exact and 2 ranks = 1
 @pytest.mark.timeout(900)
 def test_two_seeded_async_runs_end_with_the_same_weights(tiny_model_dir, tmp_path):
     """The async scheduler batches rows as they arrive (here behind a random env delay), which moves their
