@@ -424,3 +424,17 @@ def test_trainer_started_vllm_servers_get_their_own_gpus(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"trainer.vllm_gpus lists 1 device sets for trainer.vllm_servers=2"):
         load_config("grpo", env="sokoban", overrides=["trainer.generator=vllm", "trainer.vllm_servers=2",
                                                       "trainer.vllm_gpus=[6]"])
+
+
+def test_each_adapter_load_gets_a_new_name():
+    """Two adapter loads in the same millisecond (or two trainers on one vLLM server) never share a name: a
+    reused name would make the server keep serving the older adapter."""
+    from agentrl.generation.client import RemoteGenerator
+
+    sent = []
+    gen = RemoteGenerator("http://127.0.0.1:1", model="m")
+    gen.request = lambda method, path, body=None: sent.append(body) or {}  # records, no server
+    for _ in range(3):
+        gen.load_weights("/adapter", lora=True)
+    names = [b["lora_name"] for b in sent]
+    assert len(set(names)) == 3 and gen.lora_name == names[-1]

@@ -70,6 +70,7 @@ class RemoteGenerator:
         self.max_prompts, self.parallel = max_prompts_per_request, parallel_requests
         self.model = model or self.models()[0]
         self.lora_name: str | None = None
+        self._loads = 0  # adapters loaded: part of each adapter's name
         self.weights_dtype: Any = None  # a vLLM server's weights dtype once asked (vllm_sync.served_dtype)
 
     # ----- HTTP -------------------------------------------------------------------------------
@@ -285,7 +286,9 @@ class RemoteGenerator:
 
     def load_weights(self, source: Any, lora: bool = False) -> None:
         if lora:
-            name = f"policy-{int(time.time() * 1000)}"
+            # unique per load: two loads within a millisecond, or two trainers on one server, never share a name
+            self._loads += 1
+            name = f"policy-{os.getpid()}-{time.time_ns()}-{self._loads}"
             self.request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(source)})
             self.lora_name = name
             return
