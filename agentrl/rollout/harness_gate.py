@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -157,11 +158,27 @@ class HarnessGate:
             if not self.offers:
                 return None
             offer = self.offers.popleft()
-            self.claimed[offer.eid] = (offer.lane, offer.key)
-            offer.lane.service.go_live(offer.eid)  # its requests may now come: the scheduler waits for them
-            offer.lane.events.put((offer.key, None))  # inside the lock: a kill() after it sees the claim
-        self._last_claim = time.monotonic()
+            self._take(offer)
         return offer
+
+    def _take(self, offer: _Offer) -> None:
+        """``offer`` is claimed (the lock held): its requests and its reward are taken from now on."""
+        self.claimed[offer.eid] = (offer.lane, offer.key)
+        offer.lane.service.go_live(offer.eid)  # its requests may now come: the scheduler waits for them
+        offer.lane.events.put((offer.key, None))  # inside the lock: a kill() after it sees the claim
+        self._last_claim = time.monotonic()
+
+    def hand_out(self, lane: Lane, key: Any, task: dict[str, Any], eid: str, task_id: str) -> None:
+        """Claim an episode for a harness the trainer starts itself (``agentrl.rollout.harness_commands``):
+        never offered, so no other harness can claim it."""
+        with self.lock:
+            self._take(_Offer(lane, key, task, eid, task_id))
+
+    def local_url(self) -> str:
+        """The gate as a process on this machine reaches it (a wildcard address is not one to connect to)."""
+        host, port = self._server.server_address[:2]
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     def _report(self, eid: str, box: dict[str, Any]) -> None:
         with self.lock:
@@ -229,7 +246,9 @@ class _Serving:
 
 
 def harness_gate(spec: Any) -> HarnessGate:
-    """The gate for an ``agent:external`` env's options (``host``, ``port``, ``timeout_s``) and the run's key."""
+    """The gate for an ``agent:external`` env's options (``host``, ``port``, ``timeout_s``) and the run's key
+    (with ``command``, a fresh one when none is given: only the commands, which are handed it, need it)."""
     from agentrl.dist import rank
 
-    return HarnessGate(os.environ[KEY_ENV], spec.timeout_s, spec.host, spec.port + rank() if spec.port else 0)
+    key = os.environ.get(KEY_ENV) or (secrets.token_hex(16) if spec.command else os.environ[KEY_ENV])
+    return HarnessGate(key, spec.timeout_s, spec.host, spec.port + rank() if spec.port else 0)
