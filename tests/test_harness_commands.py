@@ -104,3 +104,19 @@ def test_the_command_is_agent_external_s_and_a_given_key_is_still_checked(monkey
     monkeypatch.delenv(KEY_ENV)
     assert make("agent:external", tasks=TASKS, command=f"{sys.executable} -c pass").spec.command == (
         sys.executable, "-c", "pass")
+
+
+@pytest.mark.timeout(120)
+def test_the_guides_command_harness_plays_an_episode(tmp_path, tiny_model_dir, monkeypatch):
+    guide = (ROOT / "docs/guides/tools.md").read_text()
+    code = guide[guide.index("task = json.loads(os.environ[\"AGENTRL_TASK\"])"):]
+    harness = tmp_path / "my_harness.py"
+    harness.write_text("import json, os\nimport httpx, openai\n\n" + code[:code.index("```")])
+    monkeypatch.setenv(KEY_ENV, KEY)
+    tok = load_tokenizer(tiny_model_dir)
+    envs = InProcessEnvs("agent:external", 1, {"tasks": TASKS, "command": f"{sys.executable} {harness}"})
+    engine = RolloutEngine(Scripted(tok, "Bonjour."), tok, envs, "agent:external",
+                           RolloutConfig(max_turns=3, sampling=SamplingParams(max_new_tokens=24)))
+    (ep,) = engine.run([Start("train/00000", 0, "g0")])
+    assert ep.error == "" and ep.won and ep.score == 1.0 and len(ep.turns) == 1
+    envs.close()

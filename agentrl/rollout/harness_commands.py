@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentrl import hard_exit
 from agentrl.envs.agent_program import KEY_ENV
 from agentrl.generation.capture import MODEL_NAME
 from agentrl.rollout.program_workers import how_ended, kill_group, read_reward
@@ -75,6 +76,12 @@ class CommandLane:
         self.lane, self.command, self.timeout_s = lane, command, timeout_s
         self.running: dict[Any, _Running] = {}
         self.stats = {"started": 0, "killed": 0, "failed": 0}
+        # a hard exit of the trainer (no stack unwinding) kills them too: their own session outlives ours
+        hard_exit.on_exit(id(self), self._kill_all)
+
+    def _kill_all(self) -> None:
+        for r in list(self.running.values()):
+            kill_group(r.proc, wait_s=1.0)
 
     def offer(self, key: Any, task: dict[str, Any], eid: str, task_id: str) -> None:
         """Claim the episode for a command and start it (its clock starts now: the claim is in ``wait``)."""
@@ -158,6 +165,8 @@ class CommandLane:
         shutil.rmtree(r.folder, ignore_errors=True)
 
     def close(self) -> None:
+        """Kill every command still running (the rollout ended or stopped) and close the lane."""
         for key in list(self.running):
             self.kill(key)
         self.lane.close()
+        hard_exit.forget(id(self))

@@ -16,6 +16,9 @@ the run's key, ``$AGENTRL_HARNESS_KEY`` (401 without it). The contract:
   reward > 0) or ``{"error": "why"}`` (a failed episode): 200, and the episode ends; 404 for an episode that is
   not claimed or has ended (it timed out: ``env_kwargs.timeout_s`` from its claim); 400 naming ``reward``.
 
+With ``env_kwargs.command`` the trainer starts a harness per episode itself and claims the episode for it
+(``HarnessGate.hand_out``; ``agentrl.rollout.harness_commands``).
+
 Each rollout (``agentrl.rollout.agent_program``) takes a ``Lane`` with its own ``CaptureService`` (its
 sampling differs between training and evaluation; a collect ahead may overlap an evaluation): it offers each
 start, hears of claims and rewards, and withdraws an episode at its timeout. A claimed episode's ``/ep/``
@@ -102,7 +105,7 @@ class _Offer:
 class HarnessGate:
     """The running gate (see the module's doc): ``url``; ``lane(service)`` for each rollout; ``close``."""
 
-    def __init__(self, key: str, timeout_s: float, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, key: str, timeout_s: float, host: str = "127.0.0.1", port: int = 0, commands: bool = False):
         self.key, self.timeout_s = key, timeout_s
         self.offers: deque[_Offer] = deque()
         self.claimed: dict[str, tuple[Lane, Any]] = {}  # episode id -> (its lane, its key there)
@@ -115,8 +118,11 @@ class HarnessGate:
         self._server = serve_app(_ApiKey(self._route, key), _Serving(self.limits), host, port)
         h, p = self._server.server_address
         self.url = f"http://{f'[{h}]' if ':' in h else h}:{p}"
-        log.warning("agent harnesses: POST %s/episodes with Authorization: Bearer $%s (docs/guides/tools.md)",
-                    self.url, KEY_ENV)
+        if commands:  # the trainer starts them: nobody else need connect
+            log.info("agent:external: each episode's command (env_kwargs.command) reaches the gate at %s", self.url)
+        else:
+            log.warning("agent harnesses: POST %s/episodes with Authorization: Bearer $%s (docs/guides/tools.md)",
+                        self.url, KEY_ENV)
 
     def lane(self, service: Any) -> Lane:
         return Lane(self, service)
@@ -251,4 +257,4 @@ def harness_gate(spec: Any) -> HarnessGate:
     from agentrl.dist import rank
 
     key = os.environ.get(KEY_ENV) or (secrets.token_hex(16) if spec.command else os.environ[KEY_ENV])
-    return HarnessGate(key, spec.timeout_s, spec.host, spec.port + rank() if spec.port else 0)
+    return HarnessGate(key, spec.timeout_s, spec.host, spec.port + rank() if spec.port else 0, bool(spec.command))
