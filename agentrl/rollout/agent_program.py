@@ -6,7 +6,8 @@ at most ``len(envs)`` (``rollout.slots``) at once: ``task`` is the task's dict, 
 ``AgentEndpoint`` (its ``base_url`` carries the episode id; ``openai_client()`` is an ``openai.OpenAI``
 pointed there). ``fn`` may be ``async def``. It returns the episode's reward: a number (success: > 0), or
 ``{"reward": float, "success": bool}``. With ``agent:external`` no program runs here: the episodes are
-offered to harnesses started elsewhere (``agentrl.rollout.harness_gate``), which report the reward.
+offered to harnesses started elsewhere (``agentrl.rollout.harness_gate``), which report the reward, or with
+``env_kwargs.command`` each is handed to a command started for it (``agentrl.rollout.harness_commands``).
 
 Every request the program made is one turn, in the order they were answered: the prompt ids the chat
 template made of its messages and tools, and the ids and log-probs the generator sampled, as it returned
