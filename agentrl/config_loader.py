@@ -444,11 +444,13 @@ def _check_names(cfg: RecipeCfg) -> None:
     if "tool_parser" in cfg.env_kwargs:  # a tool env's or an agent program's call format
         _check_tool_parser(cfg.env_kwargs["tool_parser"])
     if cfg.env.startswith("agent:"):  # an agent program's numeric options (failure_reward, timeout_s, ...)
-        from agentrl.envs.agent_program import check_options
+        from agentrl.envs.agent_program import check_gate, check_options
         from agentrl.envs.base import EnvError
 
         try:
             check_options(cfg.env_kwargs)
+            if cfg.env_kwargs.get("command") is not None:  # agent:external's command per episode
+                check_gate(cfg.env.split(":", 1)[1], None, None, cfg.env_kwargs["command"])
         except EnvError as e:
             raise ConfigError(str(e)) from None
     if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):

@@ -23,13 +23,18 @@ Options (``env_kwargs``):
 (``agentrl.rollout.harness_gate``), with the run's key ``$AGENTRL_HARNESS_KEY``. Its own options:
 
 * ``host`` ("127.0.0.1"): where the gate listens; another address (``0.0.0.0``) only when asked;
-* ``port`` (0: a free one, logged): under several ranks, rank N listens on ``port + N``.
+* ``port`` (0: a free one, logged): under several ranks, rank N listens on ``port + N``;
+* ``command`` (none): a command line (a string, split as a shell would, or a list of arguments) the trainer
+  starts for each episode, which gets the episode through environment variables
+  (``agentrl.rollout.harness_commands``); with it the key may be left unset (a fresh one per run).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -50,6 +55,7 @@ class AgentSpec(PromptSpec):
     stop_after_failing: int = 3
     host: str = "127.0.0.1"  # agent:external only: where the harness gate listens
     port: int = 0
+    command: tuple[str, ...] = ()  # agent:external only: started once per episode (empty: harnesses elsewhere)
     style: str = "agent"
 
 
@@ -86,14 +92,38 @@ def check_options(kwargs: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def check_gate(program: str, host: Any, port: Any) -> None:
-    """``host``/``port`` are ``agent:external``'s, which needs the run's key; one EnvError line naming the key."""
+def check_command(command: Any) -> tuple[str, ...]:
+    """``env_kwargs.command`` as the arguments to start (a string is split as a shell would split it, no shell
+    runs it); one EnvError line naming the key when it is not a command line whose program is found here."""
+    where = "env_kwargs.command must be a command line (\"python my_harness.py\") or a list of its arguments"
+    if isinstance(command, str):
+        try:
+            args = shlex.split(command)
+        except ValueError as e:
+            raise EnvError(f"{where}; {command[:80]!r} does not split into arguments ({e})") from None
+    elif isinstance(command, (list, tuple)) and all(isinstance(a, str) for a in command):
+        args = list(command)
+    else:
+        raise EnvError(f"{where}, got {str(command)[:80]!r} (a {type(command).__name__})")
+    if not args or not args[0]:
+        raise EnvError(f"{where}, got an empty one")
+    if shutil.which(args[0]) is None:
+        raise EnvError(f"env_kwargs.command: {args[0]!r} is not an executable file here, nor a program on $PATH")
+    return tuple(args)
+
+
+def check_gate(program: str, host: Any, port: Any, command: Any = None) -> None:
+    """``host``/``port``/``command`` are ``agent:external``'s, which needs the run's key (with a command a fresh
+    one serves if none is given); one EnvError line naming the key."""
     if program != EXTERNAL:
-        if host is not None or port is not None:
-            raise EnvError(f"env_kwargs.{'host' if host is not None else 'port'} is an option of agent:external only "
-                           f"(a program's workers reach the endpoint on 127.0.0.1)")
+        given = next((k for k, v in (("host", host), ("port", port), ("command", command)) if v is not None), None)
+        if given:
+            raise EnvError(f"env_kwargs.{given} is an option of agent:external only (a program's workers reach the "
+                           f"endpoint on 127.0.0.1)")
         return
-    if len(os.environ.get(KEY_ENV, "")) < MIN_KEY_CHARS:
+    if command is not None:
+        check_command(command)
+    if (command is None or os.environ.get(KEY_ENV)) and len(os.environ.get(KEY_ENV, "")) < MIN_KEY_CHARS:
         raise EnvError(f"env 'agent:external' needs ${KEY_ENV}, a key of at least {MIN_KEY_CHARS} characters that "
                        f"harnesses send as 'Authorization: Bearer KEY' (export {KEY_ENV}=$(openssl rand -hex 16))")
     if host is not None and (not isinstance(host, str) or not host or len(host) > 253):
@@ -138,12 +168,13 @@ class AgentProgramEnv(TextEnv):
 
     def __init__(self, program: str = "", tasks: str = "", timeout_s: float = 300.0, failure_reward: float = 0.0,
                  tool_parser: str = "hermes", stop_after_failing: int = STOP_AFTER_FAILING,
-                 host: str | None = None, port: int | None = None, max_steps: int | None = None, **kwargs: Any):
+                 host: str | None = None, port: int | None = None, command: str | list[str] | None = None,
+                 max_steps: int | None = None, **kwargs: Any):
         super().__init__(max_steps=max_steps, **kwargs)  # an unknown option is one line naming it
         if ":" not in program and program != EXTERNAL:
             raise EnvError(f"env 'agent:{program}': the program must look like agent:package.module:function "
                            "(or agent:external: harnesses outside the trainer)")
-        check_gate(program, host, port)
+        check_gate(program, host, port, command)
         if not tasks:
             raise EnvError(f"env 'agent:{program}': env_kwargs.tasks is required (a JSONL file of tasks, or "
                            "package.module:function listing them)")
@@ -154,7 +185,7 @@ class AgentProgramEnv(TextEnv):
         self.spec = AgentSpec(system="", instruction="", program=program, timeout_s=timeout_s,
                               failure_reward=failure_reward, tool_parser=tool_parser,
                               stop_after_failing=int(stop_after_failing), host=host or "127.0.0.1",
-                              port=port or 0)
+                              port=port or 0, command=check_command(command) if command is not None else ())
         self._payloads: dict[str, dict[str, Any]] = {}
         self._tasks: dict[str, list[Task]] = {s: [] for s in SPLITS}
         for task in load_tasks(tasks):

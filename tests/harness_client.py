@@ -37,20 +37,26 @@ def main(url: str) -> None:
             continue
         r.raise_for_status()
         ep = r.json()
-        client = openai.OpenAI(base_url=ep["base_url"], api_key=key, max_retries=0)
-        messages = [{"role": "user", "content": ep["task"]["question"]}]
-        first = client.chat.completions.create(model=ep["model"], messages=messages, max_tokens=12)
-        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
-        # the second turn through the fixed base URL, the episode named in a header
-        fixed = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0,
-                              default_headers={"agentrl-episode": ep["episode_id"]})
-        second = fixed.chat.completions.create(model=ep["model"], messages=messages)
-        text = (first.choices[0].message.content or "") + (second.choices[0].message.content or "")
-        reward = float(text.count("o") % 2)
+        reward = play(ep, key, url)
         gate.post(f"/episodes/{ep['episode_id']}/reward", json={"reward": reward}).raise_for_status()
         episodes += 1
         print(f"episode {ep['task_id']}: reward {reward}", flush=True)
     print(f"done: {episodes} episodes", flush=True)
+
+
+def play(ep: dict, key: str, url: str) -> float:
+    """One episode (a claim's answer) with the official client: two requests, the second with the first reply in
+    its history; the reward depends on what was sampled, so GRPO groups differ."""
+    client = openai.OpenAI(base_url=ep["base_url"], api_key=key, max_retries=0)
+    messages = [{"role": "user", "content": ep["task"]["question"]}]
+    first = client.chat.completions.create(model=ep["model"], messages=messages, max_tokens=12)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
+    # the second turn through the fixed base URL, the episode named in a header
+    fixed = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0,
+                          default_headers={"agentrl-episode": ep["episode_id"]})
+    second = fixed.chat.completions.create(model=ep["model"], messages=messages)
+    text = (first.choices[0].message.content or "") + (second.choices[0].message.content or "")
+    return float(text.count("o") % 2)
 
 
 if __name__ == "__main__":

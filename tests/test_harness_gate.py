@@ -122,8 +122,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train_with_harness(tmp_path, model, harness_cmd, host="127.0.0.1"):
-    """2 GRPO steps of agent:external with the tiny model, the episodes played by ``harness_cmd(url)``."""
+def _train_with_harness(tmp_path, model, harness_cmd, host="127.0.0.1", command=None):
+    """2 GRPO steps of agent:external with the tiny model, the episodes played by ``harness_cmd(url)`` (or, with
+    ``command``, by that command started per episode: no harness then, ``("", 0)`` for what it said)."""
     from agentrl import Trainer
     from agentrl.config_loader import load_config
 
@@ -133,21 +134,24 @@ def _train_with_harness(tmp_path, model, harness_cmd, host="127.0.0.1"):
         "trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=2", "rollout.group_size=4",
         "rollout.slots=4", "rollout.max_turns=3", "rollout.max_new_tokens=24", "eval.tasks=2", "eval.every=2",
         f"env_kwargs.tasks={TASKS}", f"env_kwargs.host={host}", f"env_kwargs.port={port}"])
+    if command:
+        cfg.env_kwargs["command"] = command
     env = {**os.environ, KEY_ENV: os.environ[KEY_ENV], "PYTHONPATH": str(ROOT)}
     t = Trainer.from_config(cfg)
     harness = subprocess.Popen(harness_cmd(port), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, cwd=ROOT)
+                               text=True, cwd=ROOT) if harness_cmd else None
+    said = ""
     try:
         t.train()
     finally:
         t.close()  # the gate closes with the run's envs: the harness sees the run is over
         try:
-            said, _ = harness.communicate(timeout=60)
+            said, _ = harness.communicate(timeout=60) if harness else ("", None)
         except subprocess.TimeoutExpired:
             harness.kill()
             said, _ = harness.communicate()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    return rows, said, harness.returncode
+    return rows, said, harness.returncode if harness else 0
 
 
 @pytest.fixture
@@ -155,13 +159,17 @@ def keyed(monkeypatch):
     monkeypatch.setenv(KEY_ENV, KEY)
 
 
-def _check(rows, said, code):
-    assert code == 0, said
-    assert "keyless: 401" in said and "netns: net:[" in said  # a request without the run's key is refused
+def _check_rows(rows):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
         assert r["agent_failures"] == 0.0 and r["turns_per_episode"] == 2.0 and "loss" in r
     assert any(not r.get("skipped_update") for r in rows[1:])
+
+
+def _check(rows, said, code):
+    assert code == 0, said
+    assert "keyless: 401" in said and "netns: net:[" in said  # a request without the run's key is refused
+    _check_rows(rows)
     assert said.count("episode train/") >= 16 and "done:" in said
 
 

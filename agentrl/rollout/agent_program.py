@@ -6,7 +6,8 @@ at most ``len(envs)`` (``rollout.slots``) at once: ``task`` is the task's dict, 
 ``AgentEndpoint`` (its ``base_url`` carries the episode id; ``openai_client()`` is an ``openai.OpenAI``
 pointed there). ``fn`` may be ``async def``. It returns the episode's reward: a number (success: > 0), or
 ``{"reward": float, "success": bool}``. With ``agent:external`` no program runs here: the episodes are
-offered to harnesses started elsewhere (``agentrl.rollout.harness_gate``), which report the reward.
+offered to harnesses started elsewhere (``agentrl.rollout.harness_gate``), which report the reward, or with
+``env_kwargs.command`` each is handed to a command started for it (``agentrl.rollout.harness_commands``).
 
 Every request the program made is one turn, in the order they were answered: the prompt ids the chat
 template made of its messages and tools, and the ids and log-probs the generator sampled, as it returned
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
 import threading
 import time
 import weakref
@@ -296,6 +298,7 @@ def roll_agents(steps: EpisodeSteps, generator: Any, envs: Any, starts: list[Sta
     """Run the env's agent program once per start (see the module's doc); episodes in ``starts`` order."""
     spec = envs.call(0, "prompt_spec")
     external = spec.program == EXTERNAL
+    command = getattr(spec, "command", ())  # agent:external's command per episode (agentrl.rollout.harness_commands)
     if not external:  # checked here too, so a bad name is the run's one line rather than every episode's failure
         fn = load_object(spec.program, f"env 'agent:{spec.program}'")
         if not callable(fn):
@@ -309,6 +312,10 @@ def roll_agents(steps: EpisodeSteps, generator: Any, envs: Any, starts: list[Sta
     if external:
         runner: Any = held.harness_gate(spec).lane(service)  # this rollout's episodes on the run's gate
         server = None
+        if command:  # each played by a command started here
+            from agentrl.rollout.harness_commands import CommandLane
+
+            runner = CommandLane(runner, command, spec.timeout_s)
     else:
         runner = held.take(spec.program)
         server = CaptureServer(service)
@@ -316,6 +323,7 @@ def roll_agents(steps: EpisodeSteps, generator: Any, envs: Any, starts: list[Sta
     pending = deque(range(len(starts)))
     running: dict[int, tuple[str, float, dict[str, Any], bool]] = {}  # start -> (eid, deadline, task, started)
     t0 = time.perf_counter()
+    program = f"external (env_kwargs.command: {shlex.join(command)[:100]})" if command else spec.program
 
     def launch(i: int) -> None:
         task = envs.call(0, "task_payload", starts[i].task_id)
@@ -333,13 +341,16 @@ def roll_agents(steps: EpisodeSteps, generator: Any, envs: Any, starts: list[Sta
         calls = service.end(eid)
         error = box.get("error", "")
         if error:
-            report_failure(spec.program, error, box.get("trace", ""), run)
+            report_failure(program, error, box.get("trace", ""), run)
         reward, success = (spec.failure_reward, False) if error else box["reward"]
         out[i] = to_episode(steps.env_name, starts[i], task, calls, reward, success, error, cfg.max_turns)
         steps.stats["turns"] += len(calls)
         steps.stats["generated_tokens"] += sum(len(c.ids) for c in calls)
 
     def timed_out(started: bool) -> str:
+        if command:
+            return (f"TimeoutError: the command ran past env_kwargs.timeout_s={spec.timeout_s:g} s (it was killed with "
+                    "its process group)")
         if external:
             return (f"TimeoutError: the harness reported no reward within env_kwargs.timeout_s={spec.timeout_s:g} s "
                     "of claiming the episode")
@@ -363,8 +374,8 @@ def roll_agents(steps: EpisodeSteps, generator: Any, envs: Any, starts: list[Sta
                     finish(i, box)
             now = time.monotonic()
             for i in [i for i, (_, d, _, _) in running.items() if d <= now]:
-                runner.kill(i)
-                finish(i, {"error": timed_out(running[i][3])})
+                said = runner.kill(i)  # a command's stderr's last line: what it was doing
+                finish(i, {"error": timed_out(running[i][3]) + (f"; its stderr's last line: {said}" if said else "")})
     finally:
         for i in list(running):  # the rollout stopped early (an error, Ctrl-C): no program outlives it
             runner.kill(i)
@@ -381,5 +392,5 @@ def roll_agents(steps: EpisodeSteps, generator: Any, envs: Any, starts: list[Sta
         e = service.generator_error
         raise RuntimeError(f"the generator failed while agent programs ran: {type(e).__name__}: {e}") from e
     episodes = [e for e in out if e is not None]
-    check_failing(spec.program, episodes, getattr(spec, "stop_after_failing", 0), run)
+    check_failing(program, episodes, getattr(spec, "stop_after_failing", 0), run)
     return episodes

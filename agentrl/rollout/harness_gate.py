@@ -16,6 +16,9 @@ the run's key, ``$AGENTRL_HARNESS_KEY`` (401 without it). The contract:
   reward > 0) or ``{"error": "why"}`` (a failed episode): 200, and the episode ends; 404 for an episode that is
   not claimed or has ended (it timed out: ``env_kwargs.timeout_s`` from its claim); 400 naming ``reward``.
 
+With ``env_kwargs.command`` the trainer starts a harness per episode itself and claims the episode for it
+(``HarnessGate.hand_out``; ``agentrl.rollout.harness_commands``).
+
 Each rollout (``agentrl.rollout.agent_program``) takes a ``Lane`` with its own ``CaptureService`` (its
 sampling differs between training and evaluation; a collect ahead may overlap an evaluation): it offers each
 start, hears of claims and rewards, and withdraws an episode at its timeout. A claimed episode's ``/ep/``
@@ -28,6 +31,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -101,7 +105,7 @@ class _Offer:
 class HarnessGate:
     """The running gate (see the module's doc): ``url``; ``lane(service)`` for each rollout; ``close``."""
 
-    def __init__(self, key: str, timeout_s: float, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, key: str, timeout_s: float, host: str = "127.0.0.1", port: int = 0, commands: bool = False):
         self.key, self.timeout_s = key, timeout_s
         self.offers: deque[_Offer] = deque()
         self.claimed: dict[str, tuple[Lane, Any]] = {}  # episode id -> (its lane, its key there)
@@ -114,8 +118,11 @@ class HarnessGate:
         self._server = serve_app(_ApiKey(self._route, key), _Serving(self.limits), host, port)
         h, p = self._server.server_address
         self.url = f"http://{f'[{h}]' if ':' in h else h}:{p}"
-        log.warning("agent harnesses: POST %s/episodes with Authorization: Bearer $%s (docs/guides/tools.md)",
-                    self.url, KEY_ENV)
+        if commands:  # the trainer starts them: nobody else need connect
+            log.info("agent:external: each episode's command (env_kwargs.command) reaches the gate at %s", self.url)
+        else:
+            log.warning("agent harnesses: POST %s/episodes with Authorization: Bearer $%s (docs/guides/tools.md)",
+                        self.url, KEY_ENV)
 
     def lane(self, service: Any) -> Lane:
         return Lane(self, service)
@@ -157,11 +164,27 @@ class HarnessGate:
             if not self.offers:
                 return None
             offer = self.offers.popleft()
-            self.claimed[offer.eid] = (offer.lane, offer.key)
-            offer.lane.service.go_live(offer.eid)  # its requests may now come: the scheduler waits for them
-            offer.lane.events.put((offer.key, None))  # inside the lock: a kill() after it sees the claim
-        self._last_claim = time.monotonic()
+            self._take(offer)
         return offer
+
+    def _take(self, offer: _Offer) -> None:
+        """``offer`` is claimed (the lock held): its requests and its reward are taken from now on."""
+        self.claimed[offer.eid] = (offer.lane, offer.key)
+        offer.lane.service.go_live(offer.eid)  # its requests may now come: the scheduler waits for them
+        offer.lane.events.put((offer.key, None))  # inside the lock: a kill() after it sees the claim
+        self._last_claim = time.monotonic()
+
+    def hand_out(self, lane: Lane, key: Any, task: dict[str, Any], eid: str, task_id: str) -> None:
+        """Claim an episode for a harness the trainer starts itself (``agentrl.rollout.harness_commands``):
+        never offered, so no other harness can claim it."""
+        with self.lock:
+            self._take(_Offer(lane, key, task, eid, task_id))
+
+    def local_url(self) -> str:
+        """The gate as a process on this machine reaches it (a wildcard address is not one to connect to)."""
+        host, port = self._server.server_address[:2]
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     def _report(self, eid: str, box: dict[str, Any]) -> None:
         with self.lock:
@@ -229,7 +252,9 @@ class _Serving:
 
 
 def harness_gate(spec: Any) -> HarnessGate:
-    """The gate for an ``agent:external`` env's options (``host``, ``port``, ``timeout_s``) and the run's key."""
+    """The gate for an ``agent:external`` env's options (``host``, ``port``, ``timeout_s``) and the run's key
+    (with ``command``, a fresh one when none is given: only the commands, which are handed it, need it)."""
     from agentrl.dist import rank
 
-    return HarnessGate(os.environ[KEY_ENV], spec.timeout_s, spec.host, spec.port + rank() if spec.port else 0)
+    key = os.environ.get(KEY_ENV) or (secrets.token_hex(16) if spec.command else os.environ[KEY_ENV])
+    return HarnessGate(key, spec.timeout_s, spec.host, spec.port + rank() if spec.port else 0, bool(spec.command))

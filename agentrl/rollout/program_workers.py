@@ -114,16 +114,33 @@ _START = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents
           "from agentrl.rollout.program_workers import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2])")
 
 
-def died(exitcode: int | None) -> str:
-    """The failure of a program whose process ended before it answered, as ``Episode.error`` says it."""
+def how_ended(exitcode: int | None) -> str:
+    """``killed by SIGSEGV`` or ``exit code 3``: how a process ended, from its ``returncode``."""
     if exitcode is not None and exitcode < 0:
         try:
-            how = f"killed by {signal.Signals(-exitcode).name}"
+            return f"killed by {signal.Signals(-exitcode).name}"
         except ValueError:
-            how = f"killed by signal {-exitcode}"
-    else:
-        how = f"exit code {exitcode}"
-    return f"{DIED}: the program's process ended before the program returned ({how})"
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def died(exitcode: int | None) -> str:
+    """The failure of a program whose process ended before it answered, as ``Episode.error`` says it."""
+    return f"{DIED}: the program's process ended before the program returned ({how_ended(exitcode)})"
+
+
+def kill_group(proc: subprocess.Popen, wait_s: float = 10.0) -> None:
+    """Kill ``proc``'s process group (``proc`` started with ``start_new_session``: SIGKILL, which nothing
+    ignores, reaches its own subprocesses too, also those left behind once it has ended: its pid names the
+    group until every member is gone) and wait for ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is empty
+        pass
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:  # stuck in the kernel (a D-state read): the OS will reap it
+        pass
 
 
 @dataclass
@@ -205,16 +222,8 @@ class ProgramWorkers:
 
     @staticmethod
     def _reap(w: _Worker) -> None:
-        """Kill the worker's process group (the program's own subprocesses too, also those left behind by a
-        worker that has ended: its pid names the group until every member is gone) and wait for the worker."""
-        try:
-            os.killpg(w.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):  # the group is empty
-            pass
-        try:
-            w.proc.wait(10)
-        except subprocess.TimeoutExpired:  # stuck in the kernel (a D-state read): the OS will reap it
-            pass
+        """Kill the worker's process group (the program's own subprocesses too) and wait for the worker."""
+        kill_group(w.proc)
         w.conn.close()
 
     def close(self) -> None:
