@@ -38,10 +38,9 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout>=2", "pytest-xdist>=3", "ruff>=0.15", "hypothesis>=6.100",
                 # the viewer's browser test drives the OS's Chromium (.ci/run installs it); never its own download
                 "playwright>=1.50",
-                # examples/langgraph_agent.py and its tests (tests/test_agent_examples.py); openai-agents is left
-                # out: every release from 0.14.0 to 0.24.0 requires websockets<17 (17.4 resolves here), and 0.13.6
-                # and earlier openai<3 (3.63.0 resolves here)
-                "langgraph>=1.0", "langchain-openai>=1.0"],
+                # examples/langgraph_agent.py and examples/agents_sdk_agent.py and their tests
+                # (tests/test_agent_examples.py); openai-agents 0.14-0.24 hold websockets below 17
+                "langgraph>=1.0", "langchain-openai>=1.0", "openai-agents>=0.24"],
         # Outside env suites behind the Gymnasium adapter: `env: gem:<id>`, `textarena:<id>`, `rg:<dataset>`
         "suites": ["gem-llm==0.1.0", "textarena==0.7.4", "reasoning-gym==0.1.23"],
         "ray": ["ray>=2.30"],  # rollout.pool=ray: env workers as Ray actors, on this machine or a cluster
