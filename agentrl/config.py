@@ -205,7 +205,7 @@ class SFTCfg:
     enabled: bool = False  # warm start on expert demonstrations before RL
     demos: int = 64  # expert episodes (train split)
     epochs: int = 2  # SFT passes over the demonstrations
-    batch_size: int = 16  # rows per SFT batch
+    batch_size: int = 16  # turns per SFT batch (a full-chat demonstration is one row of its turns)
     lr: float = 1e-3  # the SFT learning rate
     # lr over the SFT steps: "linear"/"cosine" decay it to 0 by the last step, so the warm start ends on
     # small updates rather than wherever the last full-lr batches left it

@@ -2,7 +2,9 @@
 SFT loop (also the warm start of RL runs and the fit stage of RFT)."""
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import os
 import random
 import shutil
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from agentrl import dist
 from agentrl.algos.losses import sft_loss
-from agentrl.learner.batch import Sample, collate, turn_sample
+from agentrl.learner.batch import Sample, collate, episode_sample, turn_sample
 from agentrl.learner.loop import optimizer_loop
 from agentrl.learner.lr import lr_factor
 from agentrl.progress import Progress
@@ -21,6 +23,7 @@ from agentrl.rollout.prompts import followup_user, numbered_actions
 from agentrl.rollout.tool_prompts import action_text as tool_action_text
 from agentrl.envs import make
 from agentrl.envs.replay import play
+from agentrl.types import Episode, Turn, turns_nest
 
 if TYPE_CHECKING:
     from agentrl.run import Run
@@ -125,25 +128,52 @@ def _seed_or_runs(trainer: "Run", seed: int) -> int:
     return seed if seed >= 0 else trainer.cfg.trainer.seed
 
 
-def expert_samples(trainer: "Run", n_episodes: int, split: str = "train") -> tuple[list[Sample], float]:
-    """Turn samples from the env's expert on ``n_episodes`` tasks; returns samples and expert success. Each
-    turn is a sample on the prompt the policy will see there: windowed, or in full chat mode the growing chat."""
+def expert_samples(trainer: "Run", n_episodes: int, split: str = "train", episodes: bool = True
+                   ) -> tuple[list[Sample], float]:
+    """Samples from the env's expert on ``n_episodes`` tasks; returns samples and expert success. Each turn
+    trains on the prompt the policy will see there: windowed, or in full chat mode the growing chat, where a
+    demonstration is one row (``demo_rows``) unless ``episodes`` is False (a study reading each turn's
+    prompt) or ``sft.prompt_weight`` is set (its per-row prompt term is defined on per-turn rows)."""
     cfg = trainer.rollout_config()
     tok = trainer.tokenizer
     ids = trainer.task_ids(split)
     s = trainer.cfg.sft
     rng = random.Random(_seed_or_runs(trainer, s.demo_seed) + 17)
     jobs = [(task_id, rng.randrange(2**31)) for task_id in rng.sample(ids, min(n_episodes, len(ids)))]
-    samples, wins = [], 0
+    whole = episodes and cfg.chat_mode == "full" and not s.prompt_weight
+    samples, wins, per_turn = [], 0, 0
     for (task_id, _), demo in zip(jobs, expert_demos(trainer.cfg.env, trainer.cfg.env_kwargs, jobs, s.workers,
                                                     s.noise, show=trainer.is_main and trainer.cfg.trainer.progress)):
         wins += bool(demo[2][-1].get("won"))
-        for prompt, target, choices in demo_steps(tok, cfg, demo, s.constrain_actions):
-            allowed = along_choices(target[:-1], choices)  # None without sft.constrain_actions (no choices)
-            if allowed is not None:  # decoding stops at a whole choice: no end-of-text token to learn
-                target = target[:-1]
-            samples.append(turn_sample(prompt, target, [0.0] * len(target), 1.0, {"task": task_id}, allowed))
+        rows = demo_rows(tok, cfg, demo, s.constrain_actions, {"task": task_id}, whole)
+        per_turn += whole and len(rows) > 1  # a nested demonstration is always one row
+        samples += rows
+    if per_turn:
+        trainer.echo(f"sft: {per_turn} of {len(jobs)} full-chat demonstrations train as one row a turn "
+                     "(their turns' prompts do not extend each other token for token)")
     return samples, wins / max(1, len(jobs))  # fewer tasks than asked for: each is played once
+
+
+def demo_rows(tok: Any, cfg: RolloutConfig, demo: tuple, choices: bool = False, meta: dict | None = None,
+              whole: bool = False) -> list[Sample]:
+    """One demonstration's training rows: a row a turn (its prompt, the expert's response as targets, weight
+    1), or with ``whole`` and turns that nest token for token (``turns_nest``: a full chat's do) one row, the
+    last turn's prompt and response with every turn's response masked in (``episode_sample``, as full-chat
+    rollouts train). Under causal attention each target token then sees exactly the context its turn's row
+    gave it, so the per-token log-probs are the same at a fraction of the tokens (a k-turn chat's turn rows
+    repeat its first prompt k times). ``meta["sft_turns"]``: the turns the row holds (``sft_batches``)."""
+    turns = []
+    for prompt, target, options in demo_steps(tok, cfg, demo, choices):
+        allowed = along_choices(target[:-1], options)  # None without sft.constrain_actions (no choices)
+        if allowed is not None:  # decoding stops at a whole choice: no end-of-text token to learn
+            target = target[:-1]
+        turns.append(Turn(prompt, target, [0.0] * len(target), "", [], True, "", 0.0, False,
+                          gen_allowed=allowed or []))
+    meta = dict(meta or {})
+    if whole and turns_nest(turns):
+        ep = Episode("", meta.get("task", ""), 0, turns=turns)
+        return [episode_sample(ep, [1.0] * len(turns), dict(meta, sft_turns=len(turns)))]
+    return [turn_sample(t.prompt_ids, t.gen_ids, t.gen_logprobs, 1.0, meta, t.gen_allowed) for t in turns]
 
 
 def demo_steps(tok: Any, cfg: RolloutConfig, demo: tuple, choices: bool = False
@@ -184,21 +214,49 @@ def demo_turns(tok: Any, cfg: RolloutConfig, demo: tuple) -> list[tuple[list[int
     return [(prompt, target) for prompt, target, _ in demo_steps(tok, cfg, demo)]
 
 
+def row_turns(s: Sample) -> int:
+    """The demonstration turns a row holds: a whole full-chat demonstration's (``demo_rows``), else 1."""
+    return int(s.meta.get("sft_turns", 1))
+
+
+def sft_batch_count(samples: list[Sample], batch_size: int) -> int:
+    """Mini-batches a pass makes: one per ``batch_size`` turns (``row_turns``), at most one per row. A
+    batch of whole-chat rows then holds about the turns, and target tokens, that a batch of turn rows did."""
+    return min(len(samples), -(-sum(row_turns(s) for s in samples) // batch_size))
+
+
+def _cut(rows: list[int], sizes: list[int], batch_size: int, n: int) -> list[list[int]]:
+    """``rows`` (with ``sizes`` turns each) cut in order into ``n`` non-empty batches, each next one starting
+    at the first row that the turns before it reach the next multiple of ``batch_size``. With one turn a row
+    that is ``rows[i:i + batch_size]`` for each i, as before whole-chat rows."""
+    before = list(itertools.accumulate(sizes, initial=0))[:-1]  # the turns ahead of each row
+    bounds = [0]
+    for j in range(1, n):
+        b = bisect.bisect_left(before, j * batch_size)
+        bounds.append(min(max(b, bounds[-1] + 1), len(rows) - (n - j)))
+    bounds.append(len(rows))
+    return [rows[a:z] for a, z in zip(bounds, bounds[1:])]
+
+
 def sft_batches(samples: list[Sample], batch_size: int, rng: random.Random, by_length: bool = False) -> list[list[int]]:
-    """One pass's mini-batches (sample indices), shuffled. ``by_length``: each run of 16 batches is sorted
-    by length before it is cut, so a batch pads to less (prompts of one env can vary 2x in length), and
-    the batches are shuffled again so the lengths do not follow a trend through the pass."""
+    """One pass's mini-batches (sample indices), shuffled, ``sft_batch_count`` of them, each of about
+    ``batch_size`` turns (a turn row is one, a whole-chat row its turns). ``by_length``: the rows of each
+    run of 16 batches are sorted by length before they are cut again, so a batch pads to less (prompts of
+    one env can vary 2x in length), and the batches are shuffled again so the lengths do not follow a trend
+    through the pass."""
     order = list(range(len(samples)))
     rng.shuffle(order)
+    turns = [row_turns(s) for s in samples]
+    batches = _cut(order, [turns[j] for j in order], batch_size, sft_batch_count(samples, batch_size))
     if not by_length:
-        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    run = 16 * batch_size
-    batches = []
-    for i in range(0, len(order), run):
-        chunk = sorted(order[i:i + run], key=lambda j: len(samples[j].ids))
-        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
-    rng.shuffle(batches)
-    return batches
+        return batches
+    out = []
+    for i in range(0, len(batches), 16):
+        group = batches[i:i + 16]
+        chunk = sorted((j for b in group for j in b), key=lambda j: len(samples[j].ids))
+        out += _cut(chunk, [turns[j] for j in chunk], batch_size, len(group))
+    rng.shuffle(out)
+    return out
 
 
 def term_weighted(rows: list[Sample], weights: dict[str, float]) -> list[Sample]:
@@ -263,11 +321,14 @@ def fit_sft(trainer: "Run", samples: list[Sample], epochs: int, batch_size: int,
     rng = random.Random(f"{seed}{stage}" if stage else seed)
 
     def loss(mb: Any, out: Any) -> tuple[Any, dict[str, float]]:
-        # a sample's advantages weigh its tokens (1.0 for plain SFT; LEAFE's rehearsal uses beta)
+        # a sample's advantages weigh its tokens (1.0 for plain SFT; LEAFE's rehearsal uses beta). The loss is
+        # the token-mean NLL over every target token of the batch, whatever rows hold them: a whole-chat row
+        # (demo_rows) adds its turns' response tokens as its turn rows did, and a batch holds about
+        # batch_size turns either way (sft_batches), so sft.lr and sft.batch_size mean what they did
         return sft_loss(out["logp"] * mb.advantages, mb.loss_mask), {}
 
     losses: list[float] = []
-    n_batches = (len(samples) + batch_size - 1) // batch_size
+    n_batches = sft_batch_count(samples, batch_size)
     t0 = time.perf_counter()
     shown = [t0]  # when the last progress line was printed
     last = max(epochs, max_epochs) if keep_going else epochs
@@ -307,7 +368,8 @@ def fit_sft(trainer: "Run", samples: list[Sample], epochs: int, batch_size: int,
     passes = passes_of(done, n_batches)
     trainer.sync_weights()
     return {"sft_loss_first": losses[0] if losses else 0.0, "sft_loss_last": losses[-1] if losses else 0.0,
-            "sft_samples": float(len(samples)), "sft_passes": float(passes)}
+            "sft_samples": float(len(samples)), "sft_turns": float(sum(row_turns(r) for r in samples)),
+            "sft_passes": float(passes)}
 
 
 def adopt_warm_start(trainer: "Run") -> dict[str, float]:

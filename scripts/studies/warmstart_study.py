@@ -91,7 +91,7 @@ def _held_out_states(trainer, n: int) -> list:
 
     noise, trainer.cfg.sft.noise = trainer.cfg.sft.noise, 0.0
     try:
-        samples, _ = expert_samples(trainer, n, split=trainer.cfg.eval.split)
+        samples, _ = expert_samples(trainer, n, split=trainer.cfg.eval.split, episodes=False)  # a row a state
     finally:
         trainer.cfg.sft.noise = noise
     return _sample_states(trainer, samples)
