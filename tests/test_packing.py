@@ -31,6 +31,22 @@ def test_packed_micro_batches_count_real_tokens():
     assert len(parts) < len(micro_batches(batch, 70))
 
 
+def test_packed_micro_batches_of_rows_that_run_padded_count_padded_tokens():
+    """Rows alike after a long shared prefix run padded with the prefix once (``packs``), so the budget
+    counts them as the padded layout does: the same micro-batches, no larger; uneven rows count real tokens."""
+    from agentrl.learner.batch import group_rows
+
+    alike = collate(_rows(100, ((4, 3), (5, 3), (3, 4), (6, 2)), prefix=range(10, 60)), 0)
+    assert alike.lengths == [57, 58, 57, 58]
+    assert micro_batches(alike, 173, packed=True) == micro_batches(alike, 173) == [[0, 2], [1, 3]]
+    assert group_rows(alike.lengths, 173, packed=True) == [[0, 2, 1], [3]]  # no prefix known: real tokens
+    uneven = collate(_rows(100, UNEVEN, prefix=range(10, 30)), 0)
+    assert uneven.lengths == [66, 28, 46, 34, 84]
+    # 4 rows packed: 174 real tokens (padded with the prefix: 20 + 4 x 46 = 204 positions, 264 padded)
+    assert micro_batches(uneven, 200, packed=True) == [[1, 3, 2, 0], [4]]
+    assert micro_batches(uneven, 200) == [[1, 3, 2], [0, 4]]
+
+
 @pytest.mark.parametrize("critic,checkpointing", [("shared", False), ("separate", False), ("separate", True)])
 def test_packed_forward_and_gradients_equal_the_padded_ones(tiny_model_dir, critic, checkpointing):
     """Checkpointed layers recompute their forward in backward: segment attention again (it reads the
