@@ -188,7 +188,7 @@ class OptimCfg:
     # lr over the RL steps: "linear"/"cosine" decay it to 0 by trainer.steps (set once per RL step, so a
     # resumed run picks it up where it was)
     schedule: Literal["constant", "linear", "cosine"] = "constant"
-    token_budget: int = 16384  # padded tokens per micro-batch on each rank (packing: real tokens)
+    token_budget: int = 16384  # padded tokens per micro-batch on each rank (packing: real tokens of rows run packed)
     # generated positions projected to the vocabulary at a time, forward and backward (recomputed): at most
     # one chunk's full-vocabulary logits exist at once; 0: all of a micro-batch's at once
     logits_chunk: int = 0

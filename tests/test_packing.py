@@ -31,11 +31,30 @@ def test_packed_micro_batches_count_real_tokens():
     assert len(parts) < len(micro_batches(batch, 70))
 
 
-@pytest.mark.parametrize("critic", ["shared", "separate"])
-def test_packed_forward_and_gradients_equal_the_padded_ones(tiny_model_dir, critic):
+def test_packed_micro_batches_of_rows_that_run_padded_count_padded_tokens():
+    """Rows alike after a long shared prefix run padded with the prefix once (``packs``), so the budget
+    counts them as the padded layout does: the same micro-batches, no larger; uneven rows count real tokens."""
+    from agentrl.learner.batch import group_rows
+
+    alike = collate(_rows(100, ((4, 3), (5, 3), (3, 4), (6, 2)), prefix=range(10, 60)), 0)
+    assert alike.lengths == [57, 58, 57, 58]
+    assert micro_batches(alike, 173, packed=True) == micro_batches(alike, 173) == [[0, 2], [1, 3]]
+    assert group_rows(alike.lengths, 173, packed=True) == [[0, 2, 1], [3]]  # no prefix known: real tokens
+    uneven = collate(_rows(100, UNEVEN, prefix=range(10, 30)), 0)
+    assert uneven.lengths == [66, 28, 46, 34, 84]
+    # 4 rows packed: 174 real tokens (padded with the prefix: 20 + 4 x 46 = 204 positions, 264 padded)
+    assert micro_batches(uneven, 200, packed=True) == [[1, 3, 2, 0], [4]]
+    assert micro_batches(uneven, 200) == [[1, 3, 2], [0, 4]]
+
+
+@pytest.mark.parametrize("critic,checkpointing", [("shared", False), ("separate", False), ("separate", True)])
+def test_packed_forward_and_gradients_equal_the_padded_ones(tiny_model_dir, critic, checkpointing):
+    """Checkpointed layers recompute their forward in backward: segment attention again (it reads the
+    position ids the layer is called with), not causal attention over the whole packed row."""
     from agentrl.learner.engine import EngineConfig, TorchEngine
 
-    eng = TorchEngine(tiny_model_dir, EngineConfig(value_head=True, critic=critic, token_budget=10_000))
+    eng = TorchEngine(tiny_model_dir, EngineConfig(value_head=True, critic=critic, token_budget=10_000,
+                                                   gradient_checkpointing=checkpointing))
     if eng.value_head is not None:  # a value head at zero reads 0 everywhere: give it weights
         torch.nn.init.normal_(eng.value_head.v.weight, std=0.1)
     else:
@@ -163,3 +182,108 @@ def test_agent_batch_shapes_are_uneven_and_full_chat_rows_hold_every_turns_targe
     spans = lambda s: sum(1 for a, b in zip([0] + s.loss_mask, s.loss_mask) if b and not a)  # noqa: E731
     assert max(spans(s) for s in full) > 5 and {spans(s) for s in window} == {1}
     assert all(s.loss_mask[-1] == 1 for s in window)
+
+
+def _per_row_hidden(decoder, ids_rows):
+    """Each sequence alone through the decoder: what attention within each sequence must give."""
+    return [decoder(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0] for ids in ids_rows]
+
+
+def _packed_rows(seqs_per_row):
+    """(B, W) ids and positions of rows that each hold several sequences (positions restarting at 0), the
+    rows padded at the end by one more sequence of their own."""
+    width = max(sum(map(len, seqs)) for seqs in seqs_per_row)
+    ids, pos = [], []
+    for seqs in seqs_per_row:
+        flat = [t for s in seqs for t in s]
+        p = [i for s in seqs for i in range(len(s))]
+        pad = width - len(flat)
+        ids.append(flat + [3] * pad)
+        pos.append(p + list(range(pad)))
+    return torch.tensor(ids), torch.tensor(pos)
+
+
+def test_transformers_keeps_each_sequence_of_each_packed_row_apart_under_sdpa(tiny_model_dir):
+    """Several packed rows at once (bins): transformers (``masking_utils.find_packed_sequence_indices``) reads
+    each row's position restarts on its own and builds a dense block-diagonal mask per row, so each sequence
+    gets what it gets alone (with no cache: transformers looks for restarts only then). That mask is what makes
+    one long packed row cost L^2 scores."""
+    from agentrl.learner.models import load_model
+
+    model = load_model(tiny_model_dir)
+    assert model.config._attn_implementation == "sdpa"
+    g = torch.Generator().manual_seed(0)
+    seqs = [[torch.randint(3, 100, (n,), generator=g).tolist() for n in row] for row in ((9, 4, 6), (12, 5))]
+    ids, pos = _packed_rows(seqs)
+    with torch.no_grad():
+        out = model.get_decoder()(input_ids=ids, attention_mask=None, position_ids=pos,
+                                     use_cache=False).last_hidden_state
+        for r, row in enumerate(seqs):
+            alone = torch.cat(_per_row_hidden(model.get_decoder(), row))
+            torch.testing.assert_close(out[r, :len(alone)], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_segment_attention_runs_each_sequence_alone_without_a_mask(tiny_model_dir, monkeypatch):
+    """``segments.use``: the packed row's attention runs causally on each sequence's slice (no mask built),
+    for one packed row and for several at once, with the same hidden states as each sequence alone."""
+    import transformers.integrations.sdpa_attention as sa
+    import transformers.masking_utils as mu
+
+    from agentrl.learner import segments
+    from agentrl.learner.models import load_model
+
+    model = load_model(tiny_model_dir)
+    decoder = model.get_decoder()
+    assert segments.use(decoder) and model.config._attn_implementation == segments.SEGMENTS
+    calls = []
+    real_sdpa = sa.sdpa_attention_forward
+    monkeypatch.setattr(sa, "sdpa_attention_forward",
+                        lambda m, q, k, v, mask, *a, **kw: calls.append((q.shape[0], q.shape[2], mask is None))
+                        or real_sdpa(m, q, k, v, mask, *a, **kw))
+    monkeypatch.setattr(mu, "sdpa_mask", lambda **kw: pytest.fail("a mask was built for a packed row"))
+    g = torch.Generator().manual_seed(1)
+    seqs = [[torch.randint(3, 100, (n,), generator=g).tolist() for n in row] for row in ((9, 4, 6), (12, 5))]
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        for rows in (seqs[:1], seqs):
+            calls.clear()
+            ids, pos = _packed_rows(rows)
+            out = decoder(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=pos,
+                              use_cache=False).last_hidden_state
+            pieces = [(1, len(s), True) for row in rows for s in row]
+            pad = [ids.shape[1] - sum(map(len, row)) for row in rows]
+            pieces += [(1, n, True) for n in pad if n]  # a row's padding: a sequence of its own
+            assert sorted(calls) == sorted(pieces * layers)
+            for r, row in enumerate(rows):
+                alone = torch.cat(_per_row_hidden(decoder, row))
+                torch.testing.assert_close(out[r, :len(alone)], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_segment_attention_leaves_padded_and_unpacked_passes_as_sdpa_runs_them(tiny_model_dir):
+    """After ``segments.use`` a padded batch (its mask built as before) and a row of one sequence give what
+    transformers' own SDPA gives; a model it cannot serve exactly is left as it is."""
+    import copy
+
+    from agentrl.learner import segments
+    from agentrl.learner.models import load_model
+
+    plain, switched = load_model(tiny_model_dir), load_model(tiny_model_dir)
+    segments.use(switched)
+    mb = collate(_rows(plain.config.vocab_size, UNEVEN), 0)
+    with torch.no_grad():
+        for m in (plain, switched):
+            m.eval()
+        a = plain(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        b = switched(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        real = mb.attention_mask.bool()
+        torch.testing.assert_close(b[real], a[real])
+        one = mb.input_ids[:1, :10]
+        torch.testing.assert_close(switched(input_ids=one).logits, plain(input_ids=one).logits)
+    for change in (dict(sliding_window=64), dict(layer_types=["sliding_attention", "full_attention"] * 2),
+                   dict(_attn_implementation="eager")):
+        cfg = copy.deepcopy(plain.config)
+        for k, v in change.items():
+            setattr(cfg, k, v)
+        impl = cfg._attn_implementation
+        assert not segments.use(type("M", (), {"config": cfg})()), change
+        assert cfg._attn_implementation == impl

@@ -276,12 +276,28 @@ def micro_batches(batch: TokenBatch, token_budget: int, block: int = 1, packed: 
     """Split row indices into micro-batches of at most ``token_budget`` padded tokens (rows sorted by
     length so padding stays small); a row longer than the budget gets a micro-batch of its own.
     ``block`` > 1 keeps each block of consecutive rows together, in order (see ``row_blocks``).
-    ``packed``: the budget counts real tokens (``optim.packing``: the rows run concatenated, unpadded)."""
-    return group_rows(batch.lengths, token_budget, block, packed)
+    ``packed``: the budget counts real tokens where the rows run concatenated, unpadded (``optim.packing``),
+    padded tokens where they would run padded with the batch's shared prompt prefix once (see ``group_rows``)."""
+    return group_rows(batch.lengths, token_budget, block, packed, _shared_prefix(batch) if packed else 0)
 
 
-def group_rows(lengths: Sequence[int], token_budget: int, block: int = 1, packed: bool = False) -> list[list[int]]:
-    """``micro_batches`` from the rows' lengths alone."""
+def _shared_prefix(batch: TokenBatch) -> int:
+    """The prompt prefix all of the batch's rows share (read from its samples where it has them: no tensor
+    collated)."""
+    from agentrl.prefix import shared_prefix_len
+
+    rows = batch.__dict__.get("_rows")
+    if rows is not None:
+        return shared_prefix_len([s.ids for s in rows.samples])
+    return shared_prefix_len([r[:n] for r, n in zip(batch.input_ids.tolist(), batch.lengths)])
+
+
+def group_rows(lengths: Sequence[int], token_budget: int, block: int = 1, packed: bool = False,
+               prefix: int = 0) -> list[list[int]]:
+    """``micro_batches`` from the rows' lengths alone. ``packed``: a micro-batch counts its real tokens, unless
+    its rows sharing ``prefix`` leading tokens compute no more positions padded with the prefix run once
+    (``agentrl.learner.hidden.packs`` then runs it padded): then, as padded, rows x its widest row, so a
+    batch of alike rows is cut as the padded layout cuts it and holds no more than it."""
     blocks = row_blocks(len(lengths), block)
     size = [max(lengths[i] for i in b) for b in blocks]
     real = [sum(lengths[i] for i in b) for b in blocks]
@@ -290,7 +306,9 @@ def group_rows(lengths: Sequence[int], token_budget: int, block: int = 1, packed
     cur: list[int] = []
     width = tokens = 0
     for k in order:
-        cost = tokens + real[k] if packed else max(width, size[k]) * (len(cur) + block)
+        rows, wide, total = len(cur) + block, max(width, size[k]), tokens + real[k]
+        runs_packed = packed and total < prefix + rows * (wide - prefix)
+        cost = total if runs_packed else wide * rows
         if cur and cost > token_budget:
             out.append(cur)
             cur, width, tokens = [], 0, 0

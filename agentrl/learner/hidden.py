@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from agentrl.learner import segments
 from agentrl.learner.batch import TokenBatch
 from agentrl.prefix import shared_prefix_len
 
@@ -50,13 +51,16 @@ def pack_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def packed_hidden(decoder: Any, mb: TokenBatch) -> torch.Tensor:
     """Last hidden states (L, H) of the batch's real tokens packed into one row, each row's positions
-    restarting at 0. With no attention mask, transformers reads the restarts in the position ids as
-    sequence boundaries (``masking_utils.find_packed_sequence_indices``: a block-diagonal causal mask for
-    SDPA, eager and flex attention; FlashAttention's varlen kernels on GPUs), so no token attends to
-    another row and no padding is computed."""
+    restarting at 0, so no padding is computed and no token attends to another row. An ``sdpa`` decoder runs
+    attention on each row's slice (``agentrl.learner.segments``: the row's mask is all ones, so transformers
+    builds none); on others transformers reads the restarts as boundaries with no attention mask
+    (``masking_utils.find_packed_sequence_indices``: a dense block-diagonal mask for eager attention,
+    FlashAttention's varlen kernels on GPUs)."""
     real = mb.attention_mask.bool()
     pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return decoder(input_ids=mb.input_ids[real][None], attention_mask=None, position_ids=pos[real][None],
+    ids = mb.input_ids[real][None]
+    mask = torch.ones_like(ids) if segments.use(decoder) else None
+    return decoder(input_ids=ids, attention_mask=mask, position_ids=pos[real][None],
                    use_cache=False).last_hidden_state[0]
 
 
