@@ -194,8 +194,9 @@ class OptimCfg:
     logits_chunk: int = 0
     # micro-batches of rows concatenated into one row up to token_budget real tokens, each row's positions
     # restarting at 0 and its attention limited to itself: no padding computed (a micro-batch whose rows
-    # share a long prompt prefix runs padded with the prefix once when that computes fewer positions)
-    packing: bool = False
+    # share a long prompt prefix runs padded with the prefix once when that computes fewer positions; a model
+    # whose packed rows would need a dense mask, eager or sliding-window attention, runs padded)
+    packing: bool = True
     # algo.critic=separate: the critic's learning rate, constant (0: optim.lr); RAGEN's critic runs at 10x the actor's
     critic_lr: float = 0.0
 

@@ -181,7 +181,8 @@ def test_the_embedded_generators_copy_under_deepspeed(qwen7b):
 def test_a_row_longer_than_the_budget_is_a_micro_batch_of_its_own(qwen7b, tmp_path):
     six = DS + ["trainer.vllm_servers=2", "trainer.vllm_gpus=[6,7]", "optim.token_budget=6144"]
     out, _ = build(load_config("grpo", model=qwen7b, overrides=six + ["vllm.max_model_len=8192"]), 1, 8, 74.5)
-    assert ("activations at 8192 tokens (optim.token_budget=6144 padded; a row of up to 8192 tokens "
+    assert ("activations at 8192 tokens (optim.token_budget=6144 real tokens packed, optim.packing=true; "
+            "a row of up to 8192 tokens "
             "(vllm.max_model_len) is a micro-batch of its own): 45.1 GiB") in _learner_line(out)
     # no server limit: the model's own context bounds a row
     (tmp_path / "config.json").write_text(json.dumps(dict(QWEN7B, max_position_embeddings=32768)))
@@ -267,7 +268,7 @@ def test_the_guides_plans_are_the_clis_as_printed(tmp_path, monkeypatch, capsys)
         first = first or args
         assert cli.main(args) == 0
         assert capsys.readouterr().out == want, args
-    variant = re.search(r"`(optim\.logits_chunk=\d+ optim\.packing=true)`\nadded.*?```text\n(.*?)\n```", page, re.S)
+    variant = re.search(r"`(optim\.logits_chunk=\d+)`\nadded.*?```text\n(.*?)\n```", page, re.S)
     assert cli.main(first + variant.group(1).split()) == 0
     assert variant.group(2) in capsys.readouterr().out.splitlines()
 

@@ -287,3 +287,22 @@ def test_segment_attention_leaves_padded_and_unpacked_passes_as_sdpa_runs_them(t
         impl = cfg._attn_implementation
         assert not segments.use(type("M", (), {"config": cfg})()), change
         assert cfg._attn_implementation == impl
+
+
+def test_the_engine_runs_padded_where_a_packed_row_would_need_a_dense_mask(tiny_model_dir, capsys):
+    """optim.packing is the default: a model whose packed rows would get transformers' dense mask over the
+    whole row (eager attention here; a sliding window alike) runs padded, said in a note."""
+    from agentrl.learner.engine import EngineConfig, TorchEngine
+
+    assert TorchEngine(tiny_model_dir, EngineConfig(packing=True)).cfg.packing
+    eager = tiny_model_dir.parent / "tiny-eager"
+    if not eager.exists():
+        import json
+        import shutil
+
+        shutil.copytree(tiny_model_dir, eager)
+        cfg = json.loads((eager / "config.json").read_text())
+        (eager / "config.json").write_text(json.dumps(dict(cfg, attn_implementation="eager")))
+    engine = TorchEngine(eager, EngineConfig(packing=True))
+    assert engine.model.config._attn_implementation == "eager" and not engine.cfg.packing
+    assert "optim.packing runs padded for this model" in capsys.readouterr().out

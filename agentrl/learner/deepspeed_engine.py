@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -35,6 +36,7 @@ from agentrl.learner.critic import load_critic
 from agentrl.learner.engine import (EngineConfig, ValueHead, _OptimizerOf, batch_prefix_len, critic_optimizer,
                                     forward_batch, memory_hint, rng_state, set_rng_state, wrap_lora)
 from agentrl.learner.finite import StepGuard
+from agentrl.learner import segments
 from agentrl.learner.hidden import packs
 from agentrl.learner.models import save_config
 from agentrl.learner.projection import chunk_count
@@ -222,6 +224,7 @@ class DeepSpeedEngine:
             model = load_model(model_dir, self.dtype, "cpu")
             separate = self.cfg.value_head and self.cfg.critic == "separate"
             critic = load_critic(self.cfg.critic_path or model_dir, self.dtype, "cpu") if separate else None
+        self.cfg = replace(self.cfg, packing=segments.packing_for(model, self.cfg.packing))
         if self.cfg.gradient_checkpointing:
             enable_checkpointing(model)
         if self.cfg.lora is not None:  # made whole, outside zero.Init: deepspeed.initialize shards them

@@ -13,7 +13,7 @@ import contextlib
 import json
 import random
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -26,6 +26,7 @@ from agentrl.learner.batch import TokenBatch, micro_batches
 from agentrl.learner.critic import Critic, ValueHead, load_critic  # noqa: F401  (ValueHead: the DeepSpeed engine's)
 from agentrl.learner.finite import StepGuard
 from agentrl.learner.hidden import batch_prefix_len, decoder_hidden as _decoder_hidden  # noqa: F401  (re-exported)
+from agentrl.learner import segments
 from agentrl.learner.hidden import pack_index, packed_hidden, packs
 from agentrl.learner.logprobs import mask_logits, tempered
 from agentrl.learner.models import enable_checkpointing, save_config
@@ -268,6 +269,7 @@ class TorchEngine:
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, self.cfg.dtype, self.cfg.device)
+        self.cfg = replace(self.cfg, packing=segments.packing_for(self.model, self.cfg.packing))
         if self.cfg.gradient_checkpointing:  # before LoRA: peft wraps the model with its layers' flags set
             enable_checkpointing(self.model)
         if self.cfg.lora is not None:

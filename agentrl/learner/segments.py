@@ -35,6 +35,23 @@ def use(model: Any) -> bool:
     return True
 
 
+def serves(model: Any) -> bool:
+    """Whether a packed row runs on ``model`` without a dense mask over the whole row: segment attention
+    (``use``), or FlashAttention's varlen kernels, which transformers drives from the position ids."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl in ("flash_attention_2", "flash_attention_3") or use(model)
+
+
+def packing_for(model: Any, packing: bool) -> bool:
+    """``optim.packing`` as the engines run it on ``model``: off, with a note, where a packed row would need a
+    dense mask over it (eager attention, a sliding window: several times the padded cost, measured)."""
+    if packing and not serves(model):
+        print("note: optim.packing runs padded for this model (its attention would need a dense mask over each "
+              "packed row: eager attention or a sliding window)", flush=True)
+        return False
+    return packing
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
