@@ -349,4 +349,4 @@ def test_bench_async_latency_none_runs_the_env_as_it_is(tmp_path):
     out = tmp_path / "b.json"
     assert main(["bench", "async", "--quick", "--parts", "loop", "--latency", "none", "--json", str(out)]) == 0
     fig = json.loads(out.read_text())
-    assert fig["env"] == "sokoban" and fig["same_episodes"] is True
+    assert fig["env"] == "sokoban" and fig["same_episodes"] is True and "latency_s" not in fig

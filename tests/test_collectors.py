@@ -250,7 +250,8 @@ def test_a_lora_run_in_continuous_mode_samples_each_version_s_merged_adapters_mi
     # each env step takes 0.5 s, so an episode (4 turns) outlasts an update of the tiny model: the groups that
     # start when a step takes its own run on while it learns, and its update lands in them
     cfg = load_config("grpo", env="latency:sokoban", overrides=small(
-        tmp_path, tiny_model_dir, 'env_kwargs={"latency": "fixed", "latency_s": 0.5}', "model.lora_r=8", "optim.lr=3e-2", "rollout.mode=continuous",
+        tmp_path, tiny_model_dir, 'env_kwargs={"latency": "fixed", "latency_s": 0.5}', "model.lora_r=8",
+        "optim.lr=3e-2", "rollout.mode=continuous",
         "trainer.max_staleness=1", "rollout.groups=2", "rollout.group_size=2", "rollout.slots=6",
         "rollout.max_turns=4", "rollout.max_new_tokens=12", "rollout.fill_groups=0", "trainer.steps=4",
         "eval.tasks=0", "trainer.checkpoint_every=10"))

@@ -316,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
                                latency_sigma=args.latency_sigma, slots=slots, episodes=n, turns=turns,
                                max_new_tokens=max_new, repeats=repeats, pool=pool,
                                threads=torch.get_num_threads())
+    if args.latency == "none":  # no delay drawn: its parameters would only mislead
+        del fig["latency_s"], fig["latency_sigma"]
     tok = load_tokenizer(model_dir)  # not the embedded model's: `--parts vllm` loads no weights here
     if "loop" in parts:
         gen = EmbeddedGenerator.from_folder(model_dir)
