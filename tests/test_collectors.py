@@ -247,12 +247,12 @@ def test_a_lora_run_in_continuous_mode_samples_each_version_s_merged_adapters_mi
     from agentrl import Trainer
     from agentrl.generation.embedded import EmbeddedGenerator
 
-    # each env step takes 0.5 s, so an episode (4 turns) outlasts an update of the tiny model: the groups that
-    # start when a step takes its own run on while it learns, and its update lands in them
+    # each env step takes 0.5 s, so an episode (4 turns) outlasts an update of the tiny model, and with a bound
+    # of 2 the population may run two steps' groups ahead: its slots are busy whenever an update lands
     cfg = load_config("grpo", env="latency:sokoban", overrides=small(
         tmp_path, tiny_model_dir, 'env_kwargs={"latency": "fixed", "latency_s": 0.5}', "model.lora_r=8",
         "optim.lr=3e-2", "rollout.mode=continuous",
-        "trainer.max_staleness=1", "rollout.groups=2", "rollout.group_size=2", "rollout.slots=6",
+        "trainer.max_staleness=2", "rollout.groups=2", "rollout.group_size=2", "rollout.slots=6",
         "rollout.max_turns=4", "rollout.max_new_tokens=12", "rollout.fill_groups=0", "trainer.steps=4",
         "eval.tasks=0", "trainer.checkpoint_every=10"))
     t = Trainer.from_config(cfg)
@@ -280,12 +280,12 @@ def test_a_lora_run_in_continuous_mode_samples_each_version_s_merged_adapters_mi
         t.close()
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
-    assert all(r["staleness_token_max"] <= 1 and r["staleness_max"] <= 1 for r in got[1:])
+    assert all(r["staleness_token_max"] <= 2 and r["staleness_max"] <= 2 for r in got[1:])
     assert loads >= 2 and version >= 2  # updates were loaded while the population ran
     assert all(torch.equal(held[k], weights[version][k]) for k in held)  # the generator: that version's adapters
     assert any(not torch.allclose(weights[0][k], weights[version][k]) for k in held)  # the adapters trained
     for step, e in trained:  # labels within the bound of the step that trained them
-        assert all(step - v <= 1 for turn in e.turns for v in turn.gen_versions)
+        assert all(step - v <= 2 for turn in e.turns for v in turn.gen_versions)
     models = {}
     for v, w in weights.items():
         models[v] = EmbeddedGenerator.from_folder(tiny_model_dir).model
