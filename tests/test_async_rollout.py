@@ -338,3 +338,15 @@ def test_bench_async_parts_runs_only_what_is_asked(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "async", "--parts", "loop,vlm"])
     assert e.value.code == 2 and "vlm: not among loop, vllm, overlap, continuous" in capsys.readouterr().err
+
+
+def test_bench_async_latency_none_runs_the_env_as_it_is(tmp_path):
+    """--latency none: no latency: wrapper, the env's own step times (a real slow env such as ScienceWorld)."""
+    import json
+
+    from agentrl.cli import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", "async", "--quick", "--parts", "loop", "--latency", "none", "--json", str(out)]) == 0
+    fig = json.loads(out.read_text())
+    assert fig["env"] == "sokoban" and fig["same_episodes"] is True and "latency_s" not in fig

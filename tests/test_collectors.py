@@ -203,6 +203,16 @@ def test_every_token_says_the_version_that_drew_it_when_updates_land_mid_episode
     turns = [t for e in episodes for t in e.turns if t.gen_ids]
     # episodes carried over an update: drawn by two versions (some turns too, where a load came mid-turn)
     assert any(len({v for t in e.turns for v in t.gen_versions}) > 1 for e in episodes)
+    checked, mixed = _teacher_forced_check(turns, models)
+    assert checked > 20
+    print(f"{mixed} of {len(turns)} turns drawn by two versions")
+
+
+def _teacher_forced_check(turns, models):
+    """Every token drawn before a load in its turn has the log-prob the turn's first version gives it (the
+    version's weights, teacher-forced; renormalized over the token's allowed ids where answers were
+    constrained); in a turn an update landed in, the later tokens drawn among several ids are not that
+    version's. Returns the tokens checked (those with a choice) and the turns drawn by two versions."""
     checked = mixed = 0
     for t in turns:
         assert len(t.gen_versions) == len(t.gen_ids) and t.policy_version == min(t.gen_versions)
@@ -211,17 +221,80 @@ def test_every_token_says_the_version_that_drew_it_when_updates_land_mid_episode
         n = len(t.prompt_ids)
         first = t.gen_versions[0]
         with torch.no_grad():
-            lp = torch.log_softmax(models[first](ids).logits[0, n - 1:-1].float(), -1)
+            logits = models[first](ids).logits[0, n - 1:-1].float()
+        allowed = t.gen_allowed or [[] for _ in t.gen_ids]
+        got = torch.stack([logits[i, tok] - torch.logsumexp(logits[i, a or slice(None)], -1)
+                           for i, (tok, a) in enumerate(zip(t.gen_ids, allowed))])
         rec = torch.tensor(t.gen_logprobs)
-        got = lp[torch.arange(len(t.gen_ids)), torch.tensor(t.gen_ids)]
         same = torch.tensor([v == first for v in t.gen_versions])
-        assert torch.allclose(got[same], rec[same], atol=1e-3)  # the tokens before any load: the first version's
-        checked += int(same.sum())
-        if not same.all():  # after the load: not the first version's any more
+        choice = torch.tensor([len(a) != 1 for a in allowed])  # a forced token's log-prob is 0 under any weights
+        assert torch.allclose(got[same], rec[same], atol=1e-3)
+        checked += int((same & choice).sum())
+        if not same.all():
             mixed += 1
-            assert (got[~same] - rec[~same]).abs().max() > 1e-3
+            later = ~same & choice
+            assert not later.any() or (got[later] - rec[later]).abs().max() > 1e-3
+    return checked, mixed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_lora_run_in_continuous_mode_samples_each_version_s_merged_adapters_mid_episode(tiny_model_dir, tmp_path):
+    """model.lora_r with rollout.mode=continuous on the torch engine: the embedded generator is a plain copy fed
+    the adapters merged (``copy_weights_to``) after every update, loaded mid-episode. Every token's version
+    label is the version whose merged adapters give its log-prob, none is older than the bound, and after the
+    run the generator holds exactly the merged weights of the last version it loaded."""
+    from agentrl import Trainer
+    from agentrl.generation.embedded import EmbeddedGenerator
+
+    # each env step takes 0.5 s, so an episode (4 turns) outlasts an update of the tiny model, and with a bound
+    # of 2 the population may run two steps' groups ahead: its slots are busy whenever an update lands
+    cfg = load_config("grpo", env="latency:sokoban", overrides=small(
+        tmp_path, tiny_model_dir, 'env_kwargs={"latency": "fixed", "latency_s": 0.5}', "model.lora_r=8",
+        "optim.lr=3e-2", "rollout.mode=continuous",
+        "trainer.max_staleness=2", "rollout.groups=2", "rollout.group_size=2", "rollout.slots=6",
+        "rollout.max_turns=4", "rollout.max_new_tokens=12", "rollout.fill_groups=0", "trainer.steps=4",
+        "eval.tasks=0", "trainer.checkpoint_every=10"))
+    t = Trainer.from_config(cfg)
+    assert t.engine.cfg.lora is not None and t.generator.model is not t.engine.model  # a copy, not the PEFT module
+
+    def merged():
+        return {k: v.detach().clone() for k, v in t.engine.merged_model().state_dict().items()}
+
+    weights = {0: merged()}  # version -> the policy's weights, adapters merged
+    trained = []
+    learn = t.recipe.learn
+
+    def recorded(trainer, episodes, collected):
+        trained.extend((trainer.step, e) for e in episodes)
+        out = learn(trainer, episodes, collected)
+        weights[trainer.step + 1] = merged()  # what end_step stages as version step + 1
+        return out
+
+    t.recipe.learn = recorded
+    try:
+        t.train()
+        held = {k: v.detach().clone() for k, v in t.generator.model.state_dict().items()}
+        version, loads = t.generator.version, t.generator.inflight_loads
+    finally:
+        t.close()
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
+    assert all(r["staleness_token_max"] <= 2 and r["staleness_max"] <= 2 for r in got[1:])
+    assert loads >= 2 and version >= 2  # updates were loaded while the population ran
+    assert all(torch.equal(held[k], weights[version][k]) for k in held)  # the generator: that version's adapters
+    assert any(not torch.allclose(weights[0][k], weights[version][k]) for k in held)  # the adapters trained
+    for step, e in trained:  # labels within the bound of the step that trained them
+        assert all(step - v <= 2 for turn in e.turns for v in turn.gen_versions)
+    models = {}
+    for v, w in weights.items():
+        models[v] = EmbeddedGenerator.from_folder(tiny_model_dir).model
+        models[v].load_state_dict(w)
+    episodes = [e for _, e in trained]
+    assert any(len({v for turn in e.turns for v in turn.gen_versions}) > 1 for e in episodes)  # updates mid-episode
+    checked, mixed = _teacher_forced_check([turn for e in episodes for turn in e.turns if turn.gen_ids], models)
     assert checked > 20
-    print(f"{mixed} of {len(turns)} turns drawn by two versions")
+    print(f"{mixed} turns drawn by two versions")
 
 
 def _records_groups(run: Path) -> dict[int, list[str]]:
@@ -278,17 +351,21 @@ def test_a_continuous_run_killed_with_sigkill_resumes_with_nothing_lost_or_train
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=pytest.mark.extended)])
-def test_continuous_on_two_ranks_trains_every_rank_s_groups_once_and_resumes(tiny_model_dir, tmp_path, launcher):
+@pytest.mark.parametrize("launcher,lora", [("torchrun", False), ("torchrun", True),
+                                           pytest.param("deepspeed", False, marks=pytest.mark.extended)])
+def test_continuous_on_two_ranks_trains_every_rank_s_groups_once_and_resumes(tiny_model_dir, tmp_path, launcher,
+                                                                            lora):
     """Two DeepSpeed ranks, a population each: a step trains both ranks' shares (groups numbered rank, rank + 2, ...),
     the same batch on every rank, no token older than the bound; a resumed run (both populations from the
-    checkpoint) goes on with no group trained twice."""
+    checkpoint) goes on with no group trained twice. LoRA: each rank's generator copy takes the gathered adapters
+    merged (``merged_lora``) after every update, the same way."""
     from tests.test_multirank import launch
 
     out = tmp_path / "run"
     args = ["train", "grpo", "--env", "bandit", *small(
         out, tiny_model_dir, "trainer.engine=deepspeed", "rollout.mode=continuous", "trainer.max_staleness=1",
-        "rollout.groups=2", "rollout.group_size=2", "rollout.slots=4", "trainer.record_groups=0", "eval.tasks=0")]
+        "rollout.groups=2", "rollout.group_size=2", "rollout.slots=4", "trainer.record_groups=0", "eval.tasks=0",
+        *(["model.lora_r=8"] if lora else []))]
     first = launch(2, [*args, "trainer.steps=3"], launcher=launcher)
     assert first.returncode == 0, first.stderr[-3000:]
     again = launch(2, [*args, "trainer.steps=5"], launcher=launcher)
@@ -303,3 +380,5 @@ def test_continuous_on_two_ranks_trains_every_rank_s_groups_once_and_resumes(tin
     assert len(every) == len(set(every)) == 10  # no group twice, before or after the resume
     numbers = {int(g.split(":")[0][1:]) for g in every}
     assert {k % 2 for k in numbers} == {0, 1}  # both ranks' populations trained
+    if lora:  # every step updated the adapters, and the generator copies loaded the versions while sampling
+        assert all("loss" in r for r in got[1:]) and sum(r.get("inflight_loads", 0) for r in got) >= 3

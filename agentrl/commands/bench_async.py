@@ -17,7 +17,9 @@ Then continuous rollouts (``rollout.mode: continuous``, ``trainer.max_staleness:
 step and today's staleness-1 overlap (async loop, ``trainer.max_staleness: 1``), the same GRPO config
 otherwise: ``lockstep_step_s``, ``staleness1_async_step_s``, ``continuous_step_s`` and the two gains
 (``continuous_over_lockstep``, ``continuous_over_staleness1``), with the groups continuous mode dropped.
-``--parts`` picks which of the four run (e.g. ``--parts vllm --model PATH`` on a GPU node).
+``--parts`` picks which of the four run (e.g. ``--parts vllm --model PATH`` on a GPU node). ``--latency none``
+runs ``--env`` as it is, with no delay added: a real slow env (``--env scienceworld --latency none``, each slot
+a JVM). ``--steps``: the timed steps of each training run (after its first).
 """
 from __future__ import annotations
 
@@ -43,8 +45,9 @@ def _parts(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--latency", default="lognormal", choices=["fixed", "uniform", "lognormal", "pareto"],
-                   help="async: the env's step delay distribution (default lognormal)")
+    p.add_argument("--latency", default="lognormal", choices=["fixed", "uniform", "lognormal", "pareto", "none"],
+                   help="async: the env's step delay distribution (default lognormal); none: the env as it is, "
+                   "no wrapper (a real slow env: --env scienceworld --latency none)")
     p.add_argument("--latency-s", type=float, default=0.05, help="async: median (scale) step delay, s")
     p.add_argument("--latency-sigma", type=float, default=1.5, help="async: lognormal shape (tail weight)")
     p.add_argument("--episodes", type=int, default=0, help="async: episodes per run (default 2 x slots)")
@@ -292,8 +295,14 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         slots, turns, repeats, latency_s, max_new = 4, 2, 1, min(latency_s, 0.01), min(max_new, 16)
     n = args.episodes or 2 * slots
-    env_name = f"latency:{args.env}"
-    kwargs = dict(latency=args.latency, latency_s=latency_s, latency_sigma=args.latency_sigma)
+    if args.latency == "none":  # the env's own step times (ScienceWorld's JVM)
+        env_name, kwargs = args.env, {}
+    else:
+        env_name = f"latency:{args.env}"
+        kwargs = dict(latency=args.latency, latency_s=latency_s, latency_sigma=args.latency_sigma)
+    # --steps: timed steps a training run, after its first (whose collect nothing overlaps)
+    overlap_steps = 2 if args.quick else (args.steps + 1 if args.steps else 4)
+    continuous_steps = 2 if args.quick else (args.steps + 1 if args.steps else 6)
     model_dir = resolve_model(args.model)
     parts = args.parts.split(",")
     tasks = make(args.env).tasks("train")
@@ -307,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
                                latency_sigma=args.latency_sigma, slots=slots, episodes=n, turns=turns,
                                max_new_tokens=max_new, repeats=repeats, pool=pool,
                                threads=torch.get_num_threads())
+    if args.latency == "none":  # no delay drawn: its parameters would only mislead
+        del fig["latency_s"], fig["latency_sigma"]
     tok = load_tokenizer(model_dir)  # not the embedded model's: `--parts vllm` loads no weights here
     if "loop" in parts:
         gen = EmbeddedGenerator.from_folder(model_dir)
@@ -322,13 +333,13 @@ def run(args: argparse.Namespace) -> int:
         fig["overlap"] = "skipped: --overlap-generator vllm and vLLM is not installed"
     elif "overlap" in parts:
         fig.update(overlap_figures(str(model_dir), env_name, kwargs, pool, min(slots, 16), turns, max_new,
-                                   2 if args.quick else 4, repeats, STALENESS[:2] if args.quick else STALENESS,
+                                   overlap_steps, repeats, STALENESS[:2] if args.quick else STALENESS,
                                    INFLIGHT[:1] if args.quick else INFLIGHT, args.overlap_generator, args.port))
     if "continuous" in parts and args.overlap_generator == "vllm" and vllm_python() is None:
         fig["continuous"] = "skipped: --overlap-generator vllm and vLLM is not installed"
     elif "continuous" in parts:
         fig.update(continuous_figures(str(model_dir), env_name, kwargs, pool, slots, turns, max_new,
-                                      2 if args.quick else 6, repeats, args.overlap_generator, args.port))
+                                      continuous_steps, repeats, args.overlap_generator, args.port))
     line = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in fig.items()})
     print(line)
     if args.json:

@@ -23,7 +23,8 @@ WORK = ["sft.enabled=false", "eval.tasks=0", "rollout.fill_groups=0", "rollout.g
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=2, help="world size compared with 1 (default 2)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    p.add_argument("--steps", type=int, default=None, help="timed steps after one warm-up step (ranks, trl: "
+                   "default 3; async: each training run's, default 3 for the overlap, 5 for continuous)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: one core each)")
 
 
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     for world in (1, args.ranks):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "bench.json"
-            overrides = WORK + [f"trainer.out_dir={tmp}/run", f"trainer.steps={args.steps + 1}"]
+            overrides = WORK + [f"trainer.out_dir={tmp}/run", f"trainer.steps={(args.steps or 3) + 1}"]
             if args.model:
                 overrides.append(f"model.name={args.model}")
             cmd = rank_command(world, ["--out", str(out), "--env", args.env, *overrides],
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                step_speedup=one["step_s"] / many["step_s"], rollout_speedup=one["rollout_s"] / many["rollout_s"],
                update_speedup=one["update_s"] / many["update_s"],
                param_share_per_rank=many["partition_numel"] / many["full_numel"])
-    print(f"model {one['model']}, env {args.env}, {one['episodes']} episodes a step, {args.steps} timed steps, "
+    print(f"model {one['model']}, env {args.env}, {one['episodes']} episodes a step, {args.steps or 3} timed steps, "
           f"{args.threads} thread(s) per rank")
     for w, r in ((1, one), (args.ranks, many)):
         print(f"  {w} rank(s): {r['step_s']:.2f} s/step (rollout {r['rollout_s']:.2f}, update {r['update_s']:.2f}), "

@@ -68,7 +68,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, prompts=2 if quick else args.prompts, generations=2 if quick else args.generations,
                 max_new_tokens=min(args.max_new_tokens, 16) if quick else args.max_new_tokens, lr=args.lr,
                 precision=args.precision, checkpointing=args.checkpointing, threads=args.threads,
-                steps=1 if quick else args.steps, repeats=1 if quick else (args.repeats or 3))
+                steps=1 if quick else (args.steps or 3), repeats=1 if quick else (args.repeats or 3))
 
 
 # ----- the task, as both sides see it ----------------------------------------------------------------------
