@@ -1,9 +1,13 @@
 """An agent program written against the OpenAI client, trained by agentrl through its capture endpoint:
 
-    agentrl train grpo --env agent:examples.calc_agent:run_agent env_kwargs.tasks=examples/calc_tasks.jsonl
+    PYTHONPATH=. agentrl train grpo --env agent:examples.calc_agent:run_agent env_kwargs.tasks=examples/calc_tasks.jsonl \
+        rollout.max_new_tokens=96
 
 Each task is {"expression": ..., "answer": ...}. The agent offers the model a calculator tool, runs the
-calls the model makes, sends the results back as tool messages, and scores the final answer.
+calls the model makes, sends the results back as tool messages, and scores the final answer. Its requests ask
+for up to 96 new tokens (a call takes up to 73 of the tiny model's tokens, 43 of SmolLM2's); the endpoint serves
+at most the run's rollout.max_new_tokens (48 by default), hence the override. SmolLM2 on calc-tools' problems:
+examples/calc_agent_smollm2.yaml.
 """
 import json
 
