@@ -13,9 +13,20 @@ import json
 
 from agentrl.envs.calculator import CalcError, evaluate, format_number
 
+# The calc-tools env's own words (agentrl/envs/calc_tools.py): its tool, system message and question, so that
+# calc-tools' SFT warm start serves this program's prompts token for token (examples/calc_agent_smollm2.yaml)
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression and return its value.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+    "parameters": {"type": "object",
+                   "properties": {"expression": {"type": "string",
+                                                 "description": "numbers with + - * / ** // % and parentheses"}},
+                   "required": ["expression"]}}}
+SYSTEM = "You are a careful assistant. You solve arithmetic problems with a calculator tool."
+
+
+def question(task: dict) -> str:
+    return ("Compute the value of the expression. Call the calculator tool to do the arithmetic, then give the final "
+            f"answer as <answer>NUMBER</answer>.\n\nExpression: {task['expression']}")
 
 
 def calculator(expression: str) -> str:
@@ -27,8 +38,7 @@ def calculator(expression: str) -> str:
 
 def run_agent(task: dict, endpoint) -> dict:
     client = endpoint.openai_client()  # openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)
-    messages = [{"role": "system", "content": "You solve arithmetic with a calculator tool."},
-                {"role": "user", "content": f"Compute {task['expression']}. Answer <answer>NUMBER</answer>."}]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(task)}]
     for _ in range(4):
         reply = client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALCULATOR],
                                                max_tokens=96)
