@@ -8,6 +8,7 @@ answers ``<answer>NUMBER</answer>``; a right answer wins 1.0 and ends the episod
 """
 from __future__ import annotations
 
+import math
 import random
 import re
 from typing import Any
@@ -35,7 +36,9 @@ def problem(split: str, index: int) -> tuple[str, int, str]:
         expr = str(nums[0])
         for op, x in zip(ops, nums[1:]):
             expr = f"({expr}) {op} {x}" if op == "*" and rng.random() < 0.5 and " " in expr else f"{expr} {op} {x}"
-        value = evaluate(expr)
+        # no deadline: the expression is ours and small; the tool's 50 ms one, on a loaded machine, made a task
+        # raise CalcError('took too long') when the process was descheduled mid-evaluation
+        value = evaluate(expr, time_limit_s=math.inf)
         if isinstance(value, int) and abs(value) < 10**7:
             return expr, value, level
 

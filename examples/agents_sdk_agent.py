@@ -11,6 +11,7 @@ import openai
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 
+from examples.calc_agent import SYSTEM, question
 from examples.calc_agent import calculator as evaluate
 
 set_tracing_disabled(True)  # the SDK would send its traces to OpenAI's servers
@@ -26,11 +27,10 @@ async def run_agent(task: dict, endpoint) -> dict:
     # closed within the episode's event loop (asyncio.run closes the loop when the program returns)
     async with openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0,
                                   timeout=endpoint.timeout_s) as client:
-        agent = Agent(name="calculator", instructions="You solve arithmetic with a calculator tool.",
+        agent = Agent(name="calculator", instructions=SYSTEM,
                       tools=[calculator], model=OpenAIResponsesModel(model=endpoint.model, openai_client=client))
         try:
-            result = await Runner.run(agent, f"Compute {task['expression']}. Answer <answer>NUMBER</answer>.",
-                                      max_turns=4)
+            result = await Runner.run(agent, question(task), max_turns=4)
         # the policy's doing, so a wrong answer, not the program's failure: still calling tools after 4 model
         # turns, or a reply the SDK will not take (cut at its max tokens: status "incomplete"; a call it cannot read)
         except (MaxTurnsExceeded, ModelBehaviorError):

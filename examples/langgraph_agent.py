@@ -14,6 +14,7 @@ from langgraph.errors import GraphRecursionError
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
+from examples.calc_agent import SYSTEM, question
 from examples.calc_agent import calculator as evaluate
 
 
@@ -36,8 +37,7 @@ def run_agent(task: dict, endpoint) -> dict:
     graph.add_edge(START, "model")
     graph.add_conditional_edges("model", tools_condition)  # a call: to the tools; none: the end
     graph.add_edge("tools", "model")
-    messages = [SystemMessage("You solve arithmetic with a calculator tool."),
-                HumanMessage(f"Compute {task['expression']}. Answer <answer>NUMBER</answer>.")]
+    messages = [SystemMessage(SYSTEM), HumanMessage(question(task))]
     try:
         final = graph.compile().invoke({"messages": messages}, {"recursion_limit": 8})  # 4 model turns
     except GraphRecursionError:  # still calling tools at the step limit: no answer

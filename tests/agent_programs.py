@@ -120,5 +120,5 @@ def competent_calculator(prompt):
     tail = prompt.rsplit("<|im_start|>tool\n", 1)
     if len(tail) == 2:
         return f"<answer>{tail[1].split('<|im_end|>')[0].strip()}</answer>"
-    expr = prompt.rsplit("Compute ", 1)[1].split(". Answer")[0]
+    expr = prompt.rsplit("Expression: ", 1)[1].split("<|im_end|>")[0]
     return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>' % expr

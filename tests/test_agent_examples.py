@@ -65,3 +65,28 @@ def test_the_library_example_trains_two_grpo_steps(name, tiny_model_dir, tmp_pat
     for r in rows[1:]:  # the random-weight policy's episodes end, well or badly, but never as the program's failure
         assert r["agent_failures"] == 0.0 and r["turns_per_episode"] >= 1.0 and math.isfinite(r["loss"])
         assert not r.get("skipped_update")
+
+
+def test_the_calculator_agent_asks_calc_tools_first_prompts_token_for_token(tiny_model_dir):
+    """examples/calc_agent.py on examples/calc_agent_tasks.py: the same problems under the same ids as calc-tools,
+    and the same first prompt, so calc-tools' SFT warm start serves the program (examples/calc_agent_smollm2.yaml;
+    in other words the warm start answered none of 60, docs/guides/tools.md)."""
+    from agentrl.envs import make
+    from agentrl.envs.calc_tools import problem
+    from agentrl.learner.models import load_tokenizer
+    from agentrl.rollout.agent_program import chat_renderer
+    from agentrl.rollout.tool_prompts import tool_prompt_ids
+    from examples.calc_agent import CALCULATOR, SYSTEM, question
+    from examples.calc_agent_tasks import tasks
+
+    tok = load_tokenizer(tiny_model_dir)
+    env = make("calc-tools")
+    spec = env.prompt_spec()
+    program = {s: [t for t in tasks() if t["split"] == s] for s in ("train", "valid")}
+    for split, i in [("train", 0), ("train", 1999), ("valid", 0), ("valid", 1), ("valid", 59)]:
+        task = program[split][i]
+        assert (task["expression"], task["answer"], task["category"]) == problem(split, i)
+        obs, _ = env.reset(f"{split}/{i:05d}", 0)
+        ours = chat_renderer(tok, "hermes")([{"role": "system", "content": SYSTEM},
+                                             {"role": "user", "content": question(task)}], [CALCULATOR])
+        assert ours == tool_prompt_ids(tok, spec, spec.instruction, obs, [])

@@ -137,6 +137,26 @@ def test_max_tokens_and_stop_cut_the_sampled_ids_exactly(capture, tok):
     assert stopped.ids == stopped.completion.ids[:len(stopped.ids)] and len(stopped.ids) < len(stopped.completion.ids)
 
 
+def test_a_max_tokens_over_the_runs_cap_is_served_at_the_cap_with_one_warning(capture, caplog, monkeypatch):
+    """examples/calc_agent.py asked 96 tokens of a run capped at 48: its calls were cut without a word."""
+    from agentrl.generation import capture as capture_mod
+
+    server, service, gen = capture
+    monkeypatch.setattr(capture_mod, "_warned_caps", set())
+    monkeypatch.setattr(service.sampling, "max_new_tokens", 5)
+    eid = service.open(stream=1, max_requests=4)
+    client = openai.OpenAI(base_url=server.base_url(eid), api_key=server.api_key, max_retries=0)
+    with caplog.at_level("WARNING", logger="agentrl.generation.capture"):
+        for _ in range(2):  # the same ask again: no second line
+            r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], max_tokens=9)
+            assert r.choices[0].finish_reason == "length"
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], max_tokens=5)
+    assert [len(c.ids) for c in service.end(eid)] == [5, 5, 5]
+    warned = [r.getMessage() for r in caplog.records if "max_tokens" in r.getMessage()]
+    assert warned == ["an agent program asked max_tokens=9, above rollout.max_new_tokens=5: its replies are cut at 5 "
+                      "(set rollout.max_new_tokens=9 to give it what it asks)"]
+
+
 def test_malformed_requests_get_a_4xx_naming_the_fault_and_harm_no_other_request(capture):
     server, service, gen = capture
     eid = service.open(stream=1, max_requests=64)

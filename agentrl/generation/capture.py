@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import threading
 import time
@@ -47,6 +48,20 @@ from agentrl.generation.scheduler import scheduler_for
 from agentrl.generation.server import RunningServer, _ApiKey, _read_body, install_error_handlers, serve_app
 from agentrl.seeds import mix_seed
 from agentrl.types import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+# (asked, cap) pairs warned about in this process: a program asks the same max_tokens in every request of a run
+_warned_caps: set[tuple[int, int]] = set()
+
+
+def warn_over_cap(asked: int | None, cap: int) -> None:
+    """Once per process and value: a request's ``max_tokens`` above ``rollout.max_new_tokens`` is served at the
+    cap, which cut an example's calls silently (it asked 96 while the run capped at 48)."""
+    if asked is None or asked <= cap or (asked, cap) in _warned_caps:
+        return
+    _warned_caps.add((asked, cap))
+    log.warning("an agent program asked max_tokens=%d, above rollout.max_new_tokens=%d: its replies are cut at %d "
+                "(set rollout.max_new_tokens=%d to give it what it asks)", asked, cap, cap, asked)
 
 MODEL_NAME = "policy"  # what /v1/models lists; any model name in a request is accepted
 SHUTTING_DOWN = "the capture endpoint is shutting down (the rollout has ended)"
@@ -319,6 +334,7 @@ class CaptureService:
             body.max_tokens = body.max_completion_tokens
         if body.max_tokens is not None and body.max_tokens < 1:
             raise BadRequest(f"'max_tokens' must be at least 1, got {body.max_tokens}", "max_tokens")
+        warn_over_cap(body.max_tokens, self.sampling.max_new_tokens)
         budget = min(body.max_tokens or self.sampling.max_new_tokens, self.sampling.max_new_tokens)
         if opening >= budget:  # the opening and at least one token of the call within the reply's tokens
             raise BadRequest(f"'tool_choice': a call's opening takes {opening} tokens, which leaves none of the "
