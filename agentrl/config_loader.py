@@ -449,8 +449,9 @@ def _check_names(cfg: RecipeCfg) -> None:
 
         try:
             check_options(cfg.env_kwargs)
-            if cfg.env_kwargs.get("command") is not None:  # agent:external's command per episode
-                check_gate(cfg.env.split(":", 1)[1], None, None, cfg.env_kwargs["command"])
+            # agent:external's key, address and command per episode, here so --print-config and --dry-run
+            # refuse what the run would (the env checks of preflight need the run's machine)
+            check_gate(cfg.env.split(":", 1)[1], *(cfg.env_kwargs.get(k) for k in ("host", "port", "command")))
         except EnvError as e:
             raise ConfigError(str(e)) from None
     if cfg.trainer.device not in ("auto", "cpu", "cuda") and not cfg.trainer.device.startswith("cuda:"):

@@ -1,7 +1,7 @@
 """An agent program written against the OpenAI client, trained by agentrl through its capture endpoint:
 
-    PYTHONPATH=. agentrl train grpo --env agent:examples.calc_agent:run_agent env_kwargs.tasks=examples/calc_tasks.jsonl \
-        rollout.max_new_tokens=96
+    PYTHONPATH=. agentrl train grpo --env agent:examples.calc_agent:run_agent \
+        env_kwargs.tasks=examples/calc_tasks.jsonl rollout.max_new_tokens=96
 
 Each task is {"expression": ..., "answer": ...}. The agent offers the model a calculator tool, runs the
 calls the model makes, sends the results back as tool messages, and scores the final answer. Its requests ask

@@ -11,6 +11,8 @@ def run(*args, stdin=""):
 def test_help_lists_commands():
     r = run("agentrl.cli", "--help")
     assert r.returncode == 0 and "envs" in r.stdout
+    r = run("agentrl", "--help")  # python -m agentrl, the same command
+    assert r.returncode == 0 and "envs" in r.stdout
     r = run("agentrl.cli", "envs", "play", "--help")
     assert r.returncode == 0 and ":expert" in r.stdout and ":undo" in r.stdout
 

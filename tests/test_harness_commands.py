@@ -77,6 +77,7 @@ def test_a_command_per_episode_trains_two_grpo_steps(tmp_path, tiny_model_dir, m
            "empty one"),
     ("no-such-harness-program", "env_kwargs.command: 'no-such-harness-program' is not an executable file here, "
                                 "nor a program on $PATH"),
+    (None, "env 'agent:external' needs $AGENTRL_HARNESS_KEY"),  # no command: harnesses need the run's key
 ])
 def test_a_malformed_command_is_one_line_naming_the_key_before_any_folder(tmp_path, capsys, tiny_model_dir,
                                                                            monkeypatch, command, said):
@@ -86,7 +87,7 @@ def test_a_malformed_command_is_one_line_naming_the_key_before_any_folder(tmp_pa
     run = tmp_path / "run"
     for extra in ([], ["--print-config"], ["--dry-run"]):
         rc = main(["train", "grpo", "--env", "agent:external", "--out", str(run), f"model.name={tiny_model_dir}",
-                   f"env_kwargs.tasks={TASKS}", f"env_kwargs.command={command}", *extra])
+                   f"env_kwargs.tasks={TASKS}", *([f"env_kwargs.command={command}"] if command else []), *extra])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and said in err, (extra, err, capsys.readouterr())
         assert not run.exists()
