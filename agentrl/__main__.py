@@ -3,4 +3,5 @@ import sys
 
 from agentrl.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a module walk that imports every module runs nothing
+    sys.exit(main())

@@ -253,7 +253,8 @@ def test_reproduce_regenerates_the_results_pages_suite_table(tmp_path, capsys):
     block = lambda text: text.split(begin, 1)[1].split(end, 1)[0]  # noqa: E731
     command = RAGEN_CHECK + ["--out", str(out), "--table", "--results", str(page)]
     # from folders holding the recorded readings, the page comes back as committed: its block is the command's
-    _finish(out, {suites.WARM_START: [0.0, 0.0], "StarPO (GRPO)": [0.0, 0.0], "StarPO-S (GRPO)": [0.0, 0.0]})
+    _finish(out, {suites.WARM_START: [0.0625, 0.03125], "StarPO (GRPO)": [0.125, 0.046875],
+                  "StarPO-S (GRPO)": [0.125, 0.109375]})
     assert main(command) == 0
     assert page.read_text() == original
     # new readings replace the table and nothing else on the page
