@@ -292,6 +292,13 @@ def _shared_prefix(batch: TokenBatch) -> int:
     return shared_prefix_len([r[:n] for r, n in zip(batch.input_ids.tolist(), batch.lengths)])
 
 
+def packed_computes_less(real: int, rows: int, widest: int, prefix: int) -> bool:
+    """Whether ``rows`` rows of ``real`` tokens in all compute fewer positions packed than padded to the
+    ``widest`` with their shared ``prefix`` run once: the one rule for how a micro-batch runs (``hidden.packs``)
+    and how the budget counts it (``group_rows``)."""
+    return real < prefix + rows * (widest - prefix)
+
+
 def group_rows(lengths: Sequence[int], token_budget: int, block: int = 1, packed: bool = False,
                prefix: int = 0) -> list[list[int]]:
     """``micro_batches`` from the rows' lengths alone. ``packed``: a micro-batch counts its real tokens, unless
@@ -307,7 +314,7 @@ def group_rows(lengths: Sequence[int], token_budget: int, block: int = 1, packed
     width = tokens = 0
     for k in order:
         rows, wide, total = len(cur) + block, max(width, size[k]), tokens + real[k]
-        runs_packed = packed and total < prefix + rows * (wide - prefix)
+        runs_packed = packed and packed_computes_less(total, rows, wide, prefix)
         cost = total if runs_packed else wide * rows
         if cur and cost > token_budget:
             out.append(cur)

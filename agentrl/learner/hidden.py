@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from agentrl.learner import segments
-from agentrl.learner.batch import TokenBatch
+from agentrl.learner.batch import TokenBatch, packed_computes_less
 from agentrl.prefix import shared_prefix_len
 
 
@@ -72,4 +72,4 @@ def packs(mb: TokenBatch, packing: bool, shared_prefix: bool) -> bool:
         return False
     lengths = mb.lengths
     n = batch_prefix_len(mb.input_ids, mb.attention_mask) if shared_prefix else 0
-    return sum(lengths) < n + len(lengths) * (max(lengths) - n)
+    return packed_computes_less(sum(lengths), len(lengths), max(lengths), n)
