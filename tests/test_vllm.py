@@ -113,19 +113,21 @@ def test_grpo_with_two_vllm_servers_synced_in_place_survives_one_killed(sokoban_
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("n,inflight", [(1, False), (2, False), (1, True), (1, "continuous")])
-def test_staleness_with_a_vllm_server(sokoban_sft_model_dir, tmp_path, n, inflight):
+@pytest.mark.parametrize("n,inflight,lora", [(1, False, False), (2, False, False), (1, True, False),
+                                             (1, "continuous", False), (2, "continuous", True)])
+def test_staleness_with_a_vllm_server(sokoban_sft_model_dir, tmp_path, n, inflight, lora):
     """trainer.max_staleness=N with a real vLLM server: per-trajectory rollouts of the next steps go to the
     server while the learner trains; at N = 1 the weights are pushed in place once that collect is done (and
     checked), at N = 2 each version is pushed from its host copy just before the collect that needs it; each
     step t trains on samples min(t - 1, N) updates old, corrected. With in-flight updates each version is
-    pushed as soon as it exists, into the collect that runs; no token is older than N versions."""
+    pushed as soon as it exists, into the collect that runs; no token is older than N versions. A LoRA policy
+    in continuous mode hands each version over as an adapter of its own name, mid-population."""
     import json
 
     from agentrl import Trainer
     from agentrl.config_loader import load_config
 
-    port = 18661 + n + 2 * (inflight is True) + 4 * (inflight == "continuous")
+    port = 18661 + n + 2 * (inflight is True) + 4 * (inflight == "continuous") + 8 * lora
     over = [f"model.name={sokoban_sft_model_dir}", f"trainer.out_dir={tmp_path}", "trainer.steps=3",
             "trainer.generator=vllm", "trainer.vllm_servers=1", f"trainer.vllm_port={port}",
             "sft.enabled=false", "trainer.tensorboard=false", "trainer.progress=false", "rollout.groups=4",
@@ -136,11 +138,15 @@ def test_staleness_with_a_vllm_server(sokoban_sft_model_dir, tmp_path, n, inflig
     # continuous rollouts: the population's episodes go on across each push (in-flight, token-labelled)
     over += (["rollout.mode=continuous"] if inflight == "continuous" else
              ["rollout.mode=async", f"trainer.inflight_updates={str(inflight).lower()}"])
+    over += ["model.lora_r=8", "optim.lr=1e-3"] if lora else []
     trainer = Trainer.from_config(load_config("grpo", env="sokoban", overrides=over))
     try:
         trainer.train()
+        adapters = {c.lora_name for c in trainer.generator.pool.clients.values()}
     finally:
         trainer.close()
+    if lora:  # the server generates under the adapter it was handed, never the base weights alone
+        assert adapters and all(a and a.startswith("policy-") for a in adapters), adapters
     rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
     if inflight == "continuous":  # groups drawn while earlier updates ran, none beyond the bound
         assert all(rows[s]["staleness_token_max"] <= n and "continuous_dropped_groups" in rows[s] for s in (1, 2, 3))
