@@ -241,15 +241,20 @@ def test_segment_attention_runs_each_sequence_alone_without_a_mask(tiny_model_di
                         lambda m, q, k, v, mask, *a, **kw: calls.append((q.shape[0], q.shape[2], mask is None))
                         or real_sdpa(m, q, k, v, mask, *a, **kw))
     monkeypatch.setattr(mu, "sdpa_mask", lambda **kw: pytest.fail("a mask was built for a packed row"))
+    reads = []  # the row's bounds are read from the device once a forward, not once a layer (a CUDA sync each)
+    real_bounds = segments.sequence_bounds
+    monkeypatch.setattr(segments, "sequence_bounds", lambda pos: reads.append(1) or real_bounds(pos))
     g = torch.Generator().manual_seed(1)
     seqs = [[torch.randint(3, 100, (n,), generator=g).tolist() for n in row] for row in ((9, 4, 6), (12, 5))]
     layers = model.config.num_hidden_layers
     with torch.no_grad():
         for rows in (seqs[:1], seqs):
             calls.clear()
+            reads.clear()
             ids, pos = _packed_rows(rows)
             out = decoder(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=pos,
                               use_cache=False).last_hidden_state
+            assert len(reads) == 1 and layers > 1
             pieces = [(1, len(s), True) for row in rows for s in row]
             pad = [ids.shape[1] - sum(map(len, row)) for row in rows]
             pieces += [(1, n, True) for n in pad if n]  # a row's padding: a sequence of its own

@@ -12,6 +12,7 @@ row with restarts and no mask, so padded passes, the shared-prefix pass and gene
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -86,7 +87,8 @@ def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     L = query.shape[2]
     if attention_mask is not None or pos is None or L < 2 or key.shape[2] != L or pos.shape[-1] != L:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    bounds = sequence_bounds(pos.expand(query.shape[0], -1))
+    bounds = _bounds_of(pos)
+    bounds = bounds * query.shape[0] if len(bounds) == 1 else bounds
     if all(len(b) == 2 for b in bounds):  # one sequence a row: plain causal
         return sdpa_attention_forward(module, query, key, value, None, dropout, scaling, **kwargs)
     rows = []
@@ -96,6 +98,23 @@ def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                                                       is_causal=True)[0]
                                for s, e in zip(b[:-1], b[1:])], dim=1))
     return torch.cat(rows, dim=0), None
+
+
+# Every layer of one forward gets the same position_ids tensor: its bounds are read from the device once a
+# forward (and once more for a checkpointed recomputation's), not once a layer (a sync each on CUDA).
+_last: tuple[Any, int, list[list[int]]] | None = None
+
+
+def _bounds_of(position_ids: torch.Tensor) -> list[list[int]]:
+    global _last
+    if position_ids.is_inference():  # no version counter to tell an edit in place: read it every time
+        return sequence_bounds(position_ids.reshape(-1, position_ids.shape[-1]))
+    last = _last  # one read of the global: another thread may replace it, never half-way
+    if last is not None and last[0]() is position_ids and last[1] == position_ids._version:
+        return last[2]
+    bounds = sequence_bounds(position_ids.reshape(-1, position_ids.shape[-1]))
+    _last = (weakref.ref(position_ids), position_ids._version, bounds)
+    return bounds
 
 
 def sequence_bounds(position_ids: torch.Tensor) -> list[list[int]]:
