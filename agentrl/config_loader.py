@@ -447,6 +447,12 @@ def _check_names(cfg: RecipeCfg) -> None:
         from agentrl.envs.agent_program import check_gate, check_options
         from agentrl.envs.base import EnvError
 
+        program = cfg.env.split(":", 1)[1]
+        if program.split(":", 1)[0] in ("__main__", "__mp_main__"):  # each worker's __main__ is its own
+            raise ConfigError(f"bad value for 'env': {cfg.env!r}: agent programs run in worker processes, which "
+                              "cannot import the launching script's __main__; put the function in a module and "
+                              "name it (agent:mymodule:fn)")
+
         try:
             check_options(cfg.env_kwargs)
             # agent:external's key, address and command per episode, here so --print-config and --dry-run

@@ -43,3 +43,14 @@ def test_the_run_print_config_and_dry_run_refuse_alike(case, tmp_path, capsys):
         assert not out.exists(), mode  # refused before any run folder is made
         lines[mode] = errors[0]
     assert len(set(lines.values())) == 1, lines
+
+
+def test_an_agent_program_in_the_launching_script_is_refused_alike(tmp_path, capsys):
+    """Agent programs run in worker processes, whose __main__ is not the user's script: refused at load, in one
+    line, by the run, --print-config and --dry-run alike (before, every episode failed in its worker)."""
+    for mode, flags in MODES.items():
+        out = tmp_path / mode.strip("-")
+        rc = cli.main(["train", "grpo", "--env", "agent:__main__:my_agent", "--out", str(out), *flags])
+        errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+        assert rc == 2 and len(errors) == 1 and "cannot import the launching script's __main__" in errors[0], mode
+        assert not out.exists(), mode
