@@ -109,7 +109,8 @@ def along_choices(target: list[int], choices: list[list[int]] | None) -> list[li
 
 
 def _select_rows(cache: Any, sel: torch.Tensor) -> None:
-    """Keep only the live rows of a static KV cache (StaticCache has no batch_select_indices)."""
+    """Keep the rows ``sel`` of a static KV cache, in that order (a row may repeat; StaticCache has no
+    batch_select_indices)."""
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys[sel], layer.values[sel]
         layer.batch_size = len(sel)
@@ -266,10 +267,18 @@ class EmbeddedGenerator:
         Rows are laid out as [shared prefix][left padding][own suffix]: the prefix all prompts share (the
         task instructions of a template) is computed once and copied to every row. Padding is masked and
         positions count only real tokens, so each row sees exactly what it would see alone. A static
-        cache is written in place (a growing one re-copies all keys and values at every step)."""
+        cache is written in place (a growing one re-copies all keys and values at every step). Repeated
+        prompts (a GRPO group's) are run once and their cache rows copied."""
         from transformers import StaticCache
 
         n, dev = len(prompts), self.device
+        distinct: dict[tuple[int, ...], int] = {}
+        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        if len(distinct) < n:  # GRPO's group of completions repeats its prompt: each distinct one is run once
+            cache, mask, pos, logits = self._prefill([list(p) for p in distinct], max_new)
+            sel = torch.tensor(which, device=dev)
+            _select_rows(cache, sel)
+            return cache, mask[sel], pos[sel], logits[sel]
         shared = shared_prefix_len(prompts)
         width = max(len(p) for p in prompts) - shared
         cache = StaticCache(config=self.model.config, max_cache_len=shared + width + max_new)
