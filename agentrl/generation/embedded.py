@@ -351,10 +351,11 @@ class EmbeddedGenerator:
             tok, lp = sample_from_logits(logits, sampling,
                                          draws[rows, step] if draws is not None else gen)
             keep = []
+            toks, lps = tok.tolist(), lp.tolist()  # one read of the device a step, not two a row
             for j, r in enumerate(rows):
-                t = int(tok[j])
+                t = toks[j]
                 gen_ids[r].append(t)
-                gen_lp[r].append(float(lp[j]))
+                gen_lp[r].append(lps[j])
                 if self.inflight:
                     gen_versions[r].append(drawn_by)
                 whole = False
