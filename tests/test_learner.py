@@ -319,6 +319,15 @@ def test_prefix_tree_pass_matches_the_plain_pass(tiny_model_dir, lora):
     assert torch.allclose(outs[0]["entropy"][m], outs[1]["entropy"][m], atol=1e-5)
     assert len(grads[1]) == len(grads[0]) > 0
     assert all(torch.allclose(g, h, atol=1e-5, rtol=1e-4) for g, h in zip(*grads))
+    if not lora:  # a separate critic's values run the same tree
+        from agentrl.learner.critic import load_critic
+
+        critic = load_critic(tiny_model_dir)
+        torch.nn.init.normal_(critic.head.v.weight)
+        real = b.attention_mask[:, 1:].bool()
+        with torch.no_grad():
+            plain, tree = critic(b, prefix_tree=False), critic(b, prefix_tree=True)
+        assert torch.allclose(plain[real], tree[real], atol=1e-5)
 
 
 def test_prefix_levels_cut_where_rows_stop_sharing():

@@ -328,7 +328,7 @@ class TorchEngine:
                             need_values and self.critic is None, targets_only=True,
                             logits_chunk=self.cfg.logits_chunk, packed=packed, prefix_tree=True)
         if need_values and self.critic is not None:
-            out["values"] = self.critic(mb, packed=packed)
+            out["values"] = self.critic(mb, packed=packed, prefix_tree=True)
         return out
 
     @property
