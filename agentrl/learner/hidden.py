@@ -48,18 +48,19 @@ def decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor, shared_prefi
         for row, g in enumerate(group):
             first.setdefault(g, row)
         reps = [first[g] for g in range(len(first))]
+        # index_select, not indexing: its backward (index_add) took a third of the time of indexing's (index_put)
         if start:  # each group's cache is its parent's (the pass before)
-            cache.batch_select_indices(torch.tensor([prev[r] for r in reps], device=dev))
+            cache.reorder_cache(torch.tensor([prev[r] for r in reps], device=dev))
         idx = torch.tensor(reps, device=dev)
         h = decoder(input_ids=mb.input_ids[idx, start:end], attention_mask=mb.attention_mask[idx, :end],
                     position_ids=pos[idx, start:end], past_key_values=cache, use_cache=True,
                     cache_position=torch.arange(start, end, device=dev)).last_hidden_state
-        parts.append(h.expand(B, -1, -1) if len(reps) == 1 else h[torch.tensor(group, device=dev)])
+        parts.append(h.expand(B, -1, -1) if len(reps) == 1 else h.index_select(0, torch.tensor(group, device=dev)))
         start, prev = end, group
     if len(set(prev)) == 1:
         cache.batch_repeat_interleave(B)
     else:
-        cache.batch_select_indices(torch.tensor(prev, device=dev))
+        cache.reorder_cache(torch.tensor(prev, device=dev))
     tail = decoder(input_ids=mb.input_ids[:, start:], attention_mask=mb.attention_mask, position_ids=pos[:, start:],
                    past_key_values=cache, use_cache=True,
                    cache_position=torch.arange(start, T, device=dev)).last_hidden_state
