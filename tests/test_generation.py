@@ -438,3 +438,24 @@ def test_each_adapter_load_gets_a_new_name():
         gen.load_weights("/adapter", lora=True)
     names = [b["lora_name"] for b in sent]
     assert len(set(names)) == 3 and gen.lora_name == names[-1]
+
+
+def test_a_repeated_prompt_is_prefilled_once_and_samples_as_if_alone(tiny_generator, monkeypatch):
+    """GRPO's group repeats its prompt: the prefill runs each distinct prompt once and copies its cache
+    rows; every row then samples the tokens (and log-probs) it samples alone, with its own seed."""
+    from agentrl.generation import embedded
+
+    g = tiny_generator
+    a, b = chat_ids(g.tokenizer, [{"role": "user", "content": "pick an arm"}]), [5, 6, 7, 8, 9, 10]
+    prompts, seeds = [a, b, a, a, b], [11, 12, 13, 14, 15]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    widths = []
+    prefill = embedded.EmbeddedGenerator._prefill
+    monkeypatch.setattr(embedded.EmbeddedGenerator, "_prefill",
+                        lambda self, ps, n: widths.append(len(ps)) or prefill(self, ps, n))
+    together = g.generate(prompts, sampling, seeds=seeds)
+    assert widths[:2] == [5, 2]  # the call, then its two distinct prompts
+    alone = [g.generate([p], sampling, seeds=[s])[0] for p, s in zip(prompts, seeds)]
+    assert [c.ids for c in together] == [c.ids for c in alone]
+    for c, d in zip(together, alone):
+        assert c.logprobs == pytest.approx(d.logprobs, abs=1e-4)

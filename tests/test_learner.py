@@ -283,6 +283,67 @@ def test_shared_prefix_pass_matches_the_plain_pass(tiny_model_dir, lora, monkeyp
     assert all(torch.allclose(g, h, atol=1e-5, rtol=1e-4) for g, h in zip(*grads))
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_prefix_tree_pass_matches_the_plain_pass(tiny_model_dir, lora):
+    """GRPO-shaped rows (a system prompt all share, 3 prompts each repeated for 3 completions, one prompt
+    longer than the others): the prefix tree runs the system prompt once, each prompt once per group
+    and the completions per row; log-probs, entropies and gradients equal the pass over every row in full."""
+    from agentrl.learner import engine as E
+    from agentrl.prefix import prefix_levels
+
+    eng = TorchEngine(tiny_model_dir, EngineConfig(lora=LoraSettings(r=4, alpha=8) if lora else None))
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(4, 300, (24,), generator=g).tolist()
+    prompts = [system + torch.randint(4, 300, (n,), generator=g).tolist() for n in (20, 20, 26)]
+    samples = []
+    for p in prompts:
+        for k in range(3):
+            gen = torch.randint(4, 300, (3 + 2 * k,), generator=g).tolist()
+            samples.append(turn_sample(p, gen, [-5.0] * len(gen), 1.0 if k else -1.0))
+    b = collate(samples, pad_id=eng.pad_id)
+    rows = [r[:n] for r, n in zip(b.input_ids.tolist(), b.attention_mask.sum(-1).tolist())]
+    levels = prefix_levels(rows, b.input_ids.shape[1])
+    assert [m for m, _ in levels][:2] == [24, 44]
+    group = levels[1][1]  # the prompts' pass: one row a group
+    assert group == [group[0]] * 3 + [group[3]] * 3 + [group[6]] * 3 and len(set(group)) == 3
+    m = b.loss_mask.bool()
+    outs, grads = [], []
+    for tree in (False, True):
+        eng.model.zero_grad()
+        out = E.forward_batch(eng.model, None, b, 0.7, need_entropy=True, targets_only=True, shared_prefix=tree,
+                              prefix_tree=tree)
+        (out["logp"][m].sum() + out["entropy"][m].sum()).backward()
+        outs.append(out)
+        grads.append([p.grad.clone() for p in eng.model.parameters() if p.grad is not None])
+    assert torch.allclose(outs[0]["logp"][m], outs[1]["logp"][m], atol=1e-5)
+    assert torch.allclose(outs[0]["entropy"][m], outs[1]["entropy"][m], atol=1e-5)
+    assert len(grads[1]) == len(grads[0]) > 0
+    assert all(torch.allclose(g, h, atol=1e-5, rtol=1e-4) for g, h in zip(*grads))
+    if not lora:  # a separate critic's values run the same tree
+        from agentrl.learner.critic import load_critic
+
+        critic = load_critic(tiny_model_dir)
+        torch.nn.init.normal_(critic.head.v.weight)
+        real = b.attention_mask[:, 1:].bool()
+        with torch.no_grad():
+            plain, tree = critic(b, prefix_tree=False), critic(b, prefix_tree=True)
+        assert torch.allclose(plain[real], tree[real], atol=1e-5)
+
+
+def test_prefix_levels_cut_where_rows_stop_sharing():
+    """Passes end where the rows' shared tokens end, only where one saves more positions than its call costs,
+    and leave every row a token of its own; rows with nothing in common get none."""
+    from agentrl.prefix import prefix_levels
+
+    system, a, b = list(range(100, 140)), [1] * 30, [2] * 30
+    rows = [system + a + [7, 8], system + a + [9], system + b + [7], system + b + [8, 9]]
+    assert prefix_levels(rows, 73) == [(40, [0, 0, 0, 0]), (70, [0, 0, 1, 1])]
+    assert prefix_levels([system + [1], system + [2]], 41) == [(40, [0, 0])]
+    assert prefix_levels([[1, 2, 3], [4, 5, 6]], 3) == []
+    assert prefix_levels([system[:3] + [1], system[:3] + [2]], 4) == []  # 3 shared tokens: not worth a call
+    assert prefix_levels([system, system], 40) == [(39, [0, 0])]  # identical rows: the last token per row
+
+
 def test_sft_linear_schedule_decays_the_lr_to_zero_by_the_last_step(tiny_model_dir):
     """sft.schedule=linear: 2 passes x 3 batches run at lr x (1, 5/6, ..., 1/6); the engine's own lr is
     back afterwards."""

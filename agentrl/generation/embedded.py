@@ -56,7 +56,7 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams,
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    logp = torch.log_softmax(logits / temperature if temperature != 1 else logits, dim=-1)  # x / 1 is x
     probs = logp.exp()
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -109,7 +109,8 @@ def along_choices(target: list[int], choices: list[list[int]] | None) -> list[li
 
 
 def _select_rows(cache: Any, sel: torch.Tensor) -> None:
-    """Keep only the live rows of a static KV cache (StaticCache has no batch_select_indices)."""
+    """Keep the rows ``sel`` of a static KV cache, in that order (a row may repeat; StaticCache has no
+    batch_select_indices)."""
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys[sel], layer.values[sel]
         layer.batch_size = len(sel)
@@ -266,10 +267,18 @@ class EmbeddedGenerator:
         Rows are laid out as [shared prefix][left padding][own suffix]: the prefix all prompts share (the
         task instructions of a template) is computed once and copied to every row. Padding is masked and
         positions count only real tokens, so each row sees exactly what it would see alone. A static
-        cache is written in place (a growing one re-copies all keys and values at every step)."""
+        cache is written in place (a growing one re-copies all keys and values at every step). Repeated
+        prompts (a GRPO group's) are run once and their cache rows copied."""
         from transformers import StaticCache
 
         n, dev = len(prompts), self.device
+        distinct: dict[tuple[int, ...], int] = {}
+        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        if len(distinct) < n:  # GRPO's group of completions repeats its prompt: each distinct one is run once
+            cache, mask, pos, logits = self._prefill([list(p) for p in distinct], max_new)
+            sel = torch.tensor(which, device=dev)
+            _select_rows(cache, sel)
+            return cache, mask[sel], pos[sel], logits[sel]
         shared = shared_prefix_len(prompts)
         width = max(len(p) for p in prompts) - shared
         cache = StaticCache(config=self.model.config, max_cache_len=shared + width + max_new)
@@ -342,10 +351,11 @@ class EmbeddedGenerator:
             tok, lp = sample_from_logits(logits, sampling,
                                          draws[rows, step] if draws is not None else gen)
             keep = []
+            toks, lps = tok.tolist(), lp.tolist()  # one read of the device a step, not two a row
             for j, r in enumerate(rows):
-                t = int(tok[j])
+                t = toks[j]
                 gen_ids[r].append(t)
-                gen_lp[r].append(float(lp[j]))
+                gen_lp[r].append(lps[j])
                 if self.inflight:
                     gen_versions[r].append(drawn_by)
                 whole = False

@@ -43,12 +43,14 @@ class Critic(torch.nn.Module):
     def config(self) -> Any:
         return self.backbone.config
 
-    def forward(self, mb: TokenBatch, shared_prefix: bool = True, packed: bool = False) -> torch.Tensor:
+    def forward(self, mb: TokenBatch, shared_prefix: bool = True, packed: bool = False,
+                prefix_tree: bool = False) -> torch.Tensor:
+        """``prefix_tree``: ``decoder_hidden``'s (the torch engine's; not under ZeRO-3)."""
         if packed:  # the head on each real token once, read back into the padded layout (padding reads 0)
             index = pack_index(mb.attention_mask)[:, :-1]
             return self.head(packed_hidden(self.backbone, mb))[index] * mb.attention_mask[:, 1:]
         pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = decoder_hidden(self.backbone, mb, pos, shared_prefix)
+        hidden = decoder_hidden(self.backbone, mb, pos, shared_prefix, prefix_tree)
         return self.head(hidden[:, :-1])
 
 

@@ -149,7 +149,8 @@ def _decoder_and_head(model: Any) -> tuple[Any, Any] | None:
 
 def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: float = 1.0, need_entropy: bool = False,
                   need_values: bool = False, targets_only: bool = False, shared_prefix: bool = True,
-                  logits_chunk: int = 0, packed: bool = False, logits_chunks: int = 0) -> dict[str, torch.Tensor]:
+                  logits_chunk: int = 0, packed: bool = False, logits_chunks: int = 0,
+                  prefix_tree: bool = False) -> dict[str, torch.Tensor]:
     """Per-target log-probs (B, T-1), and optionally entropies and values at the same positions.
 
     ``targets_only``: project to the vocabulary only where ``loss_mask`` is set (other positions read 0).
@@ -160,7 +161,8 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
     positions at a time (``agentrl.learner.projection``; 0: all at once), in at least ``logits_chunks`` chunks
     (ZeRO-3: as many as every other rank's). ``packed``: run the decoder on the
     rows' real tokens packed into one row (``agentrl.learner.hidden.packed_hidden``), for a model whose
-    decoder and head are reachable; the outputs keep the padded (B, T-1) layout."""
+    decoder and head are reachable; the outputs keep the padded (B, T-1) layout. ``prefix_tree``: the padded
+    pass also runs what only some rows share once per distinct prefix (``decoder_hidden``; the torch engine)."""
     from agentrl.algos.losses import entropy_from_logits
 
     pos = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)  # mb is on the model's device (the engines move it)
@@ -184,7 +186,7 @@ def forward_batch(model: Any, value_head: Any, mb: TokenBatch, temperature: floa
         index = pack_index(mb.attention_mask)[:, :-1]
         chosen = flat[index[sel]]
     else:
-        hidden = _decoder_hidden(decoder, mb, pos, shared_prefix)
+        hidden = _decoder_hidden(decoder, mb, pos, shared_prefix, prefix_tree)
         chosen = hidden[:, :-1][sel]
     picked, entropy = target_logprobs(head, chosen, mb.input_ids[:, 1:][sel],
                                       None if mb.allowed is None else mb.allowed[sel], temperature, need_entropy,
@@ -254,7 +256,7 @@ class FrozenReference:
     def logprobs(self, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
         def fwd(mb: TokenBatch, t: float, need_values: bool = False) -> dict[str, torch.Tensor]:
             return forward_batch(self.model, None, mb, t, targets_only=True, logits_chunk=self.logits_chunk,
-                                 packed=packs(mb, self.packing, True))
+                                 packed=packs(mb, self.packing, True), prefix_tree=True)
 
         return batched_forward(fwd, batch, self.token_budget, temperature, False, self.device, self.packing)[0]
 
@@ -324,9 +326,9 @@ class TorchEngine:
         packed = packs(mb, self.cfg.packing, True)  # or the padded pass with its shared prefix run once
         out = forward_batch(self.model, self.value_head, mb, temperature, need_entropy,
                             need_values and self.critic is None, targets_only=True,
-                            logits_chunk=self.cfg.logits_chunk, packed=packed)
+                            logits_chunk=self.cfg.logits_chunk, packed=packed, prefix_tree=True)
         if need_values and self.critic is not None:
-            out["values"] = self.critic(mb, packed=packed)
+            out["values"] = self.critic(mb, packed=packed, prefix_tree=True)
         return out
 
     @property

@@ -48,9 +48,10 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``logits / temperature``; the logits themselves at a greedy temperature (0, or below
-    ``agentrl.types.GREEDY_BELOW``), as the samplers read it, so the learner's log-probs are the sampled ones."""
+    ``agentrl.types.GREEDY_BELOW``), as the samplers read it, so the learner's log-probs are the sampled ones.
+    At 1 the logits themselves too (x / 1 is x): no copy of a (positions x vocabulary) tensor, nor its backward."""
     t = effective_temperature(temperature)
-    return logits / t if t > 0 else logits
+    return logits / t if t > 0 and t != 1 else logits
 
 
 def completion_logprobs(model: Any, prompt_ids: list[int], gen_ids: list[int], temperature: float = 1.0) -> list[float]:
