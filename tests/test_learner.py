@@ -268,19 +268,31 @@ def test_shared_prefix_pass_matches_the_plain_pass(tiny_model_dir, lora, monkeyp
     samples.append(turn_sample(system, [7, 8, 9], [-5.0] * 3, 1.0))  # generation starts right after the prefix
     b = collate(samples, pad_id=eng.pad_id)
     assert E.batch_prefix_len(b.input_ids, b.attention_mask) == 20
-    m = b.loss_mask.bool()
-    outs, grads = [], []
+    passes = []
     for shared in (False, True):
         monkeypatch.setattr(H, "batch_prefix_len", E.batch_prefix_len if shared else lambda ids, mask: 0)
-        eng.model.zero_grad()
-        out = E.forward_batch(eng.model, None, b, 0.7, need_entropy=True, targets_only=True)
-        (out["logp"][m].sum() + out["entropy"][m].sum()).backward()
-        outs.append(out)
-        grads.append([p.grad.clone() for p in eng.model.parameters() if p.grad is not None])
-    assert torch.allclose(outs[0]["logp"][m], outs[1]["logp"][m], atol=1e-5)
-    assert torch.allclose(outs[0]["entropy"][m], outs[1]["entropy"][m], atol=1e-5)
-    assert len(grads[1]) == len(grads[0]) > 0
-    assert all(torch.allclose(g, h, atol=1e-5, rtol=1e-4) for g, h in zip(*grads))
+        passes.append(_pass_with_grads(eng, b))
+    _assert_passes_agree(b, *passes)
+
+
+def _pass_with_grads(eng, b, **kw):
+    """A pass's target log-probs and entropies (temperature 0.7), and the gradients of their sum."""
+    from agentrl.learner import engine as E
+
+    m = b.loss_mask.bool()
+    eng.model.zero_grad()
+    out = E.forward_batch(eng.model, None, b, 0.7, need_entropy=True, targets_only=True, **kw)
+    (out["logp"][m].sum() + out["entropy"][m].sum()).backward()
+    return out, [p.grad.clone() for p in eng.model.parameters() if p.grad is not None]
+
+
+def _assert_passes_agree(b, first, second):
+    m = b.loss_mask.bool()
+    (a, ga), (c, gc) = first, second
+    assert torch.allclose(a["logp"][m], c["logp"][m], atol=1e-5)
+    assert torch.allclose(a["entropy"][m], c["entropy"][m], atol=1e-5)
+    assert len(gc) == len(ga) > 0
+    assert all(torch.allclose(g, h, atol=1e-5, rtol=1e-4) for g, h in zip(ga, gc))
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -288,7 +300,6 @@ def test_prefix_tree_pass_matches_the_plain_pass(tiny_model_dir, lora):
     """GRPO-shaped rows (a system prompt all share, 3 prompts each repeated for 3 completions, one prompt
     longer than the others): the prefix tree runs the system prompt once, each prompt once per group
     and the completions per row; log-probs, entropies and gradients equal the pass over every row in full."""
-    from agentrl.learner import engine as E
     from agentrl.prefix import prefix_levels
 
     eng = TorchEngine(tiny_model_dir, EngineConfig(lora=LoraSettings(r=4, alpha=8) if lora else None))
@@ -306,19 +317,7 @@ def test_prefix_tree_pass_matches_the_plain_pass(tiny_model_dir, lora):
     assert [m for m, _ in levels][:2] == [24, 44]
     group = levels[1][1]  # the prompts' pass: one row a group
     assert group == [group[0]] * 3 + [group[3]] * 3 + [group[6]] * 3 and len(set(group)) == 3
-    m = b.loss_mask.bool()
-    outs, grads = [], []
-    for tree in (False, True):
-        eng.model.zero_grad()
-        out = E.forward_batch(eng.model, None, b, 0.7, need_entropy=True, targets_only=True, shared_prefix=tree,
-                              prefix_tree=tree)
-        (out["logp"][m].sum() + out["entropy"][m].sum()).backward()
-        outs.append(out)
-        grads.append([p.grad.clone() for p in eng.model.parameters() if p.grad is not None])
-    assert torch.allclose(outs[0]["logp"][m], outs[1]["logp"][m], atol=1e-5)
-    assert torch.allclose(outs[0]["entropy"][m], outs[1]["entropy"][m], atol=1e-5)
-    assert len(grads[1]) == len(grads[0]) > 0
-    assert all(torch.allclose(g, h, atol=1e-5, rtol=1e-4) for g, h in zip(*grads))
+    _assert_passes_agree(b, *(_pass_with_grads(eng, b, shared_prefix=tree, prefix_tree=tree) for tree in (False, True)))
     if not lora:  # a separate critic's values run the same tree
         from agentrl.learner.critic import load_critic
 
