@@ -40,9 +40,9 @@ def calculator(expression: str) -> str:
 
 def solved(text: str, answer: int) -> bool:
     """calc-tools' rule for a final reply (its parse_tool_turn and score_answer): the number in the last complete
-    <answer>...</answer> (the whole text where there is none). The rule this replaced (the text between the last
-    <answer> and the first </answer> after it) took <answer>27</answer></answer> as right, so nothing held
-    the closing tag: seed 1 of docs/guides/tools.md's study drifted into <answer>27</answer</answer>, wrong."""
+    <answer>...</answer> (the whole text where there is none), so the program trains toward what calc-tools
+    trained its warm start toward. The rule this replaced (the text between the last <answer> and the first
+    </answer> after it, as a string) took <answer>27</answer></answer> as right and 27.0 as wrong."""
     body = tag_span(text, "answer")
     got = read_number(body if body is not None else text)
     return got is not None and got == answer

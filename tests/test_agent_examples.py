@@ -93,9 +93,10 @@ def test_the_calculator_agent_asks_calc_tools_first_prompts_token_for_token(tiny
 
 
 def test_the_calculator_agent_scores_a_final_reply_as_calc_tools_does():
-    """The program's reward is calc-tools' rule for the same reply: its old rule (the text between the last <answer>
-    and the first </answer>) rewarded <answer>27</answer></answer>, which calc-tools fails, and nothing then held the
-    closing tag; seed 1 of the guide's study drifted into <answer>27</answer</answer> (wrong under both)."""
+    """The program's reward is calc-tools' rule for the same reply, so it trains calc-tools' warm start toward
+    what calc-tools trained it toward: its old rule (the text between the last <answer> and the first </answer>)
+    rewarded <answer>27</answer></answer>, which calc-tools fails (its warm start's second likeliest token after
+    '</answer' is '></')."""
     from agentrl.envs import make
     from agentrl.envs.tools import decode_action
     from agentrl.rollout.tool_prompts import parse_tool_turn

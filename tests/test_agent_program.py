@@ -920,8 +920,8 @@ def test_the_calculator_agent_under_smollm2s_template_trains_one_sample_as_its_r
     """examples/calc_agent.py under SmolLM2's template (a call, its result, an answer; each reply ending with the
     end-of-message id, as a generator samples it): one row per episode whose targets are every request's sampled
     ids, the closing tag and <|im_end|> included, with the per-request rows' advantages, log-probs, token-mean
-    loss and gradient. (Seed 1 of docs/guides/tools.md's calculator-agent study collapsed into
-    <answer>N</answer</answer>; this rules out the one-sample form.)"""
+    loss and gradient. (Seed 1 of docs/guides/tools.md's calculator-agent study collapses into
+    <answer>N</answer</answer>: not through a misplaced target or advantage of the one-sample form.)"""
     import copy
 
     import torch
