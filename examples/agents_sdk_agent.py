@@ -11,7 +11,7 @@ import openai
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 
-from examples.calc_agent import SYSTEM, question
+from examples.calc_agent import SYSTEM, question, solved
 from examples.calc_agent import calculator as evaluate
 
 set_tracing_disabled(True)  # the SDK would send its traces to OpenAI's servers
@@ -35,6 +35,5 @@ async def run_agent(task: dict, endpoint) -> dict:
         # turns, or a reply the SDK will not take (cut at its max tokens: status "incomplete"; a call it cannot read)
         except (MaxTurnsExceeded, ModelBehaviorError):
             return {"reward": 0.0, "success": False}
-    answer = str(result.final_output or "").split("<answer>")[-1].split("</answer>")[0].strip()
-    won = answer == str(task["answer"])
+    won = solved(str(result.final_output or ""), task["answer"])
     return {"reward": float(won), "success": won}

@@ -11,7 +11,9 @@ examples/calc_agent_smollm2.yaml.
 """
 import json
 
+from agentrl.envs.calc_tools import read_number
 from agentrl.envs.calculator import CalcError, evaluate, format_number
+from agentrl.rollout.parsing import tag_span
 
 # The calc-tools env's own words (agentrl/envs/calc_tools.py): its tool, system message and question, so that
 # calc-tools' SFT warm start serves this program's prompts token for token (examples/calc_agent_smollm2.yaml)
@@ -36,6 +38,16 @@ def calculator(expression: str) -> str:
         return f"Error: {e}"
 
 
+def solved(text: str, answer: int) -> bool:
+    """calc-tools' rule for a final reply (its parse_tool_turn and score_answer): the number in the last complete
+    <answer>...</answer> (the whole text where there is none), so the program trains toward what calc-tools
+    trained its warm start toward. The rule this replaced (the text between the last <answer> and the first
+    </answer> after it, as a string) took <answer>27</answer></answer> as right and 27.0 as wrong."""
+    body = tag_span(text, "answer")
+    got = read_number(body if body is not None else text)
+    return got is not None and got == answer
+
+
 def run_agent(task: dict, endpoint) -> dict:
     client = endpoint.openai_client()  # openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(task)}]
@@ -44,8 +56,7 @@ def run_agent(task: dict, endpoint) -> dict:
                                                max_tokens=96)
         msg = reply.choices[0].message
         if not msg.tool_calls:  # a final answer
-            answer = (msg.content or "").split("<answer>")[-1].split("</answer>")[0].strip()
-            won = answer == str(task["answer"])
+            won = solved(msg.content or "", task["answer"])
             return {"reward": float(won), "success": won}
         messages.append(msg.model_dump(exclude_none=True))
         for call in msg.tool_calls:

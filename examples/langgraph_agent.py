@@ -14,7 +14,7 @@ from langgraph.errors import GraphRecursionError
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
-from examples.calc_agent import SYSTEM, question
+from examples.calc_agent import SYSTEM, question, solved
 from examples.calc_agent import calculator as evaluate
 
 
@@ -43,6 +43,5 @@ def run_agent(task: dict, endpoint) -> dict:
     except GraphRecursionError:  # still calling tools at the step limit: no answer
         return {"reward": 0.0, "success": False}
     text = final["messages"][-1].content if isinstance(final["messages"][-1].content, str) else ""
-    answer = text.split("<answer>")[-1].split("</answer>")[0].strip()
-    won = answer == str(task["answer"])
+    won = solved(text, task["answer"])
     return {"reward": float(won), "success": won}

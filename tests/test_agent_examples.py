@@ -90,3 +90,29 @@ def test_the_calculator_agent_asks_calc_tools_first_prompts_token_for_token(tiny
         ours = chat_renderer(tok, "hermes")([{"role": "system", "content": SYSTEM},
                                              {"role": "user", "content": question(task)}], [CALCULATOR])
         assert ours == tool_prompt_ids(tok, spec, spec.instruction, obs, [])
+
+
+def test_the_calculator_agent_scores_a_final_reply_as_calc_tools_does():
+    """The program's reward is calc-tools' rule for the same reply, so it trains calc-tools' warm start toward
+    what calc-tools trained it toward: its old rule (the text between the last <answer> and the first </answer>)
+    rewarded <answer>27</answer></answer>, which calc-tools fails (its warm start's second likeliest token after
+    '</answer' is '></')."""
+    from agentrl.envs import make
+    from agentrl.envs.tools import decode_action
+    from agentrl.rollout.tool_prompts import parse_tool_turn
+    from examples.calc_agent import solved
+
+    env = make("calc-tools")
+    env.reset("valid/00000", 0)
+    n = env.value
+    replies = [f"<answer>{n}</answer>", f"<answer>{n}</answer></answer>", f"<answer>{n}</answer</answer>",
+               f"<answer>{n}</answer>\n<answer>{n}</answer>", f"<answer>{n + 1}</answer><answer>{n}</answer>",
+               f"<answer>{n}</answer><answer>{n + 1}</answer>", f"<answer> {n}. </answer>", f"<answer>{n}",
+               f"{n}", f"The answer is <answer>{n}</answer> done", f"<answer>{n}.5</answer>", "<answer></answer>"]
+    theirs = []
+    for text in replies:
+        parsed, calls = parse_tool_turn(text, env.prompt_spec(), 4)
+        assert calls == 0
+        theirs.append(env.score_answer(decode_action(parsed.actions[0]).text)[1])
+    assert [solved(text, n) for text in replies] == theirs
+    assert theirs[:3] == [True, False, False]

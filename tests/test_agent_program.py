@@ -905,3 +905,112 @@ def test_an_agent_episode_whose_requests_nest_is_one_sample_and_one_that_rewrite
     assert (stats["agent_trajectory_samples"], stats["agent_turn_samples"], len(rows)) == (0.0, 12.0, 12)
     # the run's records say which form each episode trained in
     assert [episode_record(e, None, None)["notes"]["one_sample"] for e in (nested[0], edited[0])] == [True, False]
+
+
+# SmolLM2-135M-Instruct's chat template, as shipped: ChatML that renders neither tools nor an assistant's
+# tool_calls (the endpoint writes the calls into the content, as the hermes parser writes them)
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
+                    "'<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                    "{% endif %}")
+
+
+def test_the_calculator_agent_under_smollm2s_template_trains_one_sample_as_its_requests(tiny_model_dir, tiny_generator):
+    """examples/calc_agent.py under SmolLM2's template (a call, its result, an answer; each reply ending with the
+    end-of-message id, as a generator samples it): one row per episode whose targets are every request's sampled
+    ids, the closing tag and <|im_end|> included, with the per-request rows' advantages, log-probs, token-mean
+    loss and gradient. (Seed 1 of docs/guides/tools.md's calculator-agent study collapses into
+    <answer>N</answer</answer>: not through a misplaced target or advantage of the one-sample form.)"""
+    import copy
+
+    import torch
+
+    from agentrl.algos.losses import policy_loss
+    from agentrl.config_loader import load_config
+    from agentrl.learner.batch import collate
+    from agentrl.learner.logprobs import token_logprobs
+    from agentrl.recipe import RECIPES
+    from agentrl.rollout.agent_program import renders_tool_calls
+
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = SMOLLM2_TEMPLATE
+    assert not renders_tool_calls(tok)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    class Policy(Scripted):  # the calculator on the expression, then its result, each reply closed by <|im_end|>
+        def generate(self, prompts, sampling, seeds=None, choices=None):
+            outs = []
+            for p in prompts:
+                prompt = self.tok.decode(p)
+                if "<|im_start|>tool\n" in prompt:
+                    text = f"<answer>{prompt.rsplit('<|im_start|>tool', 1)[1].split('<|im_end|>')[0].strip()}</answer>"
+                else:
+                    expr = prompt.rsplit("Expression: ", 1)[1].split("<|im_end|>")[0]
+                    text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>' % expr
+                ids = self.tok(text, add_special_tokens=False)["input_ids"] + [end]
+                outs.append(Completion(ids, [-0.1 * (1 + k % 7) for k in range(len(ids))], text, "stop"))
+            return outs
+
+    gen = Policy(tok, None)
+    gen.tokenizer = tok
+    program = "examples.calc_agent:run_agent"
+    envs = InProcessEnvs(f"agent:{program}", 2, {"tasks": "examples/calc_tasks.jsonl", "timeout_s": 120})
+    engine = RolloutEngine(gen, tok, envs, f"agent:{program}", RolloutConfig(
+        max_turns=4, sampling=SamplingParams(max_new_tokens=96)))
+    try:
+        episodes = engine.run([Start(f"train/{i:05d}", i, f"g{i // 2}") for i in range(4)])
+    finally:
+        envs.close()
+    assert [len(e.turns) for e in episodes] == [2] * 4 and all(e.won and e.one_sample for e in episodes)
+    for e in episodes:
+        assert all(t.gen_ids[-1] == end for t in e.turns)
+        assert tok.decode(e.turns[-1].gen_ids).startswith("<answer>")
+    for e in episodes[1::2]:  # each group of two differs: advantages not 0
+        e.turns[-1].reward, e.score, e.won = 0.0, 0.0, False
+    split = copy.deepcopy(episodes)
+    for e in split:
+        e.one_sample = False
+    cfg = load_config("grpo", env=f"agent:{program}", overrides=[
+        "env_kwargs.tasks=examples/calc_tasks.jsonl", "algo.turn_weight=episode"])
+    whole, _ = RECIPES.get(cfg.method)(cfg).make_batch(None, episodes)
+    rows, _ = RECIPES.get(cfg.method)(cfg).make_batch(None, split)
+    assert len(whole) == 4 and len(rows) == 8
+    for n, s in enumerate(whole):
+        mine = [r for r in rows if r.meta["episode"] == n]
+        assert s.ids[-1] == end and s.loss_mask[-1] == 1  # the answer's closing tag and <|im_end|> are targets
+        for key in ("ids", "old_logprobs", "advantages"):  # target by target, the per-request rows' values
+            assert [v for v, m in zip(getattr(s, key), s.loss_mask) if m] == \
+                [v for r in mine for v, m in zip(getattr(r, key), r.loss_mask) if m]
+        assert any(s.advantages)
+
+    model = tiny_generator.model
+
+    def targets(samples):
+        model.zero_grad()
+        batch = collate(samples, 0)
+        lp = token_logprobs(model, batch.input_ids, batch.attention_mask).double()
+        loss, _ = policy_loss(lp, batch.old_logprobs.double(), batch.advantages.double(), batch.loss_mask.double())
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return [lp[b][batch.loss_mask[b] > 0].tolist() for b in range(len(samples))], float(loss.detach()), grads
+
+    with torch.enable_grad():
+        one_lp, one_loss, one_grad = targets(whole)
+        row_lp, row_loss, row_grad = targets(rows)
+    model.zero_grad()
+    for n, lps in enumerate(one_lp):
+        assert lps == pytest.approx([v for r, r_lp in zip(rows, row_lp) if r.meta["episode"] == n for v in r_lp],
+                                    abs=1e-5)
+    assert one_loss == pytest.approx(row_loss, abs=1e-6) and one_loss != 0.0
+    torch.testing.assert_close(one_grad, row_grad, atol=1e-5, rtol=1e-4)
+    from agentrl.learner.engine import TorchEngine  # the learner's own path: micro-batches, rows packed
+
+    eng = TorchEngine(tiny_model_dir)
+    for packed in (True, False):
+        eng.cfg.packing = packed
+        a, b = collate(whole, eng.pad_id), collate(rows, eng.pad_id)
+        got, want = eng.logprobs(a)[a.loss_mask.bool()], eng.logprobs(b)
+        want = torch.cat([want[i][b.loss_mask[i].bool()] for r in range(4) for i, s in enumerate(rows)
+                          if s.meta["episode"] == r])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
