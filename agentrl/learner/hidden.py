@@ -21,7 +21,7 @@ def batch_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> i
 
 def decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor, shared_prefix: bool = True,
                    prefix_tree: bool = False) -> torch.Tensor:
-    """Last hidden states (B, T). Rows sharing a prefix (an agent's system prompt and task rules:
+    """Last hidden states (B, T, H). Rows sharing a prefix (an agent's system prompt and task rules:
     ~180 of Sokoban's ~275 tokens) run it once: one pass over the prefix at batch 1, its keys and values
     repeated per row, then the rows' own tokens. Gradients flow back through the repeated cache into the
     one prefix pass, so results equal the full pass (test) at about a third of the work on Sokoban.
@@ -48,7 +48,8 @@ def decoder_hidden(decoder: Any, mb: TokenBatch, pos: torch.Tensor, shared_prefi
         for row, g in enumerate(group):
             first.setdefault(g, row)
         reps = [first[g] for g in range(len(first))]
-        # index_select, not indexing: its backward (index_add) took a third of the time of indexing's (index_put)
+        # rows picked with index_select (reorder_cache's too), not indexing: its backward (index_add) took a
+        # third of the time of indexing's (index_put)
         if start:  # each group's cache is its parent's (the pass before)
             cache.reorder_cache(torch.tensor([prev[r] for r in reps], device=dev))
         idx = torch.tensor(reps, device=dev)
