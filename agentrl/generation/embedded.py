@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from agentrl.learner.logprobs import mask_logits, padded_ids
+from agentrl.learner.logprobs import mask_logits, padded_ids, tempered
 from agentrl.prefix import shared_prefix_len
 from agentrl.schema import ConfigError
 from agentrl.types import Completion, SamplingParams, effective_temperature
@@ -56,7 +56,7 @@ def sample_from_logits(logits: torch.Tensor, sampling: SamplingParams,
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
-    logp = torch.log_softmax(logits / temperature if temperature != 1 else logits, dim=-1)  # x / 1 is x
+    logp = torch.log_softmax(tempered(logits, temperature), dim=-1)  # the learner's rule: its log-probs are these
     probs = logp.exp()
     if sampling.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
