@@ -454,8 +454,64 @@ def test_a_repeated_prompt_is_prefilled_once_and_samples_as_if_alone(tiny_genera
     monkeypatch.setattr(embedded.EmbeddedGenerator, "_prefill",
                         lambda self, ps, n: widths.append(len(ps)) or prefill(self, ps, n))
     together = g.generate(prompts, sampling, seeds=seeds)
-    assert widths[:2] == [5, 2]  # the call, then its two distinct prompts
+    assert widths == [2]  # its two distinct prompts
     alone = [g.generate([p], sampling, seeds=[s])[0] for p, s in zip(prompts, seeds)]
     assert [c.ids for c in together] == [c.ids for c in alone]
     for c, d in zip(together, alone):
         assert c.logprobs == pytest.approx(d.logprobs, abs=1e-4)
+
+
+LAYOUTS = {  # prompts by index into three token lists: (a, b, c) share a 40-token prefix, d shares nothing
+    "GRPO groups": [0, 0, 0, 1, 1, 1, 2, 2, 2],
+    "distinct prompts": [0, 1, 2],
+    "groups out of order, of unequal sizes, one without a shared prefix": [2, 0, 3, 0, 2, 1, 0],
+    "one prompt repeated": [1, 1, 1, 1],
+    "one row": [3],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_the_cascade_decode_samples_what_the_static_cache_samples(tiny_generator, monkeypatch, layout):
+    """The decode that reads each shared prefix and each distinct prompt once a step (``cascade``) samples
+    the same tokens with the same log-probs as attention over a static cache of every row's copy, while
+    rows end at different steps (a stop id every 7 ids) and leave the batch."""
+    from agentrl.generation import cascade
+
+    g = tiny_generator
+    torch.manual_seed(0)
+    vocab = g.model.config.vocab_size
+    shared = torch.randint(10, vocab, (40,)).tolist()
+    pool = [shared + torch.randint(10, vocab, (n,)).tolist() for n in (20, 23, 5)] + [torch.randint(10, vocab, (9,)).tolist()]
+    prompts = [pool[i] for i in LAYOUTS[layout]]
+    seeds = list(range(len(prompts)))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=30)
+    monkeypatch.setattr(g, "stop_ids", set(range(0, vocab, 7)))
+    assert cascade.applies(g.model)
+    steps = []
+    monkeypatch.setattr(cascade.CascadeCache, "advance",
+                        lambda self, f=cascade.CascadeCache.advance: steps.append(1) or f(self))
+    fast = g.generate(prompts, sampling, seeds=seeds)
+    monkeypatch.setattr(cascade, "applies", lambda model: False)
+    plain = g.generate(prompts, sampling, seeds=seeds)
+    assert steps and len({len(c.ids) for c in plain}) > 1 or len(prompts) == 1  # it ran; rows ended apart
+    assert [c.ids for c in fast] == [c.ids for c in plain]
+    for c, d in zip(fast, plain):
+        assert c.logprobs == pytest.approx(d.logprobs, abs=1e-5)
+
+
+def test_the_cascade_decode_applies_only_where_every_layer_sees_the_whole_sequence():
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig
+
+    from agentrl.generation import cascade
+
+    class Model:
+        def __init__(self, config):
+            self.config = config
+
+    assert cascade.applies(Model(LlamaConfig()))
+    assert not cascade.applies(Model(MistralConfig(sliding_window=4096)))
+    assert not cascade.applies(Model(Gemma2Config()))  # soft-capped logits, sliding layers
+    cache = cascade.CascadeCache([cascade.Level([torch.zeros(1, 2, 3, 4)], [torch.zeros(1, 2, 3, 4)], None,
+                                                torch.zeros(2, dtype=torch.long))], rows=2, max_new=4)
+    with pytest.raises(RuntimeError, match="did not run the cascade attention"):
+        cache.advance()  # a forward pass whose layers ran another attention over the rows' own keys only

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from agentrl.generation import cascade
 from agentrl.learner.logprobs import mask_logits, padded_ids, tempered
 from agentrl.prefix import shared_prefix_len
 from agentrl.schema import ConfigError
@@ -261,24 +262,17 @@ class EmbeddedGenerator:
                              cache_position=torch.arange(start + a, start + b, device=ids.device), logits_to_keep=1)
         return out
 
-    def _prefill(self, prompts: list[list[int]], max_new: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fill a static KV cache with the prompts; return (cache, attention mask, positions, last logits).
+    def _prefill(self, prompts: list[list[int]], max_new: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Fill a static KV cache with the prompts; return (cache, attention mask, positions, last logits, length
+        of the shared prefix).
 
         Rows are laid out as [shared prefix][left padding][own suffix]: the prefix all prompts share (the
         task instructions of a template) is computed once and copied to every row. Padding is masked and
         positions count only real tokens, so each row sees exactly what it would see alone. A static
-        cache is written in place (a growing one re-copies all keys and values at every step). Repeated
-        prompts (a GRPO group's) are run once and their cache rows copied."""
+        cache is written in place (a growing one re-copies all keys and values at every step)."""
         from transformers import StaticCache
 
         n, dev = len(prompts), self.device
-        distinct: dict[tuple[int, ...], int] = {}
-        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-        if len(distinct) < n:  # GRPO's group of completions repeats its prompt: each distinct one is run once
-            cache, mask, pos, logits = self._prefill([list(p) for p in distinct], max_new)
-            sel = torch.tensor(which, device=dev)
-            _select_rows(cache, sel)
-            return cache, mask[sel], pos[sel], logits[sel]
         shared = shared_prefix_len(prompts)
         width = max(len(p) for p in prompts) - shared
         cache = StaticCache(config=self.model.config, max_cache_len=shared + width + max_new)
@@ -299,7 +293,34 @@ class EmbeddedGenerator:
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self._forward(ids, mask, pos[:, shared:], cache, shared)
-        return out.past_key_values, mask, pos, out.logits[:, -1]
+        return out.past_key_values, mask, pos, out.logits[:, -1], shared
+
+    def _prefill_rows(self, prompts: list[list[int]], max_new: int, cascaded: bool) -> tuple[Any, Any, Any, Any]:
+        """The prompts' cache for decoding and each row's (attention mask, next position, logits). Repeated
+        prompts (a GRPO group's) are run once. ``cascaded``: a ``CascadeCache`` whose levels are the prefix
+        all prompts share and each distinct prompt's rest, read once a step for all the rows they hold
+        (no mask: the levels carry their padding); otherwise the static cache with each prompt's rows copied."""
+        distinct: dict[tuple[int, ...], int] = {}
+        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        sel = torch.tensor(which, device=self.device)
+        cache, mask, pos, logits, shared = self._prefill([list(p) for p in distinct], 0 if cascaded else max_new)
+        if not cascaded:
+            if len(distinct) < len(prompts):
+                _select_rows(cache, sel)
+            return cache, mask[sel], pos[sel, -1] + 1, logits[sel]
+        levels = []
+
+        def part(a: int, b: int, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            # contiguous: a slice of the static cache's keys is copied by every product over it
+            return ([layer.keys[:rows, :, a:b].contiguous() for layer in cache.layers],
+                    [layer.values[:rows, :, a:b].contiguous() for layer in cache.layers])
+
+        if shared:
+            levels.append(cascade.Level(*part(0, shared, 1), None, torch.zeros_like(sel)))
+        valid = mask[:, shared:].bool()
+        levels.append(cascade.Level(*part(shared, mask.shape[1], len(distinct)), None if bool(valid.all()) else valid,
+                                    sel))
+        return cascade.CascadeCache(levels, len(prompts), max_new), None, pos[sel, -1] + 1, logits[sel]
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None = None,
@@ -335,9 +356,9 @@ class EmbeddedGenerator:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         self._take_offer()
         drawn_by = self.version  # the version whose forward pass gave ``logits``
-        cache, mask, pos, logits = self._prefill(prompts, sampling.max_new_tokens)
+        cascaded = cascade.applies(self.model)
+        cache, mask, next_pos, logits = self._prefill_rows(prompts, sampling.max_new_tokens, cascaded)
         n = len(prompts)
-        next_pos = pos[:, -1] + 1
         rows = list(range(n))  # original index of each live row
         gen_ids: list[list[int]] = [[] for _ in range(n)]
         gen_lp: list[list[float]] = [[] for _ in range(n)]
@@ -377,17 +398,27 @@ class EmbeddedGenerator:
                 break
             if len(keep) < len(rows):
                 sel = torch.tensor(keep, device=self.device)
-                _select_rows(cache, sel)
-                tok, mask, next_pos = tok[sel], mask[sel], next_pos[sel]
+                tok, next_pos = tok[sel], next_pos[sel]
+                if cascaded:
+                    cache.keep(sel)
+                else:
+                    _select_rows(cache, sel)
+                    mask = mask[sel]
                 rows = [rows[j] for j in keep]
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)
             if self.inflight:
                 self._take_offer()
                 drawn_by = self.version
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                             past_key_values=cache, use_cache=True,
-                             cache_position=torch.tensor([mask.shape[1] - 1], device=self.device))
-            cache, logits = out.past_key_values, out.logits[:, -1]
+            if cascaded:
+                with cascade.attending(self.model):
+                    out = self.model(input_ids=tok[:, None], position_ids=next_pos[:, None], past_key_values=cache,
+                                     use_cache=True, cascade=cache)
+                cache.advance()
+            else:
+                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)
+                out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                 past_key_values=cache, use_cache=True,
+                                 cache_position=torch.tensor([mask.shape[1] - 1], device=self.device))
+            logits = out.logits[:, -1]
             next_pos = next_pos + 1
         return [Completion(gen_ids[i], gen_lp[i], self.tokenizer.decode(gen_ids[i], skip_special_tokens=True),
                            finish[i], gen_allowed[i], gen_versions[i]) for i in range(n)]
