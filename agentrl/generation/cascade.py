@@ -54,7 +54,11 @@ def attending(model: Any) -> Iterator[None]:
         AttentionInterface.register(CASCADE, cascade_attention)
         _registered = True
     config = model.config
-    before, config._attn_implementation = config._attn_implementation, CASCADE
+    before = config._attn_implementation
+    if before == CASCADE:  # another decode on this model holds it (calls on one model never overlap: one lane)
+        yield
+        return
+    config._attn_implementation = CASCADE
     try:
         yield
     finally:
