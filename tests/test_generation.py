@@ -499,6 +499,29 @@ def test_the_cascade_decode_samples_what_the_static_cache_samples(tiny_generator
         assert c.logprobs == pytest.approx(d.logprobs, abs=1e-5)
 
 
+def test_the_cascade_decode_of_a_model_with_grouped_query_heads(tiny_generator, monkeypatch):
+    """8 query heads over 2 key/value heads and biased projections (a Qwen2 layout): the same samples."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from agentrl.generation import cascade
+    from agentrl.generation.embedded import EmbeddedGenerator
+
+    tok = tiny_generator.tokenizer
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=8, num_key_value_heads=2, attn_implementation="sdpa"))
+    g = EmbeddedGenerator(model.eval(), tok, [], "cpu")
+    prompts = [[5, 6, 7, 8, 9, 10, 11] * 3 + [20 + i] * (i + 1) for i in range(3) for _ in range(2)] + [[40, 41]]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+    assert cascade.applies(model)
+    fast = g.generate(prompts, sampling, seeds=list(range(len(prompts))))
+    monkeypatch.setattr(cascade, "applies", lambda model: False)
+    plain = g.generate(prompts, sampling, seeds=list(range(len(prompts))))
+    assert [c.ids for c in fast] == [c.ids for c in plain]
+    for c, d in zip(fast, plain):
+        assert c.logprobs == pytest.approx(d.logprobs, abs=1e-5)
+
+
 def test_the_cascade_decode_applies_only_where_every_layer_sees_the_whole_sequence():
     from transformers import Gemma2Config, LlamaConfig, MistralConfig
 

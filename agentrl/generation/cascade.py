@@ -32,9 +32,10 @@ _registered = False
 
 
 def applies(model: Any) -> bool:
-    """Whether the cascade decode is exact for ``model``: every layer attends causally to the whole sequence,
-    with the plain softmax (no sliding window, no logit soft-capping, no sink logits), through the config the
-    model itself holds (a composite model's language part has a config of its own)."""
+    """Whether the cascade decode is exact for ``model``: every layer attends causally to the whole sequence
+    (no sliding window) with the plain softmax (no soft-capped logits), through the config the model itself
+    holds (a composite model's language part has a config of its own). ``cascade_attention`` refuses what a
+    model's layers ask for beyond that (sink logits)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "text_config", None) is not None:
         return False
@@ -166,6 +167,9 @@ def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     float32 (transformers' eager attention); no attention mask: the levels carry their padding."""
     if cascade is None or query.shape[2] != 1:
         raise RuntimeError("cascade_attention runs inside the generator's cascade decode only")
+    if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+        raise RuntimeError("this model's attention has a window, soft-capping or sink logits, which the cascade "
+                           "decode does not compute")
     layer = module.layer_idx
     R, H, _, D = query.shape
     kv_heads = key.shape[1]
