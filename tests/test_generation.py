@@ -481,7 +481,8 @@ def test_the_cascade_decode_samples_what_the_static_cache_samples(tiny_generator
     torch.manual_seed(0)
     vocab = g.model.config.vocab_size
     shared = torch.randint(10, vocab, (40,)).tolist()
-    pool = [shared + torch.randint(10, vocab, (n,)).tolist() for n in (20, 23, 5)] + [torch.randint(10, vocab, (9,)).tolist()]
+    pool = [shared + torch.randint(10, vocab, (n,)).tolist() for n in (20, 23, 5)]
+    pool.append(torch.randint(10, vocab, (9,)).tolist())
     prompts = [pool[i] for i in LAYOUTS[layout]]
     seeds = list(range(len(prompts)))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=30)
@@ -508,8 +509,9 @@ def test_the_cascade_decode_of_a_model_with_grouped_query_heads(tiny_generator, 
 
     tok = tiny_generator.tokenizer
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=8, num_key_value_heads=2, attn_implementation="sdpa"))
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(config)
     g = EmbeddedGenerator(model.eval(), tok, [], "cpu")
     prompts = [[5, 6, 7, 8, 9, 10, 11] * 3 + [20 + i] * (i + 1) for i in range(3) for _ in range(2)] + [[40, 41]]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=10)

@@ -262,7 +262,8 @@ class EmbeddedGenerator:
                              cache_position=torch.arange(start + a, start + b, device=ids.device), logits_to_keep=1)
         return out
 
-    def _prefill(self, prompts: list[list[int]], max_new: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _prefill(self, prompts: list[list[int]], max_new: int
+                 ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Fill a static KV cache with the prompts; return (cache, attention mask, positions, last logits, length
         of the shared prefix).
 
