@@ -500,6 +500,29 @@ def test_the_cascade_decode_samples_what_the_static_cache_samples(tiny_generator
         assert c.logprobs == pytest.approx(d.logprobs, abs=1e-5)
 
 
+def test_two_threads_generating_on_one_model_sample_what_each_samples_alone(tiny_generator):
+    """A server's worker still decoding a cancelled batch while the next batch starts on the same model: each
+    forward pass picks its attention by what it carries, so neither disturbs the other."""
+    import threading
+
+    g = tiny_generator
+    a = [chat_ids(g.tokenizer, [{"role": "user", "content": f"pick arm {i}"}]) for i in range(3)] * 2
+    b = [[5, 6, 7, 8, 9, 10, 11, 12][: 3 + i] for i in range(5)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=40)
+    alone = [g.generate(a, sampling, seeds=list(range(6))), g.generate(b, sampling, seeds=list(range(5)))]
+    together: list = [None, None]
+    def run(k, prompts):
+        together[k] = g.generate(prompts, sampling, seeds=list(range(len(prompts))))
+
+    threads = [threading.Thread(target=run, args=(k, p)) for k, p in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for x, y in zip(together, alone):
+        assert [c.ids for c in x] == [c.ids for c in y]
+
+
 def test_the_cascade_decode_of_a_model_with_grouped_query_heads(tiny_generator, monkeypatch):
     """8 query heads over 2 key/value heads and biased projections (a Qwen2 layout): the same samples."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -524,7 +547,7 @@ def test_the_cascade_decode_of_a_model_with_grouped_query_heads(tiny_generator, 
         assert c.logprobs == pytest.approx(d.logprobs, abs=1e-5)
 
 
-def test_the_cascade_decode_applies_only_where_every_layer_sees_the_whole_sequence():
+def test_the_cascade_decode_applies_only_where_every_layer_sees_the_whole_sequence_through_sdpa():
     from transformers import Gemma2Config, LlamaConfig, MistralConfig
 
     from agentrl.generation import cascade
@@ -533,10 +556,11 @@ def test_the_cascade_decode_applies_only_where_every_layer_sees_the_whole_sequen
         def __init__(self, config):
             self.config = config
 
-    assert cascade.applies(Model(LlamaConfig()))
-    assert not cascade.applies(Model(MistralConfig(sliding_window=4096)))
-    assert not cascade.applies(Model(Gemma2Config()))  # soft-capped logits, sliding layers
+    assert cascade.applies(Model(LlamaConfig(attn_implementation="sdpa")))
+    assert not cascade.applies(Model(LlamaConfig(attn_implementation="eager")))
+    assert not cascade.applies(Model(MistralConfig(sliding_window=4096, attn_implementation="sdpa")))
+    assert not cascade.applies(Model(Gemma2Config(attn_implementation="sdpa")))  # soft-capped logits, sliding layers
     cache = cascade.CascadeCache([cascade.Level([torch.zeros(1, 2, 3, 4)], [torch.zeros(1, 2, 3, 4)], None,
                                                 torch.zeros(2, dtype=torch.long))], rows=2, max_new=4)
-    with pytest.raises(RuntimeError, match="did not run the cascade attention"):
+    with pytest.raises(RuntimeError, match="did not attend through the cascade cache"):
         cache.advance()  # a forward pass whose layers ran another attention over the rows' own keys only

@@ -12,58 +12,27 @@ computed exactly (tests/test_generation.py), each shared key read once a step.
 (The learner's prefix-tree pass was tried with the same attention over each group's prompt and measured no
 faster on a CPU: there its T queries a row make the scores' arithmetic, not the keys' reads, the cost.)
 
-transformers runs the model (embeddings, projections, rotary positions, MLPs); only the attention function
-is ours: ``attending`` names it in the model's config for one forward pass, and ``CascadeCache.update``
-hands it the rows' own keys. It applies to models whose layers all attend to the whole sequence with the
-plain softmax (``applies``); the generator keeps transformers' static cache for the others (a sliding window).
+transformers runs the model (embeddings, projections, rotary positions, MLPs) with agentrl's attention
+function (``agentrl.learner.segments``, the one packed rows use), which hands a forward pass carrying a
+``CascadeCache`` (the ``cascade`` keyword) to ``CascadeCache.attend``; every other pass, in any thread, runs as
+before. It applies to models whose layers all attend to the whole sequence with transformers' SDPA
+(``applies``); the generator keeps transformers' static cache for the others (a sliding window, eager attention).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
-CASCADE = "agentrl_cascade"
-_registered = False
+from agentrl.learner import segments
 
 
 def applies(model: Any) -> bool:
-    """Whether the cascade decode is exact for ``model``: every layer attends causally to the whole sequence
-    (no sliding window) with the plain softmax (no soft-capped logits), through the config the model itself
-    holds (a composite model's language part has a config of its own). ``cascade_attention`` refuses what a
-    model's layers ask for beyond that (sink logits)."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "text_config", None) is not None:
-        return False
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    return (layer_types == {"full_attention"} and not getattr(config, "sliding_window", None)
-            and not getattr(config, "attn_logit_softcapping", None))
-
-
-@contextmanager
-def attending(model: Any) -> Iterator[None]:
-    """Run ``model``'s attention with ``cascade_attention`` inside the block. The name is not a mask
-    function's, so transformers builds no attention mask either (the levels carry their padding)."""
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(CASCADE, cascade_attention)
-        _registered = True
-    config = model.config
-    before = config._attn_implementation
-    if before == CASCADE:  # another decode on this model holds it (calls on one model never overlap: one lane)
-        yield
-        return
-    config._attn_implementation = CASCADE
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    """Whether the cascade decode runs on ``model``: it then runs agentrl's attention function (switched to it
+    here where that is exact, ``segments.use``: SDPA, every layer over the whole sequence)."""
+    return segments.use(model)
 
 
 @dataclass
@@ -130,7 +99,7 @@ class CascadeCache(Cache):
         self.own_k = [k.new_empty(rows, k.shape[1], max_new, k.shape[3]) for k in levels[0].keys]
         self.own_v = [v.new_empty(rows, v.shape[1], max_new, v.shape[3]) for v in levels[0].values]
         self.n = 0  # tokens generated so far
-        self.attended = [0] * len(self.own_k)  # steps each layer ran through cascade_attention (a check)
+        self.attended = [0] * len(self.own_k)  # steps each layer attended through ``attend`` (a check)
 
     def __len__(self) -> int:
         return len(self.own_k)
@@ -146,7 +115,8 @@ class CascadeCache(Cache):
 
     def advance(self) -> None:
         if any(a != self.n + 1 for a in self.attended):  # it ran another attention over its own keys only
-            raise RuntimeError("a layer of this model did not run the cascade attention, which does not apply to it")
+            raise RuntimeError("a layer of this model did not attend through the cascade cache, which does not "
+                               "apply to it")
         self.n += 1
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -158,36 +128,40 @@ class CascadeCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return sum(level.keys[0].shape[2] for level in self.levels) + self.n
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return query_length, 0  # transformers builds no mask (a plain causal step): ``attend`` takes none
 
-def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      cascade: CascadeCache | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """One decode step's attention, queries (R, heads, 1, D), over the levels of ``cascade`` and the rows' own
-    keys (``key``/``value``: what ``CascadeCache.update`` returned). Scores in the model's dtype, softmax in
-    float32 (transformers' eager attention); no attention mask: the levels carry their padding."""
-    if cascade is None or query.shape[2] != 1:
-        raise RuntimeError("cascade_attention runs inside the generator's cascade decode only")
-    if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise RuntimeError("this model's attention has a window, soft-capping or sink logits, which the cascade "
-                           "decode does not compute")
-    layer = module.layer_idx
-    R, H, _, D = query.shape
-    kv_heads = key.shape[1]
-    q = query.reshape(R, kv_heads, H // kv_heads, D)  # query head h reads kv head h // rep (transformers' repeat_kv)
-    parts = []
-    for level in cascade.levels:
-        s = level.scores(layer, q)
-        if level.masked is not None:
-            s = s.masked_fill(level.masked, float("-inf"))
-        parts.append(s)
-    parts.append(torch.matmul(q, key.transpose(-1, -2)))
-    scale = scaling if scaling is not None else D ** -0.5
-    p = torch.softmax(torch.cat(parts, dim=-1) * scale, dim=-1, dtype=torch.float32).to(query.dtype)
-    out, start = None, 0
-    for level in cascade.levels:
-        n = level.keys[layer].shape[2]
-        o = level.output(layer, p[..., start:start + n])
-        out, start = o if out is None else out + o, start + n
-    out = out + torch.matmul(p[..., start:], value)
-    cascade.attended[layer] += 1
-    return out.reshape(R, 1, H, -1), None
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """One decode step's attention, queries (R, heads, 1, D), over the levels and the rows' own keys
+        (``key``/``value``: what ``update`` returned). Scores in the model's dtype, softmax in float32
+        (transformers' eager attention); no attention mask: the levels carry their padding."""
+        if query.shape[2] != 1:
+            raise RuntimeError("a cascade cache attends one token a row a step (decoding only)")
+        if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+            raise RuntimeError("this model's attention has a window, soft-capping or sink logits, which the "
+                               "cascade decode does not compute")
+        layer = module.layer_idx
+        R, H, _, D = query.shape
+        kv_heads = key.shape[1]
+        q = query.reshape(R, kv_heads, H // kv_heads, D)  # query head h reads kv head h // rep (repeat_kv's order)
+        parts = []
+        for level in self.levels:
+            s = level.scores(layer, q)
+            if level.masked is not None:
+                s = s.masked_fill(level.masked, float("-inf"))
+            parts.append(s)
+        parts.append(torch.matmul(q, key.transpose(-1, -2)))
+        scale = scaling if scaling is not None else D ** -0.5
+        p = torch.softmax(torch.cat(parts, dim=-1) * scale, dim=-1, dtype=torch.float32).to(query.dtype)
+        out, start = None, 0
+        for level in self.levels:
+            n = level.keys[layer].shape[2]
+            o = level.output(layer, p[..., start:start + n])
+            out, start = o if out is None else out + o, start + n
+        out = out + torch.matmul(p[..., start:], value)
+        self.attended[layer] += 1
+        return out.reshape(R, 1, H, -1), None

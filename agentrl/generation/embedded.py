@@ -410,9 +410,8 @@ class EmbeddedGenerator:
                 self._take_offer()
                 drawn_by = self.version
             if cascaded:
-                with cascade.attending(self.model):
-                    out = self.model(input_ids=tok[:, None], position_ids=next_pos[:, None], past_key_values=cache,
-                                     use_cache=True, cascade=cache)
+                out = self.model(input_ids=tok[:, None], position_ids=next_pos[:, None], past_key_values=cache,
+                                 use_cache=True, cascade=cache)
                 cache.advance()
             else:
                 mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self.device)], dim=1)

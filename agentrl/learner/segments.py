@@ -8,7 +8,9 @@ decoder's attention runs SDPA causally on each sequence's slice instead: sum of 
 built, the same outputs.
 
 ``use`` switches a model from transformers' ``sdpa`` to ``SEGMENTS``, which is ``sdpa`` everywhere but on a
-row with restarts and no mask, so padded passes, the shared-prefix pass and generation run as before.
+row with restarts and no mask and on a decode step that carries a ``cascade`` cache (the embedded generator's,
+``agentrl.generation.cascade``, which attends itself), so padded passes, the shared-prefix pass and the
+generator's prefill run as before.
 """
 from __future__ import annotations
 
@@ -83,6 +85,9 @@ def segment_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     SDPA causal on each sequence's slice (a row may hold several; each row its own)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    shared = kwargs.pop("cascade", None)
+    if shared is not None:  # an embedded generator's decode step over keys its rows share (generation/cascade.py)
+        return shared.attend(module, query, key, value, scaling, **kwargs)
     pos = kwargs.get("position_ids")
     L = query.shape[2]
     if attention_mask is not None or pos is None or L < 2 or key.shape[2] != L or pos.shape[-1] != L:
